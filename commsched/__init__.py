@@ -1,0 +1,221 @@
+"""commsched: a communication scheduler for data-parallel training.
+
+Gradients go to the core as soon as they are ready; the core partitions, fuses and
+orders them by the priority the next forward pass needs, and every rank launches the
+same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+from typing import Any
+
+from commsched import buffers, config as _config, launch as _launch, transports
+from commsched import _core
+from commsched._core import CommschedError
+
+__all__ = [
+    "CommschedError",
+    "Handle",
+    "allreduce",
+    "allreduce_async",
+    "broadcast",
+    "broadcast_async",
+    "config",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "size",
+]
+__version__ = "0.1.0"
+
+log = logging.getLogger("commsched")
+
+
+class _State:
+    """What init() decided, kept for config() and local_rank()."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.settings: _config.Settings | None = None
+        self.transport = ""
+        self.local_rank = 0
+        self.launcher = ""
+        self.unnamed = itertools.count()
+
+
+_state = _State()
+
+
+class Handle:
+    """A collective in flight; wait() returns the reduced array."""
+
+    def __init__(self, core_handle: Any, array: Any, view: buffers.BufferView) -> None:
+        self._core_handle = core_handle
+        self._array = array
+        self._view = view  # keeps the memory alive while the core works on it
+
+    @property
+    def name(self) -> str:
+        """The tensor name the collective was submitted under."""
+        return self._core_handle.name
+
+    def done(self) -> bool:
+        """True once the collective finished (or failed)."""
+        return self._core_handle.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Blocks until done and returns the array; raises TimeoutError or CommschedError."""
+        if not self._core_handle.wait(timeout):
+            where = _core.describe(self.name) if _core.running() else "commsched is not running"
+            raise TimeoutError(
+                f"collective on '{self.name}' did not finish within {timeout}s"
+                + (f" (it is {where})" if where else "")
+                + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
+            )
+        return self._array
+
+
+def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
+    """Starts commsched on this process; settings override COMMSCHED_* variables."""
+    with _state.lock:
+        if _core.running():
+            raise RuntimeError("commsched is already initialised; call commsched.shutdown() before init() again")
+        resolved = _config.resolve(settings)
+        logging.basicConfig()
+        log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
+        info = _launch.detect()
+        kind = transports.choose(resolved.transport, info, comm, process_group)
+        core_kind, argument = transports.build(kind, info, comm, process_group)
+        rank, size = _probe_rank_size(core_kind, argument, info)
+        _core.start(
+            policy=resolved.policy,
+            partition_bytes=resolved.partition_bytes,
+            credit_bytes=resolved.credit_bytes,
+            fusion_bytes=resolved.fusion_bytes,
+            cycle_time_s=resolved.cycle_time,
+            stall_timeout_s=resolved.stall_timeout,
+            stall_shutdown_s=resolved.stall_shutdown,
+            timeline_path=_config.timeline_path_for(resolved.timeline, rank, size),
+            log_level=resolved.log_level,
+            transport_kind=core_kind,
+            transport_argument=argument,
+        )
+        _state.settings = resolved
+        _state.transport = kind
+        _state.launcher = info.launcher
+        _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
+        _state.unnamed = itertools.count()
+
+
+def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:
+    """Rank and size as the transport will see them, needed before the core starts (timeline path)."""
+    if core_kind == "python":
+        return argument.rank, argument.size
+    if core_kind == "native":
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return 0, 1
+
+
+def _mpi_local_rank(comm: Any) -> int:
+    from commsched.transports.mpi import local_rank
+
+    return local_rank(comm)
+
+
+def shutdown() -> None:
+    """Stops commsched on every rank; pending handles fail with a clear error."""
+    with _state.lock:
+        _core.stop()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """True between init() and shutdown()."""
+    return bool(_core.running())
+
+
+def rank() -> int:
+    """This process's rank."""
+    return int(_core.rank())
+
+
+def size() -> int:
+    """The number of ranks."""
+    return int(_core.size())
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    _core.rank()  # raises the not-initialised error
+    return _state.local_rank
+
+
+def config() -> dict[str, Any]:
+    """The effective settings, transport and launch details as a dict."""
+    if _state.settings is None or not _core.running():
+        raise ValueError("commsched.config() needs commsched.init() first")
+    result = _state.settings.as_dict()
+    result.update(
+        transport=_state.transport,
+        launcher=_state.launcher,
+        rank=rank(),
+        size=size(),
+        local_rank=_state.local_rank,
+    )
+    return result
+
+
+def stats() -> dict[str, int]:
+    """Counters of the running core: cycles, launches, fused launches, bytes, peak bytes in flight."""
+    return dict(_core.stats())
+
+
+def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priority: int) -> Handle:
+    if name is None:
+        # Like Horovod: unnamed tensors are numbered in call order, which must then match across ranks.
+        name = f"{kind}.unnamed.{next(_state.unnamed)}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"tensor name must be a non-empty string, not {name!r}")
+    if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+        raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
+    if op not in ("sum", "average"):
+        raise ValueError(f"op of '{name}' must be \"sum\" or \"average\", not {op!r}")
+    view = buffers.view(array, name)
+    core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    return Handle(core_handle, array, view)
+
+
+def allreduce_async(array: Any, name: str | None = None, priority: int = 0, op: str = "sum") -> Handle:
+    """Starts an in-place allreduce; smaller priority numbers go on the wire first."""
+    return _submit(array, name, "allreduce", op, 0, priority)
+
+
+def allreduce(
+    array: Any, name: str | None = None, priority: int = 0, op: str = "sum", timeout: float | None = None
+) -> Any:
+    """Allreduces in place and returns the array."""
+    return allreduce_async(array, name, priority, op).wait(timeout)
+
+
+def broadcast_async(array: Any, root: int = 0, name: str | None = None, priority: int = 0) -> Handle:
+    """Starts an in-place broadcast from `root`."""
+    if not isinstance(root, int):
+        raise TypeError(f"root must be a rank number, not {root!r}")
+    return _submit(array, name, "broadcast", "sum", root, priority)
+
+
+def broadcast(
+    array: Any, root: int = 0, name: str | None = None, priority: int = 0, timeout: float | None = None
+) -> Any:
+    """Broadcasts in place from `root` and returns the array."""
+    return broadcast_async(array, root, name, priority).wait(timeout)

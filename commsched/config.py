@@ -1,0 +1,161 @@
+"""Settings: filled once from init() arguments and COMMSCHED_* variables, validated at init()."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
+POLICIES = ("priority", "fifo")
+TRANSPORTS = ("auto", "mpi", "gloo", "loopback")
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
+
+
+class SettingError(ValueError):
+    """A setting's value is not in its accepted form."""
+
+
+def parse_size(text: str | int) -> int:
+    """Parses a byte count with an optional unit (4MiB, 512KB, 1048576)."""
+    if isinstance(text, bool):
+        raise ValueError("a size, not a boolean")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("negative")
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("not a size")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_duration(text: str | float) -> float:
+    """Parses seconds with an optional unit (60, 60s, 500ms, 2min)."""
+    if isinstance(text, bool):
+        raise ValueError("a duration, not a boolean")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError("negative")
+        return float(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError("not a duration")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in options:
+            raise ValueError("not one of the options")
+        return text
+
+    return parse
+
+
+def _path(value: Any) -> str:
+    return str(value).strip()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings of one runtime."""
+
+    policy: str = "priority"
+    partition_bytes: int = 4 * 1024**2
+    credit_bytes: int = 8 * 1024**2
+    fusion_bytes: int = 1024**2
+    transport: str = "auto"
+    timeline: str = ""
+    stall_timeout: float = 60.0
+    stall_shutdown: float = 300.0
+    cycle_time: float = 0.001
+    log_level: str = "warning"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict."""
+        return asdict(self)
+
+
+_SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"
+_DURATION_FORM = "seconds with an optional unit, e.g. 60, 30s or 500ms"
+# field -> (environment variable, parser, accepted form)
+_SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "policy": ("COMMSCHED_POLICY", _choice(POLICIES), "one of " + ", ".join(POLICIES)),
+    "partition_bytes": ("COMMSCHED_PARTITION_BYTES", parse_size, _SIZE_FORM + " (0 turns partitioning off)"),
+    "credit_bytes": ("COMMSCHED_CREDIT_BYTES", parse_size, _SIZE_FORM),
+    "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
+    "transport": ("COMMSCHED_TRANSPORT", _choice(TRANSPORTS), "one of " + ", ".join(TRANSPORTS)),
+    "timeline": ("COMMSCHED_TIMELINE", _path, "a file path for the Chrome trace"),
+    "stall_timeout": ("COMMSCHED_STALL_TIMEOUT", parse_duration, _DURATION_FORM),
+    "stall_shutdown": ("COMMSCHED_STALL_SHUTDOWN", parse_duration, _DURATION_FORM + " (0 never fails stalls)"),
+    "cycle_time": ("COMMSCHED_CYCLE_TIME", parse_duration, _DURATION_FORM),
+    "log_level": ("COMMSCHED_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
+}
+
+
+def resolve(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> Settings:
+    """Builds Settings from init() arguments, then COMMSCHED_* variables, then defaults."""
+    environ = dict(os.environ) if environ is None else environ
+    unknown = sorted(set(arguments) - set(_SPECS))
+    if unknown:
+        raise SettingError(
+            f"commsched.init() got unknown setting(s) {', '.join(unknown)}; known settings: {', '.join(_SPECS)}"
+        )
+    values: dict[str, Any] = {}
+    for field in fields(Settings):
+        variable, parse, form = _SPECS[field.name]
+        if arguments.get(field.name) is not None:
+            raw, source = arguments[field.name], f"init({field.name}=...)"
+        elif environ.get(variable, "").strip():
+            raw, source = environ[variable], variable
+        else:
+            continue
+        try:
+            values[field.name] = parse(raw)
+        except ValueError:
+            raise SettingError(f"{source}: {raw!r} is not valid; use {form}") from None
+    settings = Settings(**values)
+    _check_consistency(settings)
+    return settings
+
+
+def _check_consistency(settings: Settings) -> None:
+    if settings.credit_bytes == 0:
+        raise SettingError("COMMSCHED_CREDIT_BYTES must be above 0; use a size such as 8MiB")
+    if settings.stall_timeout <= 0:
+        raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
+    if settings.cycle_time <= 0 or settings.cycle_time > 1.0:
+        raise SettingError("COMMSCHED_CYCLE_TIME must be above 0 and at most 1s; use e.g. 1ms")
+    if settings.stall_shutdown and settings.stall_shutdown < settings.stall_timeout:
+        raise SettingError(
+            "COMMSCHED_STALL_SHUTDOWN must be 0 or at least COMMSCHED_STALL_TIMEOUT "
+            f"({settings.stall_shutdown}s < {settings.stall_timeout}s)"
+        )
+
+
+def timeline_path_for(path: str, rank: int, size: int) -> str:
+    """The trace file of one rank: `{rank}` in the path is replaced; otherwise ranks above 0 get a suffix."""
+    if not path:
+        return ""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if size == 1 or rank == 0:
+        return path
+    stem, dot, extension = path.rpartition(".")
+    return f"{stem}.rank{rank}.{extension}" if dot and "/" not in extension else f"{path}.rank{rank}"

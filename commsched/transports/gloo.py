@@ -1,0 +1,99 @@
+"""A transport over torch.distributed (Gloo) process groups, driven through the core's trampoline."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+from typing import Any
+
+from commsched.launch import LaunchInfo
+
+_TORCH_DTYPES = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float64": "float64",
+    "int32": "int32",
+    "int64": "int64",
+    "uint8": "uint8",
+    "int8": "int8",
+}
+
+
+class _Pending:
+    """A torch.distributed Work seen through the core's PendingOp interface."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def test(self) -> bool:
+        """True once the collective finished; raises if it failed."""
+        if not self._work.is_completed():
+            return False
+        self._work.wait()  # surfaces the error of a failed collective
+        return True
+
+
+class GlooTransport:
+    """Runs agreement and data collectives on Gloo process groups (CPU memory)."""
+
+    name = "gloo"
+
+    def __init__(self, launch: LaunchInfo, process_group: Any = None) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
+        self._torch = torch
+        self._dist = dist
+        if not dist.is_initialized():
+            if process_group is not None:
+                raise ValueError("process_group= was given but torch.distributed is not initialised")
+            if not launch.master_addr or not launch.master_port:
+                raise ValueError(
+                    "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
+                    "or an initialised torch.distributed process group"
+                )
+            dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
+        group = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
+        self._data = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        self._control = dist.new_group(ranks, backend="gloo")
+        self._global_ranks = ranks
+        self.rank = dist.get_rank(self._data)
+        self.size = dist.get_world_size(self._data)
+
+    def _tensor_at(self, address: int, count: int, dtype: str) -> Any:
+        torch_dtype = getattr(self._torch, _TORCH_DTYPES[dtype])
+        if count == 0:
+            return self._torch.empty(0, dtype=torch_dtype)
+        itemsize = self._torch.empty(0, dtype=torch_dtype).element_size()
+        memory = (ctypes.c_char * (count * itemsize)).from_address(address)
+        return self._torch.frombuffer(memory, dtype=torch_dtype)
+
+    def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
+        """Allgathers one byte string per rank (lengths first, then the padded bytes)."""
+        torch, dist = self._torch, self._dist
+        timeout = datetime.timedelta(seconds=timeout_s)
+        length = torch.tensor([len(report)], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(lengths, length, group=self._control, async_op=True).wait(timeout)
+        sizes = [int(t.item()) for t in lengths]
+        width = max(max(sizes), 1)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if report:
+            mine[: len(report)] = torch.frombuffer(bytearray(report), dtype=torch.uint8)
+        gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(gathered, mine, group=self._control, async_op=True).wait(timeout)
+        return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
+
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Pending:
+        """Starts an in-place allreduce (sum) or broadcast on raw memory."""
+        tensor = self._tensor_at(address, count, dtype)
+        if kind == "allreduce":
+            work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._data, async_op=True)
+        else:
+            work = self._dist.broadcast(tensor, src=self._global_ranks[root], group=self._data, async_op=True)
+        return _Pending(work)

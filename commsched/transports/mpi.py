@@ -1,0 +1,36 @@
+"""The native MPI transport's Python side: finds mpi4py and hands the communicator over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def factory_and_handle(comm: Any) -> tuple[Any, int]:
+    """The factory capsule of commsched._mpi and the communicator handle for it."""
+    try:
+        from commsched import _mpi
+    except ImportError as error:
+        raise RuntimeError(
+            "COMMSCHED_TRANSPORT=mpi: commsched was built without MPI (" + str(error) + "); install MPI "
+            "(pip install mpich mpi4py) and reinstall commsched, or use COMMSCHED_TRANSPORT=gloo"
+        ) from None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError("COMMSCHED_TRANSPORT=mpi needs mpi4py: pip install mpi4py") from None
+    communicator = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(communicator, MPI.Comm):
+        raise TypeError(f"comm= must be an mpi4py communicator, not {type(communicator).__name__}")
+    return _mpi.transport_factory(), int(MPI._handleof(communicator))
+
+
+def local_rank(comm: Any) -> int:
+    """The rank among the processes of this host."""
+    from mpi4py import MPI
+
+    communicator = MPI.COMM_WORLD if comm is None else comm
+    shared = communicator.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return shared.Get_rank()
+    finally:
+        shared.Free()

@@ -1,0 +1,187 @@
+// The `commsched._core` extension: owns the process's one Runtime and exposes it to
+// Python. The commsched package wraps this module; users never import it directly.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "core/runtime.h"
+#include "transport/loopback/loopback_transport.h"
+#include "transport/python/python_transport.h"
+
+namespace py = pybind11;
+using namespace commsched;
+
+namespace {
+
+// The single owned runtime of this process, created by init() and released by shutdown().
+class RuntimeSlot {
+ public:
+  void install(std::shared_ptr<Runtime> runtime) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (runtime_ && runtime_->running()) {
+      throw UsageError("commsched is already initialised; call commsched.shutdown() before init() again");
+    }
+    previous_ = std::move(runtime_);
+    runtime_ = std::move(runtime);
+  }
+  std::shared_ptr<Runtime> get() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return runtime_;
+  }
+  std::shared_ptr<Runtime> require(const char* what) const {
+    auto runtime = get();
+    if (!runtime) throw UsageError(std::string("commsched.") + what + "() needs commsched.init() first");
+    return runtime;
+  }
+  std::shared_ptr<Runtime> release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    previous_.reset();
+    return std::move(runtime_);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::shared_ptr<Runtime> runtime_;
+  std::shared_ptr<Runtime> previous_;  // a stopped runtime, kept until the next one is up
+};
+
+RuntimeSlot& slot() {
+  static RuntimeSlot the_slot;
+  return the_slot;
+}
+
+LogLevel log_level_from_name(const std::string& name) {
+  static const std::pair<const char*, LogLevel> kLevels[] = {{"trace", LogLevel::kTrace},
+                                                              {"debug", LogLevel::kDebug},
+                                                              {"info", LogLevel::kInfo},
+                                                              {"warning", LogLevel::kWarning},
+                                                              {"error", LogLevel::kError}};
+  for (const auto& [text, level] : kLevels) {
+    if (name == text) return level;
+  }
+  throw UsageError("unknown log level '" + name + "'");
+}
+
+std::unique_ptr<Transport> make_transport(const std::string& kind, py::object argument) {
+  if (kind == "loopback") return std::make_unique<LoopbackTransport>();
+  if (kind == "python") return std::make_unique<PythonTransport>(std::move(argument));
+  if (kind == "native") {
+    auto pair = argument.cast<py::tuple>();
+    auto capsule = pair[0].cast<py::capsule>();
+    if (std::string(capsule.name()) != kTransportFactoryCapsule) throw UsageError("not a commsched transport factory");
+    auto factory = reinterpret_cast<TransportFactory>(capsule.get_pointer());
+    return factory(pair[1].cast<uint64_t>());
+  }
+  throw UsageError("unknown transport kind '" + kind + "'");
+}
+
+py::dict stats_dict(const RuntimeStats& stats) {
+  py::dict out;
+  out["cycles"] = stats.cycles;
+  out["launches"] = stats.launches;
+  out["fused_launches"] = stats.fused_launches;
+  out["chunks"] = stats.chunks;
+  out["launched_bytes"] = stats.launched_bytes;
+  out["max_bytes_in_flight"] = stats.max_bytes_in_flight;
+  out["max_launch_bytes"] = stats.max_launch_bytes;
+  out["completed_tensors"] = stats.completed_tensors;
+  out["failed_tensors"] = stats.failed_tensors;
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, module) {
+  module.doc() = "commsched's C++ scheduling core";
+  // UsageError derives from std::invalid_argument, which pybind11 raises as ValueError.
+  static auto& comm_error = py::register_exception<CommError>(module, "CommschedError", PyExc_RuntimeError);
+
+  py::class_<HandleState, std::shared_ptr<HandleState>>(module, "Handle", "Completion of one submitted collective.")
+      .def_property_readonly("name", &HandleState::name)
+      .def("done", &HandleState::done, "True once the collective finished or failed.")
+      .def(
+          "wait",
+          [](const HandleState& handle, std::optional<double> timeout_s) {
+            bool finished;
+            {
+              py::gil_scoped_release release;
+              finished = handle.wait(timeout_s ? *timeout_s : -1.0);
+            }
+            if (finished && handle.failed()) {
+              PyErr_SetString(comm_error.ptr(), handle.error().c_str());
+              throw py::error_already_set();
+            }
+            return finished;
+          },
+          py::arg("timeout") = py::none(), "Waits; False on timeout, raises CommschedError if it failed.")
+      .def_property_readonly(
+          "error", [](const HandleState& handle) -> std::optional<std::string> {
+            if (!handle.failed()) return std::nullopt;
+            return handle.error();
+          });
+
+  module.def(
+      "start",
+      [](const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
+         double cycle_time_s, double stall_timeout_s, double stall_shutdown_s, const std::string& timeline_path,
+         const std::string& log_level, const std::string& transport_kind, py::object transport_argument) {
+        RuntimeSettings settings;
+        settings.scheduling.policy = policy == "fifo" ? Policy::kFifo : Policy::kPriority;
+        settings.scheduling.partition_bytes = partition_bytes;
+        settings.scheduling.credit_bytes = credit_bytes;
+        settings.scheduling.fusion_bytes = fusion_bytes;
+        settings.cycle_time_s = cycle_time_s;
+        settings.stall_timeout_s = stall_timeout_s;
+        settings.stall_shutdown_s = stall_shutdown_s;
+        settings.timeline_path = timeline_path;
+        settings.log_level = log_level_from_name(log_level);
+        auto transport = make_transport(transport_kind, std::move(transport_argument));
+        slot().install(std::make_shared<Runtime>(settings, std::move(transport)));
+      },
+      py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
+      py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
+      py::arg("log_level"), py::arg("transport_kind"), py::arg("transport_argument") = py::none(),
+      "Starts the runtime (called by commsched.init()).");
+
+  module.def(
+      "stop",
+      [] {
+        auto runtime = slot().release();
+        if (!runtime) return;
+        py::gil_scoped_release release;
+        runtime->shutdown();
+        runtime.reset();
+      },
+      "Stops the runtime (called by commsched.shutdown()).");
+
+  module.def(
+      "enqueue",
+      [](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
+         const std::string& op, const std::string& kind, int root, int priority) {
+        TensorSpec spec;
+        spec.name = name;
+        spec.dtype = dtype_from_name(dtype);
+        spec.op = op_from_name(op);
+        spec.kind = kind == "broadcast" ? CollectiveKind::kBroadcast : CollectiveKind::kAllreduce;
+        spec.root = root;
+        spec.count = count;
+        spec.priority = priority;
+        return slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address));
+      },
+      py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
+      py::arg("root"), py::arg("priority"), "Submits a collective on raw memory that the caller keeps alive.");
+
+  module.def("running", [] {
+    auto runtime = slot().get();
+    return runtime && runtime->running();
+  }, "True while a runtime is up.");
+  module.def("rank", [] { return slot().require("rank")->rank(); }, "This process's rank.");
+  module.def("size", [] { return slot().require("size")->size(); }, "The number of ranks.");
+  module.def("transport_name", [] { return slot().require("config")->transport_name(); }, "The active transport.");
+  module.def("stats", [] { return stats_dict(slot().require("stats")->stats()); }, "Counters of the running core.");
+  module.def("describe", [](const std::string& name) { return slot().require("describe")->describe(name); },
+             "Where a pending tensor stands.");
+}

@@ -1,0 +1,85 @@
+// Cross-rank agreement on which tensors are ready everywhere, without a coordinator.
+//
+// Each cycle every rank contributes one report (what became ready locally since its
+// last report, its completed byte count, shutdown/abort flags); all ranks exchange
+// reports with one allgather and apply them in rank order, so every rank derives the
+// same agreed tensors in the same order. A name agreed once is cached under a small
+// id, so a steady-state report costs 8 bytes per tensor instead of its metadata.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "types.h"
+
+namespace commsched {
+
+struct ReportStatus {
+  uint64_t completed_bytes = 0;
+  bool shutdown = false;
+  std::string abort_message;  // non-empty: this rank has failed and asks everyone to stop
+};
+
+struct TensorFailure {
+  std::string name;
+  std::string message;
+};
+
+struct CycleOutcome {
+  std::vector<TensorSpec> agreed;  // launch-eligible, in readiness order
+  std::vector<TensorFailure> failures;
+  uint64_t min_completed_bytes = 0;
+  int shutdown_rank = -1;  // lowest rank that asked to shut down, -1 if none
+  int abort_rank = -1;
+  std::string abort_message;
+};
+
+struct StalledTensor {
+  std::string name;
+  std::vector<int> ready_ranks;
+  std::vector<int> missing_ranks;
+  double waiting_s = 0;
+};
+
+class Agreement {
+ public:
+  Agreement(int rank, int size);
+
+  // Records that a tensor became ready on this rank; it goes out with the next report.
+  void announce(const TensorSpec& spec);
+  bool has_announcements() const { return !outbox_.empty(); }
+
+  // Serialises this rank's report and clears the announcements it carries.
+  std::string build_report(const ReportStatus& status);
+
+  // Applies every rank's report (index = rank). Throws CommError on a malformed report.
+  CycleOutcome apply(const std::vector<std::string>& reports, double now_s);
+
+  // Tensors some but not all ranks have announced for longer than `older_than_s`.
+  std::vector<StalledTensor> stalled(double now_s, double older_than_s) const;
+  size_t pending() const { return pending_.size(); }
+  size_t cached_names() const { return cache_.size(); }
+
+ private:
+  struct Pending {
+    std::vector<std::optional<TensorSpec>> by_rank;
+    int reported = 0;
+    double first_seen_s = 0;
+  };
+
+  void record(int from_rank, TensorSpec spec, double now_s, CycleOutcome& outcome);
+  void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
+
+  int rank_;
+  int size_;
+  std::vector<TensorSpec> outbox_;
+  std::unordered_map<std::string, uint32_t> cache_ids_;
+  std::vector<TensorSpec> cache_;
+  std::map<std::string, Pending> pending_;
+};
+
+}  // namespace commsched

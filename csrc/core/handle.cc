@@ -1,0 +1,49 @@
+#include "handle.h"
+
+#include <chrono>
+
+namespace commsched {
+
+void HandleState::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+  }
+  done_cv_.notify_all();
+}
+
+void HandleState::fail(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return;
+    error_ = message.empty() ? "unknown error" : message;
+    done_ = true;
+  }
+  done_cv_.notify_all();
+}
+
+bool HandleState::done() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+bool HandleState::failed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_ && !error_.empty();
+}
+
+std::string HandleState::error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+bool HandleState::wait(double timeout_s) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (timeout_s < 0) {
+    done_cv_.wait(lock, [this] { return done_; });
+    return true;
+  }
+  return done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return done_; });
+}
+
+}  // namespace commsched

@@ -1,0 +1,31 @@
+// Completion state of one submitted collective, shared by the caller and the core thread.
+#pragma once
+
+#include <condition_variable>
+#include <mutex>
+#include <string>
+
+namespace commsched {
+
+class HandleState {
+ public:
+  explicit HandleState(std::string name) : name_(std::move(name)) {}
+
+  void complete();
+  void fail(const std::string& message);
+  bool done() const;
+  // Blocks until done; a negative timeout waits without limit. Returns false on timeout.
+  bool wait(double timeout_s) const;
+  bool failed() const;
+  std::string error() const;
+  const std::string& name() const { return name_; }
+
+ private:
+  const std::string name_;
+  mutable std::mutex mutex_;
+  mutable std::condition_variable done_cv_;
+  bool done_ = false;
+  std::string error_;
+};
+
+}  // namespace commsched

@@ -1,0 +1,414 @@
+#include "core/runtime.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/elementwise.h"
+
+namespace commsched {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How often the core polls collectives in flight: short enough to keep a
+// transport's progress engine moving, long enough to leave the CPU to the training.
+constexpr auto kPollInterval = std::chrono::microseconds(20);
+constexpr double kStallCheckPeriodS = 1.0;
+
+std::string human_bytes(uint64_t bytes) {
+  char text[32];
+  if (bytes >= (1ull << 20)) {
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / 1048576.0);
+  } else if (bytes >= 1024) {
+    std::snprintf(text, sizeof(text), "%.1f KiB", bytes / 1024.0);
+  } else {
+    std::snprintf(text, sizeof(text), "%llu B", static_cast<unsigned long long>(bytes));
+  }
+  return text;
+}
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
+  return text;
+}
+
+}  // namespace
+
+Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> transport)
+    : settings_(settings),
+      transport_(std::move(transport)),
+      rank_(transport_->rank()),
+      size_(transport_->size()),
+      transport_name_(transport_->name()),
+      logger_(settings.log_level, rank_),
+      agreement_(rank_, size_),
+      scheduler_(settings.scheduling),
+      started_(Clock::now()) {
+  timeline_.open(settings_.timeline_path, rank_);
+  logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
+  thread_ = std::thread([this] { loop(); });
+}
+
+Runtime::~Runtime() { shutdown(); }
+
+double Runtime::now_s() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
+
+std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data) {
+  if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
+    throw UsageError("broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
+                     " is not a rank; use a root between 0 and " + std::to_string(size_ - 1));
+  }
+  if (spec.kind == CollectiveKind::kAllreduce && spec.op == ReduceOp::kAverage && !dtype_is_floating(spec.dtype)) {
+    throw UsageError("allreduce of '" + spec.name + "': op=\"average\" needs a floating dtype, not " +
+                     dtype_name(spec.dtype) + "; use op=\"sum\" for integers");
+  }
+  auto handle = std::make_shared<HandleState>(spec.name);
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (stopped_ || shutdown_requested_) {
+      throw UsageError("commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
+                       "; call commsched.init() before submitting '" + spec.name + "'");
+    }
+    auto [it, inserted] = active_names_.try_emplace(spec.name, "submitted");
+    if (!inserted) {
+      throw UsageError("tensor name '" + spec.name + "' is already in flight (" + it->second +
+                       "); wait for its handle before submitting it again, or give this one another name");
+    }
+    inbox_.push_back(Submission{spec, data, handle, Timeline::now_us()});
+  }
+  inbox_cv_.notify_one();
+  return handle;
+}
+
+void Runtime::shutdown() {
+  shutdown_requested_ = true;
+  inbox_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+RuntimeStats Runtime::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return stats_;
+}
+
+std::string Runtime::describe(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(inbox_mutex_);
+  auto found = active_names_.find(name);
+  if (found != active_names_.end()) return found->second;
+  return stop_reason_.empty() ? "" : "commsched stopped: " + stop_reason_;
+}
+
+void Runtime::loop() {
+  const double exchange_timeout_s =
+      settings_.stall_shutdown_s > 0 ? settings_.stall_shutdown_s : 10 * settings_.stall_timeout_s;
+  const auto cycle = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settings_.cycle_time_s));
+  auto deadline = Clock::now() + cycle;
+  while (true) {
+    CycleOutcome outcome;
+    try {
+      wait_for_news(deadline);
+      take_submissions();
+      const ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+      const bool had_news = agreement_.has_announcements();
+      const uint64_t exchange_start_us = Timeline::now_us();
+      const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s);
+      outcome = agreement_.apply(reports, now_s());
+      if (had_news || !outcome.agreed.empty()) {
+        timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
+                           "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
+      }
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      ++stats_.cycles;
+    } catch (const std::exception& error) {
+      // The control path itself failed: nobody can be told, so stop here.
+      stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
+      return;
+    }
+    deadline = Clock::now() + cycle;
+    if (outcome.abort_rank >= 0) {
+      stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
+      return;
+    }
+    try {
+      apply_outcome(outcome);
+      for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
+      poll_in_flight();
+    } catch (const std::exception& error) {
+      // Tell every rank with the next report, so all stop in the same cycle.
+      if (abort_message_.empty()) abort_message_ = error.what();
+      logger_.log(LogLevel::kError, abort_message_);
+    }
+    if (outcome.shutdown_rank >= 0) {
+      stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
+      return;
+    }
+    check_stalls();
+  }
+}
+
+void Runtime::wait_for_news(Clock::time_point deadline) {
+  while (true) {
+    if (!in_flight_.empty() && poll_in_flight()) return;
+    std::unique_lock<std::mutex> lock(inbox_mutex_);
+    if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
+    const auto now = Clock::now();
+    if (now >= deadline) return;
+    inbox_cv_.wait_until(lock, in_flight_.empty() ? deadline : std::min(deadline, now + kPollInterval));
+  }
+}
+
+void Runtime::take_submissions() {
+  std::vector<Submission> batch;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    batch.swap(inbox_);
+    for (const Submission& submission : batch) active_names_[submission.spec.name] = "waiting for other ranks";
+  }
+  const uint64_t now_us = Timeline::now_us();
+  for (Submission& submission : batch) {
+    const uint64_t id = next_tensor_id_++;
+    timeline_.async_begin(submission.spec.name, "negotiate", id, submission.enqueued_us);
+    timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us);
+    agreement_.announce(submission.spec);
+    waiting_ids_[submission.spec.name] = id;
+    tensors_.emplace(id, LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
+  }
+}
+
+void Runtime::apply_outcome(const CycleOutcome& outcome) {
+  for (const TensorFailure& failure : outcome.failures) {
+    logger_.log(LogLevel::kError, failure.message);
+    auto found = waiting_ids_.find(failure.name);
+    if (found == waiting_ids_.end()) continue;
+    const uint64_t id = found->second;
+    waiting_ids_.erase(found);
+    finish_tensor(id, failure.message);
+  }
+  const uint64_t now_us = Timeline::now_us();
+  for (const TensorSpec& agreed : outcome.agreed) {
+    auto found = waiting_ids_.find(agreed.name);
+    if (found == waiting_ids_.end()) {
+      throw CommError("rank " + std::to_string(rank_) + " has no pending tensor '" + agreed.name +
+                      "' although every rank announced it");
+    }
+    const uint64_t id = found->second;
+    waiting_ids_.erase(found);
+    LocalTensor& tensor = tensors_.at(id);
+    tensor.agreed = true;
+    tensor.chunks_left = scheduler_.add(id, agreed);
+    timeline_.async_end(agreed.name, "negotiate", id, now_us);
+    timeline_.async_begin(agreed.name, "queued", id, now_us);
+  }
+  if (!outcome.agreed.empty()) {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    for (const TensorSpec& agreed : outcome.agreed) active_names_[agreed.name] = "agreed, queued for the wire";
+  }
+  scheduler_.set_completed_bytes(outcome.min_completed_bytes);
+}
+
+void Runtime::launch(Launch next) {
+  InFlight flight;
+  flight.launch = std::move(next);
+  const Launch& plan = flight.launch;
+  const size_t elem_size = dtype_size(plan.dtype);
+  WireOp op{plan.kind, plan.dtype, plan.root, nullptr, plan.bytes / elem_size};
+  if (plan.chunks.size() == 1) {
+    const ChunkRef& chunk = plan.chunks.front();
+    op.data = static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size;
+  } else {
+    // Fusion copies small tensors into one buffer so the latency is paid once.
+    if (!buffer_pool_.empty()) {
+      flight.fusion_buffer = std::move(buffer_pool_.back());
+      buffer_pool_.pop_back();
+    }
+    flight.fusion_buffer.resize(std::max<size_t>(plan.bytes, 1));
+    size_t offset = 0;
+    for (const ChunkRef& chunk : plan.chunks) {
+      const size_t bytes = chunk.elem_count * elem_size;
+      std::memcpy(flight.fusion_buffer.data() + offset,
+                  static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size, bytes);
+      offset += bytes;
+    }
+    op.data = flight.fusion_buffer.data();
+  }
+  flight.wire_data = op.data;
+  flight.started_us = Timeline::now_us();
+  for (const ChunkRef& chunk : plan.chunks) {
+    LocalTensor& tensor = tensors_.at(chunk.tensor_id);
+    if (!tensor.launched) {
+      tensor.launched = true;
+      timeline_.async_end(tensor.spec.name, "queued", tensor.trace_id, flight.started_us);
+      timeline_.async_begin(tensor.spec.name, "on the wire", tensor.trace_id, flight.started_us);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    ++stats_.launches;
+    stats_.fused_launches += plan.chunks.size() > 1 ? 1 : 0;
+    stats_.chunks += plan.chunks.size();
+    stats_.launched_bytes += plan.bytes;
+    stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, scheduler_.bytes_in_flight());
+    stats_.max_launch_bytes = std::max(stats_.max_launch_bytes, plan.bytes);
+  }
+  timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(scheduler_.bytes_in_flight()));
+  flight.op = transport_->start(op);
+  in_flight_.push_back(std::move(flight));
+}
+
+bool Runtime::poll_in_flight() {
+  bool any = false;
+  for (size_t i = 0; i < in_flight_.size();) {
+    if (in_flight_[i].op->test()) {
+      InFlight done = std::move(in_flight_[i]);
+      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+      finish(done);
+      any = true;
+    } else {
+      ++i;
+    }
+  }
+  return any;
+}
+
+void Runtime::finish(InFlight& done) {
+  const Launch& plan = done.launch;
+  const size_t elem_size = dtype_size(plan.dtype);
+  if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage) {
+    divide_by(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+  }
+  const uint64_t now_us = Timeline::now_us();
+  std::string members;
+  size_t offset = 0;
+  for (const ChunkRef& chunk : plan.chunks) {
+    LocalTensor& tensor = tensors_.at(chunk.tensor_id);
+    const size_t bytes = chunk.elem_count * elem_size;
+    if (!done.fusion_buffer.empty()) {
+      std::memcpy(static_cast<char*>(tensor.data) + chunk.elem_offset * elem_size,
+                  done.fusion_buffer.data() + offset, bytes);
+    }
+    offset += bytes;
+    if (timeline_.enabled()) {
+      members += (members.empty() ? "" : ",") + Timeline::quote(tensor.spec.name + "#" + std::to_string(chunk.index));
+    }
+    if (--tensor.chunks_left == 0) finish_tensor(chunk.tensor_id, "");
+  }
+  completed_bytes_ += plan.bytes;
+  if (timeline_.enabled()) {
+    const std::string label = std::string(kind_name(plan.kind)) + " " + dtype_name(plan.dtype) + " " +
+                              human_bytes(plan.bytes) +
+                              (plan.chunks.size() > 1 ? " (" + std::to_string(plan.chunks.size()) + " fused)" : "");
+    timeline_.complete(label, Timeline::kWireTrack, done.started_us, now_us - done.started_us,
+                       "{\"seq\":" + std::to_string(plan.seq) + ",\"bytes\":" + std::to_string(plan.bytes) +
+                           ",\"chunks\":[" + members + "]}");
+    timeline_.counter("bytes in flight", now_us, static_cast<double>(scheduler_.launched_bytes() - completed_bytes_));
+  }
+  if (!done.fusion_buffer.empty()) buffer_pool_.push_back(std::move(done.fusion_buffer));
+}
+
+void Runtime::finish_tensor(uint64_t id, const std::string& error) {
+  auto found = tensors_.find(id);
+  LocalTensor tensor = std::move(found->second);
+  tensors_.erase(found);
+  {
+    // Free the name before signalling, so the caller may resubmit it at once.
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    active_names_.erase(tensor.spec.name);
+  }
+  const uint64_t now_us = Timeline::now_us();
+  if (tensor.launched) timeline_.async_end(tensor.spec.name, "on the wire", tensor.trace_id, now_us);
+  timeline_.instant((error.empty() ? "done " : "failed ") + tensor.spec.name, Timeline::kTensorTrack, now_us);
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    ++(error.empty() ? stats_.completed_tensors : stats_.failed_tensors);
+  }
+  if (error.empty()) {
+    tensor.handle->complete();
+  } else {
+    tensor.handle->fail(error);
+  }
+}
+
+void Runtime::check_stalls() {
+  const double now = now_s();
+  if (now - last_stall_check_s_ < kStallCheckPeriodS) return;
+  last_stall_check_s_ = now;
+  const std::vector<StalledTensor> stalled = agreement_.stalled(now, settings_.stall_timeout_s);
+  if (stalled.empty()) {
+    stall_warned_at_s_.clear();
+    return;
+  }
+  std::string lines;
+  std::string worst;
+  for (const StalledTensor& tensor : stalled) {
+    auto warned = stall_warned_at_s_.find(tensor.name);
+    const std::string line = "'" + tensor.name + "' ready on ranks " + join_ranks(tensor.ready_ranks) +
+                             " but not on ranks " + join_ranks(tensor.missing_ranks) + " for " +
+                             std::to_string(static_cast<int>(tensor.waiting_s)) + "s";
+    if (settings_.stall_shutdown_s > 0 && tensor.waiting_s >= settings_.stall_shutdown_s && worst.empty()) {
+      worst = line;
+    }
+    if (warned != stall_warned_at_s_.end() && now - warned->second < settings_.stall_timeout_s) continue;
+    stall_warned_at_s_[tensor.name] = now;
+    lines += "\n  " + line;
+  }
+  if (!lines.empty()) {
+    logger_.warning("tensors are waiting for other ranks longer than COMMSCHED_STALL_TIMEOUT=" +
+                    std::to_string(settings_.stall_timeout_s) +
+                    "s; a rank may have stopped submitting or uses other names:" + lines);
+  }
+  if (!worst.empty() && abort_message_.empty()) {
+    abort_message_ = "stalled past COMMSCHED_STALL_SHUTDOWN=" + std::to_string(settings_.stall_shutdown_s) +
+                     "s: tensor " + worst;
+  }
+}
+
+void Runtime::drain_in_flight(double timeout_s) {
+  const auto give_up = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  while (!in_flight_.empty() && Clock::now() < give_up) {
+    try {
+      if (!poll_in_flight()) std::this_thread::sleep_for(kPollInterval);
+    } catch (const std::exception& error) {
+      logger_.log(LogLevel::kError, std::string("a collective failed while stopping: ") + error.what());
+      return;
+    }
+  }
+  if (!in_flight_.empty()) {
+    logger_.log(LogLevel::kError, std::to_string(in_flight_.size()) + " collectives did not finish within " +
+                                      std::to_string(timeout_s) + "s while stopping");
+  }
+}
+
+void Runtime::stop_everything(const std::string& reason) {
+  // Buffers must be out of the transport's hands before their handles fail.
+  drain_in_flight(settings_.stall_timeout_s);
+  std::vector<Submission> unclaimed;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    stop_reason_ = reason;
+    stopped_ = true;
+    unclaimed.swap(inbox_);
+  }
+  const bool clean = reason.rfind("commsched.shutdown()", 0) == 0;
+  if (!clean) logger_.log(LogLevel::kError, "stopping: " + reason);
+  for (Submission& submission : unclaimed) {
+    submission.handle->fail("commsched stopped before '" + submission.spec.name + "' was sent: " + reason);
+  }
+  std::vector<uint64_t> ids;
+  for (const auto& [id, tensor] : tensors_) ids.push_back(id);
+  for (uint64_t id : ids) {
+    const std::string name = tensors_.at(id).spec.name;
+    finish_tensor(id, "commsched stopped before '" + name + "' finished: " + reason +
+                          (clean ? "; wait for every handle before calling shutdown()" : ""));
+  }
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    active_names_.clear();
+  }
+  waiting_ids_.clear();
+  timeline_.flush();
+}
+
+}  // namespace commsched

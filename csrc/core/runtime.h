@@ -1,0 +1,138 @@
+// The one runtime object per process: owns the transport, the agreement, the
+// scheduler and the background thread that drives them.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/agreement.h"
+#include "core/handle.h"
+#include "core/log.h"
+#include "core/scheduler.h"
+#include "core/settings.h"
+#include "core/timeline.h"
+#include "transport/transport.h"
+
+namespace commsched {
+
+struct RuntimeStats {
+  uint64_t cycles = 0;
+  uint64_t launches = 0;
+  uint64_t fused_launches = 0;
+  uint64_t chunks = 0;
+  uint64_t launched_bytes = 0;
+  uint64_t max_bytes_in_flight = 0;  // as the credit gate saw it
+  uint64_t max_launch_bytes = 0;
+  uint64_t completed_tensors = 0;
+  uint64_t failed_tensors = 0;
+};
+
+class Runtime {
+ public:
+  Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> transport);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // Submits a collective on `data` (in place). Thread-safe. Throws UsageError when the
+  // name is already in flight or the runtime has stopped.
+  std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data);
+
+  // Asks every rank to stop, waits for in-flight collectives, fails what is left.
+  void shutdown();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::string transport_name() const { return transport_name_; }
+  bool running() const { return !stopped_.load(); }
+  RuntimeStats stats() const;
+  // Where a pending tensor stands, for timeout messages.
+  std::string describe(const std::string& name) const;
+
+ private:
+  struct Submission {
+    TensorSpec spec;
+    void* data = nullptr;
+    std::shared_ptr<HandleState> handle;
+    uint64_t enqueued_us = 0;
+  };
+  struct LocalTensor {
+    TensorSpec spec;
+    void* data = nullptr;
+    std::shared_ptr<HandleState> handle;
+    uint32_t chunks_left = 0;
+    uint64_t trace_id = 0;
+    bool agreed = false;
+    bool launched = false;
+  };
+  struct InFlight {
+    Launch launch;
+    std::unique_ptr<PendingOp> op;
+    std::vector<uint8_t> fusion_buffer;  // empty for an unfused launch
+    void* wire_data = nullptr;
+    uint64_t started_us = 0;
+  };
+
+  void loop();
+  void run_cycle();
+  void wait_for_news(std::chrono::steady_clock::time_point deadline);
+  void take_submissions();
+  void apply_outcome(const CycleOutcome& outcome);
+  void launch(Launch launch);
+  bool poll_in_flight();
+  void finish(InFlight& done);
+  void finish_tensor(uint64_t id, const std::string& error);
+  void check_stalls();
+  void stop_everything(const std::string& reason);
+  void drain_in_flight(double timeout_s);
+  double now_s() const;
+
+  const RuntimeSettings settings_;
+  std::unique_ptr<Transport> transport_;
+  const int rank_;
+  const int size_;
+  const std::string transport_name_;
+  Logger logger_;
+  Timeline timeline_;
+  Agreement agreement_;
+  Scheduler scheduler_;
+  const std::chrono::steady_clock::time_point started_;
+
+  // Shared with submitting threads.
+  mutable std::mutex inbox_mutex_;
+  std::condition_variable inbox_cv_;
+  std::vector<Submission> inbox_;
+  std::unordered_map<std::string, std::string> active_names_;  // name -> phase
+  std::string stop_reason_;
+  std::atomic<bool> shutdown_requested_{false};
+  std::atomic<bool> stopped_{false};
+
+  // Owned by the background thread.
+  std::unordered_map<uint64_t, LocalTensor> tensors_;
+  std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
+  std::vector<InFlight> in_flight_;
+  std::vector<std::vector<uint8_t>> buffer_pool_;
+  uint64_t next_tensor_id_ = 0;
+  uint64_t completed_bytes_ = 0;
+  bool completions_since_report_ = false;
+  std::string abort_message_;
+  double last_stall_check_s_ = 0;
+  std::map<std::string, double> stall_warned_at_s_;
+
+  mutable std::mutex stats_mutex_;
+  RuntimeStats stats_;
+
+  std::thread thread_;  // last member: starts after everything above exists
+};
+
+}  // namespace commsched

@@ -1,0 +1,86 @@
+#include "scheduler.h"
+
+#include <algorithm>
+
+namespace commsched {
+
+Scheduler::Scheduler(const SchedulingSettings& settings) : settings_(settings) {}
+
+void Scheduler::reconfigure(const SchedulingSettings& settings) { settings_ = settings; }
+
+uint64_t Scheduler::partition_elements(const TensorSpec& spec) const {
+  // FIFO sends whole tensors, as Horovod does; priority cuts them so an urgent
+  // tensor waits for at most one chunk.
+  if (settings_.policy == Policy::kFifo || settings_.partition_bytes == 0) return spec.count;
+  return std::max<uint64_t>(1, settings_.partition_bytes / dtype_size(spec.dtype));
+}
+
+uint32_t Scheduler::add(uint64_t tensor_id, const TensorSpec& spec) {
+  const uint64_t seq = next_ready_seq_++;
+  const int64_t priority = settings_.policy == Policy::kPriority ? spec.priority : 0;
+  const FusionKey fusion_key{static_cast<uint8_t>(spec.kind), static_cast<uint8_t>(spec.dtype),
+                             static_cast<uint8_t>(spec.op), spec.kind == CollectiveKind::kBroadcast ? spec.root : 0};
+  const uint64_t step = partition_elements(spec);
+  const size_t elem_size = dtype_size(spec.dtype);
+  uint32_t index = 0;
+  uint64_t offset = 0;
+  do {  // a zero-length tensor still gets one (empty) chunk so its handle completes in order
+    const uint64_t count = std::min(step, spec.count - offset);
+    const OrderKey key{priority, seq, index};
+    queue_.emplace(key, QueuedChunk{ChunkRef{tensor_id, offset, count, index}, fusion_key, count * elem_size});
+    by_fusion_key_[fusion_key].insert(key);
+    offset += count;
+    ++index;
+  } while (offset < spec.count);
+  return index;
+}
+
+void Scheduler::set_completed_bytes(uint64_t cumulative_bytes) {
+  completed_bytes_ = std::min(std::max(completed_bytes_, cumulative_bytes), launched_bytes_);
+}
+
+void Scheduler::take(const OrderKey& key, Launch& launch) {
+  auto found = queue_.find(key);
+  const QueuedChunk& chunk = found->second;
+  launch.bytes += chunk.bytes;
+  launch.chunks.push_back(chunk.ref);
+  auto group = by_fusion_key_.find(chunk.fusion_key);
+  group->second.erase(key);
+  if (group->second.empty()) by_fusion_key_.erase(group);
+  queue_.erase(found);
+}
+
+std::vector<Launch> Scheduler::next_launches() {
+  std::vector<Launch> launches;
+  while (!queue_.empty()) {
+    const auto& [head_key, head] = *queue_.begin();
+    const uint64_t in_flight = bytes_in_flight();
+    // A chunk larger than the whole credit may still go alone when nothing is in flight.
+    if (credit_limited() && in_flight > 0 && in_flight + head.bytes > settings_.credit_bytes) break;
+
+    Launch launch;
+    launch.seq = next_launch_seq_++;
+    launch.kind = static_cast<CollectiveKind>(std::get<0>(head.fusion_key));
+    launch.dtype = static_cast<DType>(std::get<1>(head.fusion_key));
+    launch.op = static_cast<ReduceOp>(std::get<2>(head.fusion_key));
+    launch.root = std::get<3>(head.fusion_key);
+    const FusionKey fusion_key = head.fusion_key;
+    take(head_key, launch);
+
+    uint64_t cap = settings_.fusion_bytes;
+    if (credit_limited() && in_flight > 0) cap = std::min(cap, settings_.credit_bytes - in_flight);
+    // The head is the smallest key overall, so the rest of its group follows in priority order.
+    auto group = by_fusion_key_.find(fusion_key);
+    while (group != by_fusion_key_.end() && launch.bytes < cap) {
+      const OrderKey next_key = *group->second.begin();
+      if (launch.bytes + queue_.at(next_key).bytes > cap) break;
+      take(next_key, launch);
+      group = by_fusion_key_.find(fusion_key);
+    }
+    launched_bytes_ += launch.bytes;
+    launches.push_back(std::move(launch));
+  }
+  return launches;
+}
+
+}  // namespace commsched

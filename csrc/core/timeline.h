@@ -1,0 +1,42 @@
+// Chrome trace ("JSON array format") writer that Perfetto and chrome://tracing open.
+// Written only by the core's background thread.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace commsched {
+
+class Timeline {
+ public:
+  enum Track : int { kAgreementTrack = 0, kWireTrack = 1, kTensorTrack = 2 };
+
+  Timeline() = default;
+  // Opens `path` for rank `rank`; an empty path leaves the timeline disabled.
+  void open(const std::string& path, int rank);
+  ~Timeline();
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+
+  bool enabled() const { return out_.is_open(); }
+  static uint64_t now_us();
+
+  void instant(const std::string& name, Track track, uint64_t ts_us, const std::string& args_json = "");
+  void async_begin(const std::string& name, const std::string& phase, uint64_t id, uint64_t ts_us);
+  void async_end(const std::string& name, const std::string& phase, uint64_t id, uint64_t ts_us);
+  void complete(const std::string& name, Track track, uint64_t ts_us, uint64_t dur_us,
+                const std::string& args_json);
+  void counter(const std::string& name, uint64_t ts_us, double value);
+  void flush();
+
+  static std::string quote(const std::string& text);
+
+ private:
+  void emit(const std::string& event_json);
+  std::ofstream out_;
+  int rank_ = 0;
+  bool first_ = true;
+};
+
+}  // namespace commsched

@@ -1,0 +1,171 @@
+#include "transport/mpi/mpi_transport.h"
+
+#include <chrono>
+#include <climits>
+#include <thread>
+
+#include "core/elementwise.h"
+
+namespace commsched {
+
+namespace {
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+void check(int code, const char* what) {
+  if (code != MPI_SUCCESS) throw CommError(std::string("MPI ") + what + " failed: " + mpi_error_text(code));
+}
+
+void half_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  sum_into(inout, in, static_cast<uint64_t>(*len), DType::kFloat16);
+}
+
+void bfloat_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  sum_into(inout, in, static_cast<uint64_t>(*len), DType::kBFloat16);
+}
+
+// Polls a request with a short spin, then short sleeps, so waiting ranks leave
+// the CPU to others (ranks often outnumber cores on a test machine).
+void wait_polling(MPI_Request& request, double timeout_s, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  int spins = 0;
+  while (true) {
+    int flag = 0;
+    check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), what);
+    if (flag) return;
+    if (++spins < 64) continue;
+    if (timeout_s >= 0 && std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s)) {
+      throw CommError(std::string("MPI ") + what + " did not complete within " + std::to_string(timeout_s) +
+                      "s: another rank stopped taking part (crashed, hung, or never called commsched.init())");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 10 : 200));
+  }
+}
+
+class MpiOp : public PendingOp {
+ public:
+  explicit MpiOp(MPI_Request request) : request_(request) {}
+  bool test() override {
+    int flag = 0;
+    check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "collective");
+    return flag != 0;
+  }
+
+ private:
+  MPI_Request request_;
+};
+
+}  // namespace
+
+MpiTransport::MpiTransport(MPI_Comm parent) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) throw UsageError("MPI is not initialised; import mpi4py.MPI before commsched.init()");
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  if (provided != MPI_THREAD_MULTIPLE) {
+    throw UsageError("MPI was initialised without MPI_THREAD_MULTIPLE (level " + std::to_string(provided) +
+                     "); commsched's thread calls MPI beside yours. Leave mpi4py.rc.thread_level at 'multiple'");
+  }
+  check(MPI_Comm_dup(parent, &control_), "Comm_dup");
+  check(MPI_Comm_dup(parent, &data_), "Comm_dup");
+  MPI_Comm_set_errhandler(control_, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(data_, &rank_);
+  MPI_Comm_size(data_, &size_);
+  check(MPI_Type_contiguous(2, MPI_BYTE, &half_type_), "Type_contiguous");
+  check(MPI_Type_commit(&half_type_), "Type_commit");
+  check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat_type_), "Type_contiguous");
+  check(MPI_Type_commit(&bfloat_type_), "Type_commit");
+  check(MPI_Op_create(&half_sum, 1, &half_sum_), "Op_create");
+  check(MPI_Op_create(&bfloat_sum, 1, &bfloat_sum_), "Op_create");
+}
+
+MpiTransport::~MpiTransport() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;  // MPI already released everything
+  if (half_sum_ != MPI_OP_NULL) MPI_Op_free(&half_sum_);
+  if (bfloat_sum_ != MPI_OP_NULL) MPI_Op_free(&bfloat_sum_);
+  if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
+  if (bfloat_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bfloat_type_);
+  if (control_ != MPI_COMM_NULL) MPI_Comm_free(&control_);
+  if (data_ != MPI_COMM_NULL) MPI_Comm_free(&data_);
+}
+
+MPI_Datatype MpiTransport::datatype(DType dtype) const {
+  switch (dtype) {
+    case DType::kFloat16: return half_type_;
+    case DType::kBFloat16: return bfloat_type_;
+    case DType::kFloat32: return MPI_FLOAT;
+    case DType::kFloat64: return MPI_DOUBLE;
+    case DType::kInt32: return MPI_INT32_T;
+    case DType::kInt64: return MPI_INT64_T;
+    case DType::kUInt8: return MPI_UINT8_T;
+    case DType::kInt8: return MPI_INT8_T;
+  }
+  throw CommError("unknown dtype");
+}
+
+MPI_Op MpiTransport::sum_op(DType dtype) const {
+  if (dtype == DType::kFloat16) return half_sum_;
+  if (dtype == DType::kBFloat16) return bfloat_sum_;
+  return MPI_SUM;
+}
+
+std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
+  uint64_t length = mine.size();
+  std::vector<uint64_t> lengths(static_cast<size_t>(size_));
+  MPI_Request request;
+  check(MPI_Iallgather(&length, 1, MPI_UINT64_T, lengths.data(), 1, MPI_UINT64_T, control_, &request), "Iallgather");
+  wait_polling(request, timeout_s, "agreement exchange");
+  std::vector<int> counts(static_cast<size_t>(size_));
+  std::vector<int> displacements(static_cast<size_t>(size_));
+  uint64_t total = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (total + lengths[r] > static_cast<uint64_t>(INT_MAX)) throw CommError("agreement reports exceed 2 GiB");
+    counts[r] = static_cast<int>(lengths[r]);
+    displacements[r] = static_cast<int>(total);
+    total += lengths[r];
+  }
+  std::string gathered(total, '\0');
+  check(MPI_Iallgatherv(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, gathered.data(), counts.data(),
+                        displacements.data(), MPI_BYTE, control_, &request),
+        "Iallgatherv");
+  wait_polling(request, timeout_s, "agreement exchange");
+  std::vector<std::string> reports(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) reports[r] = gathered.substr(displacements[r], counts[r]);
+  return reports;
+}
+
+std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
+  MPI_Request request;
+  const MPI_Datatype type = datatype(op.dtype);
+#if MPI_VERSION >= 4
+  const auto count = static_cast<MPI_Count>(op.count);
+  if (op.kind == CollectiveKind::kAllreduce) {
+    check(MPI_Iallreduce_c(MPI_IN_PLACE, op.data, count, type, sum_op(op.dtype), data_, &request), "Iallreduce");
+  } else {
+    check(MPI_Ibcast_c(op.data, count, type, op.root, data_, &request), "Ibcast");
+  }
+#else
+  if (op.count > static_cast<uint64_t>(INT_MAX)) {
+    throw CommError("a collective of " + std::to_string(op.count) +
+                    " elements exceeds this MPI's int count; set COMMSCHED_PARTITION_BYTES lower");
+  }
+  const int count = static_cast<int>(op.count);
+  if (op.kind == CollectiveKind::kAllreduce) {
+    check(MPI_Iallreduce(MPI_IN_PLACE, op.data, count, type, sum_op(op.dtype), data_, &request), "Iallreduce");
+  } else {
+    check(MPI_Ibcast(op.data, count, type, op.root, data_, &request), "Ibcast");
+  }
+#endif
+  return std::make_unique<MpiOp>(request);
+}
+
+}  // namespace commsched

@@ -1,0 +1,39 @@
+// Native MPI transport: nonblocking collectives on communicators duplicated from the
+// one the user hands over (MPI_COMM_WORLD from mpi4py by default).
+#pragma once
+
+#include <mpi.h>
+
+#include "transport/transport.h"
+
+namespace commsched {
+
+class MpiTransport : public Transport {
+ public:
+  // `parent` must outlive nothing: the transport works on duplicates of it.
+  explicit MpiTransport(MPI_Comm parent);
+  ~MpiTransport() override;
+  MpiTransport(const MpiTransport&) = delete;
+  MpiTransport& operator=(const MpiTransport&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "mpi"; }
+  std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
+  std::unique_ptr<PendingOp> start(const WireOp& op) override;
+
+ private:
+  MPI_Datatype datatype(DType dtype) const;
+  MPI_Op sum_op(DType dtype) const;
+
+  MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
+  MPI_Comm data_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements
+  MPI_Datatype bfloat_type_ = MPI_DATATYPE_NULL;
+  MPI_Op half_sum_ = MPI_OP_NULL;
+  MPI_Op bfloat_sum_ = MPI_OP_NULL;
+};
+
+}  // namespace commsched

@@ -1,0 +1,68 @@
+#include "transport/python/python_transport.h"
+
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace commsched {
+
+namespace {
+
+class PythonOp : public PendingOp {
+ public:
+  explicit PythonOp(py::object op) : op_(std::move(op)) {}
+  ~PythonOp() override {
+    py::gil_scoped_acquire gil;
+    op_ = py::object();
+  }
+  bool test() override {
+    py::gil_scoped_acquire gil;
+    try {
+      return op_.attr("test")().cast<bool>();
+    } catch (const py::error_already_set& error) {
+      throw CommError(std::string("collective failed: ") + error.what());
+    }
+  }
+
+ private:
+  py::object op_;
+};
+
+}  // namespace
+
+PythonTransport::PythonTransport(py::object impl)
+    : impl_(std::move(impl)),
+      rank_(impl_.attr("rank").cast<int>()),
+      size_(impl_.attr("size").cast<int>()),
+      name_(impl_.attr("name").cast<std::string>()) {}
+
+PythonTransport::~PythonTransport() {
+  py::gil_scoped_acquire gil;
+  impl_ = py::object();
+}
+
+std::vector<std::string> PythonTransport::exchange(const std::string& mine, double timeout_s) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::list gathered = impl_.attr("exchange")(py::bytes(mine), timeout_s);
+    std::vector<std::string> reports;
+    reports.reserve(gathered.size());
+    for (const py::handle& item : gathered) reports.push_back(item.cast<std::string>());
+    return reports;
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " agreement exchange failed: " + error.what());
+  }
+}
+
+std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object pending = impl_.attr("start")(reinterpret_cast<uintptr_t>(op.data), op.count, dtype_name(op.dtype),
+                                             kind_name(op.kind), op.root);
+    return std::make_unique<PythonOp>(std::move(pending));
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error.what());
+  }
+}
+
+}  // namespace commsched

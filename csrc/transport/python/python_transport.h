@@ -1,0 +1,36 @@
+// Trampoline for transports written in Python (torch.distributed process groups,
+// gRPC): the core calls the Python object's methods with the GIL taken.
+//
+// The Python object provides:
+//   rank: int, size: int, name: str
+//   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
+//   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "transport/transport.h"
+
+namespace commsched {
+
+class PythonTransport : public Transport {
+ public:
+  explicit PythonTransport(pybind11::object impl);
+  ~PythonTransport() override;
+  PythonTransport(const PythonTransport&) = delete;
+  PythonTransport& operator=(const PythonTransport&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+  std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
+  std::unique_ptr<PendingOp> start(const WireOp& op) override;
+
+ private:
+  pybind11::object impl_;
+  int rank_;
+  int size_;
+  std::string name_;
+};
+
+}  // namespace commsched

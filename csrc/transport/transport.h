@@ -1,0 +1,56 @@
+// The one interface every transport implements (MPI, loopback, and Python-side
+// transports through the trampoline). The core calls it from its background thread only.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+
+namespace commsched {
+
+// One collective on the wire. Allreduce always sums; the core applies "average" itself.
+struct WireOp {
+  CollectiveKind kind = CollectiveKind::kAllreduce;
+  DType dtype = DType::kFloat32;
+  int root = 0;
+  void* data = nullptr;
+  uint64_t count = 0;
+};
+
+// An operation in flight. test() returns true once the data is final; it throws
+// CommError if the operation failed.
+class PendingOp {
+ public:
+  virtual ~PendingOp() = default;
+  virtual bool test() = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;
+
+  // Blocking allgather of one byte string per rank; every rank calls it in the same
+  // order. Returns the strings indexed by rank. Throws CommError on failure or after
+  // `timeout_s` seconds without every rank joining.
+  virtual std::vector<std::string> exchange(const std::string& mine, double timeout_s) = 0;
+
+  // Starts a collective in place on `op.data`. Every rank starts collectives in the
+  // same order (the agreement guarantees it).
+  virtual std::unique_ptr<PendingOp> start(const WireOp& op) = 0;
+};
+
+}  // namespace commsched
+
+namespace commsched {
+
+// A natively compiled transport living in another extension module hands the core
+// a factory through a capsule of this name: the module is loaded only when chosen.
+using TransportFactory = std::unique_ptr<Transport> (*)(uint64_t handle);
+inline constexpr const char* kTransportFactoryCapsule = "commsched.transport_factory";
+
+}  // namespace commsched
