@@ -48,7 +48,9 @@ extensions = [
             "csrc/transport/loopback/loopback_transport.cc",
             "csrc/transport/python/python_transport.cc",
             "csrc/bindings/core_module.cc",
-        ],
+        ]
+        + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
+        + ["csrc/bindings/sim_bindings.cc"],
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=COMPILE_ARGS,

@@ -14,6 +14,8 @@
 namespace py = pybind11;
 using namespace commsched;
 
+void register_simulator(pybind11::module_& module);
+
 namespace {
 
 // The single owned runtime of this process, created by init() and released by shutdown().
@@ -184,4 +186,5 @@ PYBIND11_MODULE(_core, module) {
   module.def("stats", [] { return stats_dict(slot().require("stats")->stats()); }, "Counters of the running core.");
   module.def("describe", [](const std::string& name) { return slot().require("describe")->describe(name); },
              "Where a pending tensor stands.");
+  register_simulator(module);
 }

@@ -1,0 +1,102 @@
+// Python bindings of the simulator (`commsched._core.simulate`, `simulate_ideal`),
+// registered into the `_core` module by register_simulator().
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/types.h"
+#include "sim/simulator.h"
+
+namespace py = pybind11;
+using namespace commsched;
+
+namespace {
+
+// (name, forward seconds, backward seconds, [gradient bytes per parameter]) per layer, forward order.
+using LayerTuple = std::tuple<std::string, double, double, std::vector<uint64_t>>;
+
+std::vector<sim::LayerSpec> to_layers(const std::vector<LayerTuple>& tuples) {
+  std::vector<sim::LayerSpec> layers;
+  layers.reserve(tuples.size());
+  for (const auto& [name, forward_s, backward_s, params] : tuples) {
+    layers.push_back(sim::LayerSpec{name, forward_s, backward_s, params});
+  }
+  return layers;
+}
+
+sim::NetworkSpec to_network(int ranks, double bandwidth_bytes_per_s, double latency_s) {
+  return sim::NetworkSpec{ranks, bandwidth_bytes_per_s, latency_s};
+}
+
+py::dict to_dict(const sim::SimResult& result) {
+  py::dict out;
+  out["iteration_s"] = result.iteration_s;
+  out["compute_s"] = result.compute_s;
+  out["communication_s"] = result.communication_s;
+  out["bound_s"] = result.bound_s;
+  out["sum_s"] = result.sum_s;
+  out["launches"] = result.launches;
+  out["fused_launches"] = result.fused_launches;
+  out["cycles"] = result.cycles;
+  out["max_bytes_in_flight"] = result.max_bytes_in_flight;
+  out["iteration_starts_s"] = result.iteration_starts_s;
+  return out;
+}
+
+}  // namespace
+
+void register_simulator(py::module_& module) {
+  module.def(
+      "simulate",
+      [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, double latency_s,
+         const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
+         const std::string& mode, double cycle_time_s, double exchange_s, int iterations, int warmup) {
+        if (policy != "priority" && policy != "fifo") throw UsageError("policy must be 'priority' or 'fifo'");
+        if (mode != "barrier" && mode != "overlap") throw UsageError("mode must be 'barrier' or 'overlap'");
+        sim::SimSettings settings;
+        settings.scheduling = SchedulingSettings{policy == "fifo" ? Policy::kFifo : Policy::kPriority,
+                                                 partition_bytes, credit_bytes, fusion_bytes};
+        settings.mode = mode == "barrier" ? sim::Mode::kBarrier : sim::Mode::kOverlap;
+        settings.cycle_time_s = cycle_time_s;
+        settings.exchange_s = exchange_s;
+        settings.iterations = iterations;
+        settings.warmup = warmup;
+        const auto spec = to_layers(layers);
+        sim::SimResult result;
+        {
+          py::gil_scoped_release release;
+          result = sim::simulate(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s), settings);
+        }
+        return to_dict(result);
+      },
+      py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("latency_s"),
+      py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
+      py::arg("mode"), py::arg("cycle_time_s") = 0.001, py::arg("exchange_s") = -1.0, py::arg("iterations") = 6,
+      py::arg("warmup") = 2, "Predicts the iteration time of a profile under the real Scheduler and a network model.");
+
+  module.def(
+      "simulate_ideal",
+      [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, int iterations,
+         int warmup) {
+        const auto spec = to_layers(layers);
+        sim::SimResult result;
+        {
+          py::gil_scoped_release release;
+          result = sim::simulate_ideal(spec, to_network(ranks, bandwidth_bytes_per_s, 0.0), iterations, warmup);
+        }
+        return to_dict(result);
+      },
+      py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("iterations") = 6,
+      py::arg("warmup") = 2, "The best schedule possible: overlap with an infinitely preemptive, zero-overhead link.");
+
+  module.def(
+      "ring_allreduce_s",
+      [](uint64_t bytes, int ranks, double bandwidth_bytes_per_s, double latency_s) {
+        return sim::ring_allreduce_s(bytes, to_network(ranks, bandwidth_bytes_per_s, latency_s));
+      },
+      py::arg("bytes"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("latency_s"),
+      "Modelled time of one ring allreduce: 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency.");
+}

@@ -1,0 +1,82 @@
+#include "sim/network.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace commsched::sim {
+
+namespace {
+// Wire bytes below this count as sent: floating-point residue of the fair-share drain.
+constexpr double kByteEpsilon = 1e-6;
+}  // namespace
+
+double ring_wire_bytes(uint64_t bytes, int ranks) {
+  return 2.0 * (ranks - 1) / ranks * static_cast<double>(bytes);
+}
+
+double ring_latency_s(const NetworkSpec& network) { return 2.0 * (network.ranks - 1) * network.latency_s; }
+
+double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network) {
+  return ring_wire_bytes(bytes, network.ranks) / network.bandwidth_bytes_per_s + ring_latency_s(network);
+}
+
+SharedLink::SharedLink(double bytes_per_s) : rate_(bytes_per_s) {
+  if (!(bytes_per_s > 0)) throw std::invalid_argument("link bandwidth must be above 0 bytes/s");
+}
+
+void SharedLink::start(uint64_t id, double now_s, double latency_s, double wire_bytes) {
+  drain(now_s);
+  joining_.push_back(Flow{id, now_s + std::max(0.0, latency_s), std::max(0.0, wire_bytes)});
+}
+
+double SharedLink::next_event_s() const {
+  double next = kNever;
+  for (const Flow& flow : joining_) next = std::min(next, flow.join_s);
+  if (!active_.empty()) {
+    double least = kNever;
+    for (const Flow& flow : active_) least = std::min(least, flow.remaining);
+    next = std::min(next, now_s_ + least * static_cast<double>(active_.size()) / rate_);
+  }
+  return next;
+}
+
+void SharedLink::drain(double until_s) {
+  if (until_s <= now_s_) return;
+  if (!active_.empty()) {
+    const double share = (until_s - now_s_) * rate_ / static_cast<double>(active_.size());
+    for (Flow& flow : active_) flow.remaining -= share;
+  }
+  now_s_ = until_s;
+}
+
+std::vector<uint64_t> SharedLink::advance(double t_s) {
+  std::vector<uint64_t> finished;
+  while (true) {
+    const double next = next_event_s();
+    if (next > t_s) break;
+    drain(next);
+    // Joins before completions, so a zero-byte flow that joins now finishes now.
+    for (auto it = joining_.begin(); it != joining_.end();) {
+      if (it->join_s <= now_s_) {
+        active_.push_back(*it);
+        it = joining_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const double k = static_cast<double>(active_.size());
+    for (auto it = active_.begin(); it != active_.end();) {
+      // The second test catches a residue too small to move the clock, which would loop forever.
+      if (it->remaining <= kByteEpsilon || now_s_ + it->remaining * k / rate_ <= now_s_) {
+        finished.push_back(it->id);
+        it = active_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  drain(t_s);
+  return finished;
+}
+
+}  // namespace commsched::sim

@@ -1,0 +1,59 @@
+// Network model of the simulator: collectives in flight share one link fairly.
+//
+// A collective first waits out its latency (per-message latency times the number
+// of sequential steps of its algorithm) and then moves its wire bytes at an equal
+// share of the link with every other collective in that phase (processor sharing),
+// which is how concurrent non-blocking collectives interleave on one TCP link.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace commsched::sim {
+
+struct NetworkSpec {
+  int ranks = 2;
+  double bandwidth_bytes_per_s = 125e6;  // of each rank's link, per direction
+  double latency_s = 50e-6;              // one message, one hop
+};
+
+// Bytes each rank puts on its link for a ring allreduce of `bytes`: 2(n-1)/n of them.
+double ring_wire_bytes(uint64_t bytes, int ranks);
+// Sequential message latency of a ring allreduce: 2(n-1) steps.
+double ring_latency_s(const NetworkSpec& network);
+// Time of one ring allreduce alone on the link.
+double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network);
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+class SharedLink {
+ public:
+  explicit SharedLink(double bytes_per_s);
+
+  // Starts flow `id` at `now_s`: idle for `latency_s`, then `wire_bytes` at a fair share.
+  void start(uint64_t id, double now_s, double latency_s, double wire_bytes);
+  // Time of the next join or completion; kNever when nothing is in flight.
+  double next_event_s() const;
+  // Moves the clock to `t_s` (no later than next_event_s()) and returns the flows that finished.
+  std::vector<uint64_t> advance(double t_s);
+  bool idle() const { return joining_.empty() && active_.empty(); }
+  size_t in_flight() const { return joining_.size() + active_.size(); }
+
+ private:
+  struct Flow {
+    uint64_t id = 0;
+    double join_s = 0;
+    double remaining = 0;  // wire bytes left
+  };
+
+  void drain(double until_s);
+
+  double rate_;
+  double now_s_ = 0;
+  std::vector<Flow> joining_;  // in their latency phase, in start order
+  std::vector<Flow> active_;   // sharing the bandwidth, in start order
+};
+
+}  // namespace commsched::sim

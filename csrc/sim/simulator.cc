@@ -1,0 +1,364 @@
+#include "sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "core/scheduler.h"
+
+namespace commsched::sim {
+
+namespace {
+
+// Past this much virtual time the replay has stopped making progress.
+constexpr double kHorizonS = 1e7;
+
+struct Param {
+  uint32_t layer = 0;
+  uint64_t bytes = 0;
+  int32_t priority = 0;  // position in the forward pass: what the next forward needs first
+};
+
+std::vector<Param> flatten(const std::vector<LayerSpec>& layers) {
+  std::vector<Param> params;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (uint64_t bytes : layers[l].param_bytes) {
+      params.push_back(Param{static_cast<uint32_t>(l), bytes, static_cast<int32_t>(params.size())});
+    }
+  }
+  return params;
+}
+
+// Where gradients go once ready: the modelled runtime, or the ideal link.
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual void submit(double now_s, uint64_t tensor_id) = 0;
+  virtual double next_event_s() const = 0;
+  // Processes every event up to `now_s`; returns the tensors whose reduction is now visible.
+  virtual std::vector<uint64_t> advance(double now_s) = 0;
+};
+
+// The training loop of one rank: forward layer by layer, backward in reverse, each
+// layer's gradients handed to Comm as its backward ends.
+class Trainer {
+ public:
+  Trainer(const std::vector<LayerSpec>& layers, const std::vector<Param>& params, Mode mode, int iterations)
+      : layers_(layers), params_(params), mode_(mode), iterations_(iterations), pending_(layers.size(), 0) {
+    for (size_t l = 0; l < layers.size(); ++l) ops_.push_back(Op{true, static_cast<uint32_t>(l)});
+    for (size_t l = layers.size(); l-- > 0;) ops_.push_back(Op{false, static_cast<uint32_t>(l)});
+    params_of_layer_.resize(layers.size());
+    for (size_t p = 0; p < params.size(); ++p) params_of_layer_[params[p].layer].push_back(p);
+  }
+
+  bool finished() const { return finished_; }
+  double next_event_s() const { return running_ ? op_end_s_ : kNever; }
+  const std::vector<double>& starts() const { return starts_; }
+
+  void on_done(uint64_t tensor_id) {
+    const Param& param = params_[tensor_id % params_.size()];
+    --pending_[param.layer];
+    --total_pending_;
+  }
+
+  // Ends the running op if its time has come and starts whatever may start now.
+  void advance(double now_s, Comm& comm) {
+    while (!finished_) {
+      if (running_) {
+        if (op_end_s_ > now_s) return;
+        finish_op(op_end_s_, comm);
+      }
+      if (!try_start(now_s)) return;
+    }
+  }
+
+ private:
+  struct Op {
+    bool forward = true;
+    uint32_t layer = 0;
+  };
+
+  bool try_start(double now_s) {
+    const Op& op = ops_[op_index_];
+    if (op.forward) {
+      const bool gated = mode_ == Mode::kOverlap ? pending_[op.layer] > 0 : (op.layer == 0 && total_pending_ > 0);
+      if (gated) return false;
+      if (op_index_ == 0) {
+        starts_.push_back(now_s);
+        if (iteration_ == iterations_) {
+          finished_ = true;
+          return false;
+        }
+      }
+    }
+    const LayerSpec& layer = layers_[op.layer];
+    running_ = true;
+    op_end_s_ = now_s + (op.forward ? layer.forward_s : layer.backward_s);
+    return true;
+  }
+
+  void finish_op(double now_s, Comm& comm) {
+    running_ = false;
+    const Op& op = ops_[op_index_];
+    if (!op.forward) {
+      const auto& owned = params_of_layer_[op.layer];
+      // Autograd produces a layer's gradients last parameter first.
+      for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
+        ++pending_[op.layer];
+        ++total_pending_;
+        comm.submit(now_s, static_cast<uint64_t>(iteration_) * params_.size() + *it);
+      }
+    }
+    if (++op_index_ == ops_.size()) {
+      op_index_ = 0;
+      ++iteration_;
+    }
+  }
+
+  const std::vector<LayerSpec>& layers_;
+  const std::vector<Param>& params_;
+  const Mode mode_;
+  const int iterations_;
+  std::vector<Op> ops_;
+  std::vector<std::vector<size_t>> params_of_layer_;
+  std::vector<int> pending_;  // unfinished reductions per layer
+  int total_pending_ = 0;
+  size_t op_index_ = 0;
+  int iteration_ = 0;
+  bool running_ = false;
+  bool finished_ = false;
+  double op_end_s_ = 0;
+  std::vector<double> starts_;
+};
+
+// The runtime loop of csrc/core/runtime.cc on a virtual clock, over a SharedLink.
+class RuntimeComm : public Comm {
+ public:
+  RuntimeComm(const std::vector<Param>& params, const NetworkSpec& network, const SimSettings& settings)
+      : params_(params),
+        network_(network),
+        cycle_s_(settings.cycle_time_s),
+        exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s
+                                              : std::ceil(std::log2(std::max(2, network.ranks))) * network.latency_s),
+        scheduler_(settings.scheduling),
+        link_(network.bandwidth_bytes_per_s),
+        deadline_s_(settings.cycle_time_s) {}
+
+  void submit(double now_s, uint64_t tensor_id) override {
+    inbox_.push_back(tensor_id);
+    // A submission wakes a waiting core at once; one arriving mid-exchange waits for the next cycle.
+    if (!exchanging_) news_s_ = std::min(news_s_, now_s);
+  }
+
+  double next_event_s() const override { return std::min(link_.next_event_s(), own_next_s()); }
+
+  std::vector<uint64_t> advance(double now_s) override {
+    std::vector<uint64_t> done;
+    while (true) {
+      const double link_next = link_.next_event_s();
+      const double own_next = own_next_s();
+      if (std::min(link_next, own_next) > now_s) break;
+      if (link_next <= own_next) {
+        for (uint64_t seq : link_.advance(link_next)) complete(seq, link_next, done);
+      } else if (exchanging_) {
+        end_exchange(own_next, done);
+      } else {
+        start_exchange(own_next);
+      }
+    }
+    return done;
+  }
+
+  void fill(SimResult& result) const {
+    result.launches = launches_;
+    result.fused_launches = fused_launches_;
+    result.cycles = cycles_;
+    result.max_bytes_in_flight = max_bytes_in_flight_;
+  }
+
+ private:
+  double own_next_s() const { return exchanging_ ? exchange_end_s_ : std::min(news_s_, deadline_s_); }
+
+  void start_exchange(double now_s) {
+    announced_.swap(inbox_);
+    inbox_.clear();
+    reported_bytes_ = completed_bytes_;
+    exchanging_ = true;
+    exchange_end_s_ = now_s + exchange_s_;
+    news_s_ = kNever;
+    ++cycles_;
+  }
+
+  void end_exchange(double now_s, std::vector<uint64_t>& done) {
+    exchanging_ = false;
+    for (uint64_t id : announced_) {
+      const Param& param = params_[id % params_.size()];
+      TensorSpec spec;
+      spec.name = std::to_string(id);
+      spec.count = param.bytes / dtype_size(spec.dtype);
+      spec.priority = param.priority;
+      chunks_left_[id] = scheduler_.add(id, spec);
+    }
+    announced_.clear();
+    // Credit comes back only as the agreed report says, as in the real core.
+    scheduler_.set_completed_bytes(reported_bytes_);
+    for (Launch& launch : scheduler_.next_launches()) {
+      ++launches_;
+      fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
+      link_.start(launch.seq, now_s, ring_latency_s(network_), ring_wire_bytes(launch.bytes, network_.ranks));
+      in_flight_.emplace(launch.seq, std::move(launch));
+    }
+    max_bytes_in_flight_ = std::max(max_bytes_in_flight_, scheduler_.bytes_in_flight());
+    // Completions seen during the exchange are polled after the launches, without waking the next cycle.
+    done.insert(done.end(), deferred_.begin(), deferred_.end());
+    deferred_.clear();
+    deadline_s_ = now_s + cycle_s_;
+    if (!inbox_.empty()) news_s_ = now_s;
+  }
+
+  void complete(uint64_t seq, double now_s, std::vector<uint64_t>& done) {
+    auto found = in_flight_.find(seq);
+    const Launch launch = std::move(found->second);
+    in_flight_.erase(found);
+    completed_bytes_ += launch.bytes;
+    for (const ChunkRef& chunk : launch.chunks) {
+      auto left = chunks_left_.find(chunk.tensor_id);
+      if (--left->second > 0) continue;
+      chunks_left_.erase(left);
+      (exchanging_ ? deferred_ : done).push_back(chunk.tensor_id);
+    }
+    if (!exchanging_) news_s_ = std::min(news_s_, now_s);
+  }
+
+  const std::vector<Param>& params_;
+  const NetworkSpec network_;
+  const double cycle_s_;
+  const double exchange_s_;
+  Scheduler scheduler_;
+  SharedLink link_;
+  bool exchanging_ = false;
+  double deadline_s_;
+  double news_s_ = kNever;
+  double exchange_end_s_ = 0;
+  std::vector<uint64_t> inbox_;
+  std::vector<uint64_t> announced_;
+  std::vector<uint64_t> deferred_;
+  uint64_t completed_bytes_ = 0;
+  uint64_t reported_bytes_ = 0;
+  std::unordered_map<uint64_t, uint32_t> chunks_left_;
+  std::unordered_map<uint64_t, Launch> in_flight_;
+  uint64_t launches_ = 0;
+  uint64_t fused_launches_ = 0;
+  uint64_t cycles_ = 0;
+  uint64_t max_bytes_in_flight_ = 0;
+};
+
+// A fluid link that always serves the ready tensor the next forward needs first.
+class IdealComm : public Comm {
+ public:
+  IdealComm(const std::vector<Param>& params, const NetworkSpec& network)
+      : params_(params), ranks_(network.ranks), rate_(network.bandwidth_bytes_per_s) {}
+
+  void submit(double now_s, uint64_t tensor_id) override {
+    serve(now_s);
+    const Param& param = params_[tensor_id % params_.size()];
+    ready_.emplace(Key{param.priority, next_seq_++}, Ready{tensor_id, ring_wire_bytes(param.bytes, ranks_)});
+  }
+
+  double next_event_s() const override {
+    return ready_.empty() ? kNever : now_s_ + ready_.begin()->second.remaining / rate_;
+  }
+
+  std::vector<uint64_t> advance(double now_s) override {
+    std::vector<uint64_t> done;
+    while (!ready_.empty() && next_event_s() <= now_s) {
+      now_s_ = next_event_s();
+      done.push_back(ready_.begin()->second.tensor_id);
+      ready_.erase(ready_.begin());
+    }
+    serve(now_s);
+    return done;
+  }
+
+ private:
+  using Key = std::pair<int32_t, uint64_t>;
+  struct Ready {
+    uint64_t tensor_id = 0;
+    double remaining = 0;  // wire bytes
+  };
+
+  // Gives the time up to `now_s` to the head; advance() has already retired whatever finishes by then.
+  void serve(double now_s) {
+    if (now_s <= now_s_) return;
+    if (!ready_.empty()) ready_.begin()->second.remaining -= (now_s - now_s_) * rate_;
+    now_s_ = now_s;
+  }
+
+  const std::vector<Param>& params_;
+  const int ranks_;
+  const double rate_;
+  double now_s_ = 0;
+  uint64_t next_seq_ = 0;
+  std::map<Key, Ready> ready_;
+};
+
+void check_inputs(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations, int warmup) {
+  if (layers.empty()) throw std::invalid_argument("the model profile has no layers");
+  if (network.ranks < 2) throw std::invalid_argument("the simulator needs at least 2 ranks");
+  if (!(network.bandwidth_bytes_per_s > 0)) throw std::invalid_argument("bandwidth must be above 0");
+  if (network.latency_s < 0) throw std::invalid_argument("latency must not be negative");
+  if (iterations < 1 || warmup < 0) throw std::invalid_argument("need iterations >= 1 and warmup >= 0");
+  for (const LayerSpec& layer : layers) {
+    if (layer.forward_s < 0 || layer.backward_s < 0) {
+      throw std::invalid_argument("layer '" + layer.name + "' has a negative compute time");
+    }
+  }
+}
+
+SimResult run(const std::vector<LayerSpec>& layers, const std::vector<Param>& params, const NetworkSpec& network,
+              Mode mode, int iterations, int warmup, Comm& comm) {
+  Trainer trainer(layers, params, mode, warmup + iterations);
+  trainer.advance(0, comm);
+  while (!trainer.finished()) {
+    const double t = std::min(trainer.next_event_s(), comm.next_event_s());
+    if (!(t < kHorizonS)) throw std::logic_error("the simulated training loop stopped making progress");
+    for (uint64_t id : comm.advance(t)) trainer.on_done(id);
+    trainer.advance(t, comm);
+  }
+  SimResult result;
+  result.iteration_starts_s = trainer.starts();
+  const auto& starts = result.iteration_starts_s;
+  result.iteration_s = (starts.back() - starts[warmup]) / iterations;
+  uint64_t total_bytes = 0;
+  for (const Param& param : params) total_bytes += param.bytes;
+  for (const LayerSpec& layer : layers) result.compute_s += layer.forward_s + layer.backward_s;
+  result.communication_s = total_bytes ? ring_allreduce_s(total_bytes, network) : 0.0;
+  result.bound_s = std::max(result.compute_s, result.communication_s);
+  result.sum_s = result.compute_s + result.communication_s;
+  return result;
+}
+
+}  // namespace
+
+SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& network, const SimSettings& settings) {
+  check_inputs(layers, network, settings.iterations, settings.warmup);
+  if (!(settings.cycle_time_s > 0)) throw std::invalid_argument("cycle time must be above 0");
+  const std::vector<Param> params = flatten(layers);
+  RuntimeComm comm(params, network, settings);
+  SimResult result = run(layers, params, network, settings.mode, settings.iterations, settings.warmup, comm);
+  comm.fill(result);
+  return result;
+}
+
+SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
+                         int warmup) {
+  check_inputs(layers, network, iterations, warmup);
+  const std::vector<Param> params = flatten(layers);
+  IdealComm comm(params, network);
+  return run(layers, params, network, Mode::kOverlap, iterations, warmup, comm);
+}
+
+}  // namespace commsched::sim

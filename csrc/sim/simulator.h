@@ -1,0 +1,63 @@
+// The simulator: commsched's real Scheduler driven by a virtual clock, with the
+// transport replaced by a network model and the framework by a replayed model profile.
+//
+// It mirrors the runtime loop (csrc/core/runtime.cc) cycle by cycle: the core
+// waits for news (a new tensor or a completion, at most one cycle time), spends
+// one exchange on agreement, hands the agreed tensors and the completed byte count
+// of that report to the Scheduler, and starts what it returns. Ranks are taken as
+// identical, so one rank's timeline stands for all of them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/settings.h"
+#include "sim/network.h"
+
+namespace commsched::sim {
+
+struct LayerSpec {
+  std::string name;
+  double forward_s = 0;
+  double backward_s = 0;
+  std::vector<uint64_t> param_bytes;  // float32 gradients, in forward order
+};
+
+// How the training loop waits for its reductions.
+enum class Mode : uint8_t {
+  kBarrier = 0,  // the next iteration starts once every reduction is done (Horovod, DDP)
+  kOverlap,      // each layer's next forward waits only for its own parameters
+};
+
+struct SimSettings {
+  SchedulingSettings scheduling;
+  Mode mode = Mode::kOverlap;
+  double cycle_time_s = 0.001;
+  double exchange_s = -1;  // duration of one agreement exchange; below 0: ceil(log2 n) * latency
+  int iterations = 6;      // measured iterations
+  int warmup = 2;          // iterations run before measuring
+};
+
+struct SimResult {
+  double iteration_s = 0;      // steady-state period between starts of the first forward
+  double compute_s = 0;        // forward + backward of one iteration
+  double communication_s = 0;  // every gradient in one ring allreduce
+  double bound_s = 0;          // max(compute, communication)
+  double sum_s = 0;            // compute + communication
+  uint64_t launches = 0;
+  uint64_t fused_launches = 0;
+  uint64_t cycles = 0;
+  uint64_t max_bytes_in_flight = 0;
+  std::vector<double> iteration_starts_s;
+};
+
+// Replays the profile through the real Scheduler and the modelled network.
+SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& network, const SimSettings& settings);
+
+// The best schedule possible for the profile: overlap, zero overhead, and a link that
+// always serves the most urgent ready byte (infinitely preemptive priority, no latency).
+SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
+                         int warmup);
+
+}  // namespace commsched::sim
