@@ -1,0 +1,341 @@
+"""`commsched-bench schedule`: replays a model's training step on the launched ranks.
+
+Compute is emulated by sleeping (the CPU stays free, as it would with a GPU doing
+the work); the gradients are real float32 buffers of the profile's sizes that go
+through the real transport under the chosen policy. Two loop shapes are replayed:
+barrier (the next iteration waits for every reduction) and overlap (each layer's
+next forward waits only for its own parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from commsched.bench import report
+
+POLICIES = ("priority", "fifo")
+MODES = ("overlap", "barrier")
+DEFAULT_DEVICE_TFLOPS = 100.0
+
+
+@dataclass
+class TimedLayer:
+    """One layer as replayed: compute seconds and its parameters' (name, element count)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    params: list[tuple[str, int]]
+
+
+def load_model(name_or_path: str) -> Any:
+    """A ModelProfile by shipped name, or from a JSON file recorded with commsched.bench.models."""
+    from commsched.bench import models
+
+    if name_or_path.endswith(".json") or Path(name_or_path).exists():
+        return models.load_profile(name_or_path)
+    return models.get_profile(name_or_path)
+
+
+def timed_layers(
+    profile: Any, device_tflops: float, scale: float = 1.0, time_scale: float = 1.0
+) -> list[TimedLayer]:
+    """Layers with compute time from FLOPs at `device_tflops`; sizes and compute divided by `scale`."""
+    if device_tflops <= 0 or scale < 1 or time_scale <= 0:
+        raise ValueError("need device_tflops > 0, scale >= 1 and time_scale > 0")
+    per_flop = time_scale / (device_tflops * 1e12 * scale)
+    layers = []
+    for layer in profile.layers:
+        params = [
+            (name, max(1, math.prod(shape) // int(scale) if scale > 1 else math.prod(shape)))
+            for name, shape in layer.params
+        ]
+        layers.append(
+            TimedLayer(layer.name, layer.forward_flops * per_flop, layer.backward_flops * per_flop, params)
+        )
+    return layers
+
+
+def rescale_compute(layers: list[TimedLayer], factor: float) -> list[TimedLayer]:
+    """The same layers with compute times multiplied by `factor`."""
+    return [TimedLayer(l.name, l.forward_s * factor, l.backward_s * factor, l.params) for l in layers]
+
+
+def sim_layers(layers: list[TimedLayer]) -> list[tuple[str, float, float, list[int]]]:
+    """The simulator's view of the layers: float32 gradient bytes per parameter."""
+    return [(l.name, l.forward_s, l.backward_s, [4 * count for _, count in l.params]) for l in layers]
+
+
+def compute_s(layers: list[TimedLayer]) -> float:
+    """Forward plus backward time of one iteration."""
+    return sum(l.forward_s + l.backward_s for l in layers)
+
+
+def gradient_bytes(layers: list[TimedLayer]) -> int:
+    """Total float32 gradient bytes of one iteration."""
+    return sum(4 * count for l in layers for _, count in l.params)
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def replay(layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int) -> float:
+    """Runs the training loop on this rank; returns the mean period between first-layer forwards."""
+    import commsched
+
+    index_of = {}
+    for layer in layers:
+        for name, _ in layer.params:
+            index_of[name] = len(index_of)
+    handles: list[list[Any]] = [[] for _ in layers]
+    starts: list[float] = []
+    clock = time.perf_counter()
+    for iteration in range(warmup + iterations + 1):
+        for j, layer in enumerate(layers):
+            if mode == "overlap" or j == 0:
+                for pending in handles if mode == "barrier" else [handles[j]]:
+                    for handle in pending:
+                        handle.wait()
+                    pending.clear()
+            # Planned, not measured, ends: sleep overshoot does not pile up from layer to layer.
+            clock = max(clock, time.perf_counter())
+            if j == 0:
+                starts.append(clock)
+                if iteration == warmup + iterations:
+                    break
+            clock += layer.forward_s
+            _sleep_until(clock)
+        else:
+            for j in range(len(layers) - 1, -1, -1):
+                layer = layers[j]
+                clock = max(clock, time.perf_counter()) + layer.backward_s
+                _sleep_until(clock)
+                for name, _ in reversed(layer.params):
+                    position = index_of[name]
+                    handles[j].append(
+                        commsched.allreduce_async(grads[position], name=name, priority=position)
+                    )
+    for pending in handles:
+        for handle in pending:
+            handle.wait()
+    return (starts[-1] - starts[warmup]) / iterations
+
+
+def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
+    """Median over repeats of the slowest rank's time for one raw in-place MPI allreduce."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buffer = np.zeros(max(1, nbytes // 4), np.float32)
+    comm.Allreduce(MPI.IN_PLACE, buffer)
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buffer)
+        samples.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(samples)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replays the profile under every requested policy and mode; rank 0 prints the report."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import commsched
+    from commsched.bench import sim_cli
+
+    comm = MPI.COMM_WORLD
+    ranks, rank = comm.Get_size(), comm.Get_rank()
+    if ranks < 2:
+        print(
+            "commsched-bench schedule replays data-parallel training: launch it on 2 or more ranks, "
+            "e.g. mpiexec -n 2 commsched-bench schedule --model vgg16",
+            file=sys.stderr,
+        )
+        return 2
+    profile = load_model(args.model)
+    layers = timed_layers(profile, args.device_tflops, args.scale, args.time_scale)
+    total_bytes = gradient_bytes(layers)
+    comm_s = _raw_allreduce_s(comm, total_bytes, args.calibration_repeats)
+    small_s = _raw_allreduce_s(comm, 4, 20)
+    time_scale = args.time_scale
+    if args.compute_ratio:
+        # Sets compute to a chosen multiple of the measured communication time.
+        factor = args.compute_ratio * comm_s / compute_s(layers)
+        layers = rescale_compute(layers, factor)
+        time_scale *= factor
+    bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
+    latency = small_s / (2 * (ranks - 1))
+    grads = [
+        np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
+    ]
+    rows = []
+    progress = report.Progress(
+        len(args.policies) * len(args.modes), "schedule", enabled=None if rank == 0 else False
+    )
+    for policy in args.policies:
+        commsched.init(
+            policy=policy,
+            transport="mpi",
+            partition_bytes=args.partition_bytes,
+            credit_bytes=args.credit_bytes,
+            fusion_bytes=args.fusion_bytes,
+            cycle_time=args.cycle_time,
+        )
+        settings = commsched.config()
+        for mode in args.modes:
+            comm.Barrier()
+            mine = replay(layers, grads, mode, args.iterations, args.warmup)
+            rows.append({"policy": policy, "mode": mode, "iteration_s": comm.allreduce(mine, op=MPI.MAX)})
+            progress.step(f"{policy}/{mode}")
+        commsched.shutdown()
+    if rank != 0:
+        return 0
+    predicted = sim_cli.predict(
+        sim_layers(layers), ranks, bandwidth, latency, settings, args.policies, args.modes
+    )
+    best_s = predicted[0]["best_s"]
+    compute = compute_s(layers)
+    baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
+    for row, sim in zip(rows, predicted):
+        row.update(
+            compute_s=compute,
+            communication_s=comm_s,
+            bound_s=max(compute, comm_s),
+            best_s=best_s,
+            sum_s=compute + comm_s,
+            sim_s=sim["iteration_s"],
+        )
+        row["hidden"] = min(1.0, max(0.0, (compute + comm_s - row["iteration_s"]) / comm_s))
+        row["vs_best"] = row["iteration_s"] / best_s
+        row["speedup"] = baseline / row["iteration_s"] if baseline else None
+        row["sim_error"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
+    header = {
+        "model": profile.name,
+        "ranks": ranks,
+        "scale": args.scale,
+        "device_tflops": args.device_tflops,
+        "time_scale": time_scale,
+        "gradient_bytes": total_bytes,
+        "compute_s": compute,
+        "communication_s": comm_s,
+        "bandwidth_bytes_per_s": bandwidth,
+        "latency_s": latency,
+        "settings": settings,
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+    }
+    print_schedule(header, rows)
+    if args.json:
+        report.dump_json({"run": header, "results": rows}, args.json)
+    if args.plot:
+        report.plot_iterations(
+            rows, args.plot, f"{profile.name} on {ranks} ranks (replay)", ("policy", "mode")
+        )
+    return 0
+
+
+COLUMNS: list[report.Column] = [
+    ("policy", "policy", ""),
+    ("mode", "mode", ""),
+    ("iteration_ms", "iter ms", ".1f"),
+    ("bound_ms", "max(c,m) ms", ".1f"),
+    ("best_ms", "best ms", ".1f"),
+    ("sum_ms", "c+m ms", ".1f"),
+    ("hidden_pct", "hidden %", ".0f"),
+    ("vs_best", "x best", ".3f"),
+    ("speedup", "vs fifo/barrier", ".3f"),
+    ("sim_ms", "sim ms", ".1f"),
+    ("sim_err_pct", "sim err %", "+.1f"),
+]
+
+
+def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Prints the replay's settings and one row per policy and mode."""
+    print(
+        f"# model {header['model']} on {header['ranks']} ranks, sizes and compute scaled down by {header['scale']:g}"
+        f" ({report.human_size(header['gradient_bytes'])} of gradients per iteration)"
+    )
+    print(
+        f"# compute {header['compute_s'] * 1e3:.1f} ms (FLOPs at {header['device_tflops']:g} TFLOP/s,"
+        f" time scale {header['time_scale']:.4g}); communication {header['communication_s'] * 1e3:.1f} ms"
+        f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
+        f" {header['latency_s'] * 1e6:.0f} us per message)"
+    )
+    table = [
+        dict(
+            row,
+            iteration_ms=row["iteration_s"] * 1e3,
+            bound_ms=row["bound_s"] * 1e3,
+            best_ms=row["best_s"] * 1e3,
+            sum_ms=row["sum_s"] * 1e3,
+            hidden_pct=row["hidden"] * 100,
+            sim_ms=row["sim_s"] * 1e3,
+            sim_err_pct=row["sim_error"] * 100,
+        )
+        for row in rows
+    ]
+    print(report.format_table(COLUMNS, table))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `schedule` subcommand's flags."""
+    parser.add_argument(
+        "--model", required=True, help="vgg16, resnet50, bert-base, gpt2-medium or a profile .json"
+    )
+    parser.add_argument("--policies", type=_list(POLICIES), default=list(POLICIES), help="comma list")
+    parser.add_argument(
+        "--modes", type=_list(MODES), default=list(MODES), help="comma list: overlap, barrier"
+    )
+    parser.add_argument("--iterations", type=int, default=5, help="measured iterations per policy and mode")
+    parser.add_argument("--warmup", type=int, default=2, help="iterations before measuring")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=16.0,
+        help="divide tensor sizes and compute by this, so the replay fits a small machine",
+    )
+    parser.add_argument(
+        "--device-tflops",
+        type=float,
+        default=DEFAULT_DEVICE_TFLOPS,
+        help="device rate that turns the profile's FLOPs into compute time",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
+    parser.add_argument(
+        "--compute-ratio",
+        type=float,
+        default=None,
+        help="instead, set compute to this multiple of the measured communication time",
+    )
+    parser.add_argument("--partition-bytes", default=None, help="e.g. 4MiB (default: commsched's)")
+    parser.add_argument("--credit-bytes", default=None, help="e.g. 8MiB")
+    parser.add_argument("--fusion-bytes", default=None, help="e.g. 1MiB")
+    parser.add_argument("--cycle-time", default=None, help="core cycle time, e.g. 1ms")
+    parser.add_argument(
+        "--calibration-repeats", type=int, default=3, help="raw allreduces timed to measure comm"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart")
+
+
+def _list(options: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        values = [value.strip() for value in text.split(",") if value.strip()]
+        bad = [value for value in values if value not in options]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(options)}")
+        return values
+
+    return parse

@@ -1,0 +1,230 @@
+"""`commsched-sim`: predicts iteration times with the real scheduling core on a virtual clock.
+
+The C++ Scheduler that runs in training is driven by a modelled network (per-message
+latency, bandwidth, ring allreduce for N ranks, collectives in flight sharing the
+link) and by a replayed model profile, for any number of ranks and any bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from commsched._core import simulate, simulate_ideal
+from commsched.bench import report, schedule
+from commsched.config import parse_duration, parse_size
+
+DEFAULT_RANKS = "2,4,8,16,64,256,1024"
+
+
+def parse_rate(text: str) -> float:
+    """A link rate such as 10gbit, 400mbit or 1.25GB/s, in bytes per second."""
+    lowered = text.strip().lower().replace("/s", "ps")
+    for suffix, factor in (
+        ("tbit", 1e12 / 8),
+        ("gbit", 1e9 / 8),
+        ("mbit", 1e6 / 8),
+        ("kbit", 1e3 / 8),
+        ("gbps", 1e9),
+        ("mbps", 1e6),
+        ("kbps", 1e3),
+        ("bps", 1.0),
+        ("bit", 1 / 8),
+    ):
+        if lowered.endswith(suffix):
+            try:
+                return float(lowered[: -len(suffix)]) * factor
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"{text!r} is not a rate; use e.g. 10gbit, 400mbit or 1.25GBps")
+
+
+def predict(
+    layers: list[tuple[str, float, float, list[int]]],
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    settings: dict[str, Any],
+    policies: Sequence[str],
+    modes: Sequence[str],
+    exchange_s: float = -1.0,
+    iterations: int = 6,
+    warmup: int = 2,
+) -> list[dict[str, Any]]:
+    """One row per (policy, mode): simulated iteration time with the bound and the best schedule."""
+    best = simulate_ideal(layers, ranks, bandwidth_bytes_per_s, iterations, warmup)
+    rows = []
+    for policy in policies:
+        for mode in modes:
+            result = simulate(
+                layers,
+                ranks,
+                bandwidth_bytes_per_s,
+                latency_s,
+                policy,
+                int(settings["partition_bytes"]),
+                int(settings["credit_bytes"]),
+                int(settings["fusion_bytes"]),
+                mode,
+                float(settings["cycle_time"]),
+                exchange_s,
+                iterations,
+                warmup,
+            )
+            result.pop("iteration_starts_s")
+            comm = result["communication_s"]
+            hidden = (result["sum_s"] - result["iteration_s"]) / comm if comm else 1.0
+            rows.append(
+                dict(
+                    result,
+                    policy=policy,
+                    mode=mode,
+                    ranks=ranks,
+                    bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                    best_s=best["iteration_s"],
+                    hidden=min(1.0, max(0.0, hidden)),
+                )
+            )
+    baseline = {(r["policy"], r["mode"]): r["iteration_s"] for r in rows}.get(("fifo", "barrier"))
+    for row in rows:
+        row["vs_best"] = row["iteration_s"] / row["best_s"]
+        row["speedup"] = baseline / row["iteration_s"] if baseline else None
+    return rows
+
+
+COLUMNS: list[report.Column] = [
+    ("ranks", "ranks", "d"),
+    ("gbit", "Gbit/s", ".3g"),
+    ("policy", "policy", ""),
+    ("mode", "mode", ""),
+    ("iteration_ms", "iter ms", ".2f"),
+    ("bound_ms", "max(c,m) ms", ".2f"),
+    ("best_ms", "best ms", ".2f"),
+    ("sum_ms", "c+m ms", ".2f"),
+    ("hidden_pct", "hidden %", ".0f"),
+    ("vs_best", "x best", ".3f"),
+    ("speedup", "vs fifo/barrier", ".3f"),
+    ("launches", "launches", "d"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commsched-sim", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", required=True, help="vgg16, resnet50, bert-base, gpt2-medium or a profile .json"
+    )
+    parser.add_argument(
+        "--ranks", default=DEFAULT_RANKS, help=f"comma list of rank counts (default {DEFAULT_RANKS})"
+    )
+    parser.add_argument(
+        "--bandwidth", default="10gbit", help="comma list of link rates, e.g. 1gbit,10gbit,100gbit"
+    )
+    parser.add_argument("--latency", default="20us", help="per-message latency, e.g. 20us")
+    parser.add_argument(
+        "--exchange", default=None, help="agreement exchange time (default ceil(log2 n) * latency)"
+    )
+    parser.add_argument("--device-tflops", type=float, default=schedule.DEFAULT_DEVICE_TFLOPS)
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
+    parser.add_argument("--scale", type=float, default=1.0, help="divide tensor sizes and compute by this")
+    parser.add_argument(
+        "--compute-ratio",
+        type=float,
+        default=None,
+        help="ignore --bandwidth: pick, per rank count, the rate where communication is this "
+        "fraction of compute (1 = equal)",
+    )
+    parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
+    parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
+    parser.add_argument("--partition-bytes", default="4MiB")
+    parser.add_argument("--credit-bytes", default="8MiB")
+    parser.add_argument("--fusion-bytes", default="1MiB")
+    parser.add_argument("--cycle-time", default="1ms")
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of commsched-sim."""
+    args = _parser().parse_args(argv)
+    try:
+        settings = {
+            "partition_bytes": parse_size(args.partition_bytes),
+            "credit_bytes": parse_size(args.credit_bytes),
+            "fusion_bytes": parse_size(args.fusion_bytes),
+            "cycle_time": parse_duration(args.cycle_time),
+        }
+        latency = parse_duration(args.latency)
+        exchange = parse_duration(args.exchange) if args.exchange else -1.0
+        rank_counts = [int(n) for n in args.ranks.split(",")]
+        rates = [parse_rate(r) for r in args.bandwidth.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        print(f"commsched-sim: {error}", file=sys.stderr)
+        return 2
+    profile = schedule.load_model(args.model)
+    layers = schedule.timed_layers(profile, args.device_tflops, args.scale, args.time_scale)
+    spec = schedule.sim_layers(layers)
+    total = schedule.gradient_bytes(layers)
+    compute = schedule.compute_s(layers)
+    rows: list[dict[str, Any]] = []
+    for ranks in rank_counts:
+        if args.compute_ratio:
+            # Comm = ratio * compute, counting only the bandwidth term of one ring allreduce of everything.
+            rates_here = [2.0 * (ranks - 1) / ranks * total / (args.compute_ratio * compute)]
+        else:
+            rates_here = rates
+        for rate in rates_here:
+            rows += predict(
+                spec,
+                ranks,
+                rate,
+                latency,
+                settings,
+                args.policies,
+                args.modes,
+                exchange,
+                args.iterations,
+                args.warmup,
+            )
+    print(
+        f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
+        f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
+        f"latency {latency * 1e6:g} us; simulated with the real scheduler"
+    )
+    table = [
+        dict(
+            row,
+            gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9,
+            iteration_ms=row["iteration_s"] * 1e3,
+            bound_ms=row["bound_s"] * 1e3,
+            best_ms=row["best_s"] * 1e3,
+            sum_ms=row["sum_s"] * 1e3,
+            hidden_pct=row["hidden"] * 100,
+        )
+        for row in rows
+    ]
+    print(report.format_table(COLUMNS, table))
+    if args.json:
+        report.dump_json(
+            {
+                "model": profile.name,
+                "compute_s": compute,
+                "gradient_bytes": total,
+                "latency_s": latency,
+                "settings": settings,
+                "results": rows,
+            },
+            args.json,
+        )
+    if args.plot:
+        labels = [dict(row, label=f"{row['ranks']}r {row['policy']}\n{row['mode']}") for row in rows]
+        report.plot_iterations(labels, args.plot, f"{profile.name} (simulated)", ("label",))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The simulator against closed-form timelines worked out by hand for small profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from commsched import _core
+
+MiB = 1 << 20
+
+
+def sim(
+    layers,
+    policy="fifo",
+    mode="barrier",
+    ranks=2,
+    bw=1e8,
+    latency=1e-4,
+    exchange=3e-4,
+    partition=4 * MiB,
+    credit=8 * MiB,
+    fusion=MiB,
+    cycle=1.0,
+):
+    # A 1 s cycle keeps idle agreement rounds out of these short timelines unless a test asks for them.
+    return _core.simulate(
+        layers, ranks, bw, latency, policy, partition, credit, fusion, mode, cycle, exchange, 4, 2
+    )
+
+
+def ring_s(nbytes: int, ranks: int, bw: float, latency: float) -> float:
+    # Written out here rather than taken from the module: 2(n-1)/n of the bytes, 2(n-1) latencies.
+    return 2 * (ranks - 1) / ranks * nbytes / bw + 2 * (ranks - 1) * latency
+
+
+@pytest.mark.parametrize("policy", ["fifo", "priority"])
+@pytest.mark.parametrize("mode", ["barrier", "overlap"])
+@pytest.mark.parametrize("ranks", [2, 4, 1024])
+def test_one_tensor_costs_compute_exchange_and_ring(policy, mode, ranks):
+    layers = [("l0", 0.01, 0.02, [1_000_000])]
+    result = sim(layers, policy, mode, ranks=ranks)
+    expected = 0.01 + 0.02 + 3e-4 + ring_s(1_000_000, ranks, 1e8, 1e-4)
+    assert result["iteration_s"] == pytest.approx(expected, rel=1e-9)
+    assert result["compute_s"] == pytest.approx(0.03)
+    assert result["communication_s"] == pytest.approx(ring_s(1_000_000, ranks, 1e8, 1e-4))
+
+
+def test_collectives_in_flight_share_the_link():
+    # Fusion off: the two tensors go as two collectives at once and each gets half the link.
+    nbytes = 2_000_000
+    result = sim([("l0", 0.01, 0.02, [nbytes, nbytes])], fusion=0)
+    assert result["launches"] == 6 * 2
+    expected = 0.03 + 3e-4 + 2 * 1e-4 + 2 * nbytes / 1e8
+    assert result["iteration_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_credit_waits_for_the_agreed_completion():
+    # Credit of one tensor: the second launches only after the exchange that reports the first done.
+    nbytes = 2_000_000
+    result = sim(
+        [("l0", 0.01, 0.02, [nbytes, nbytes])], policy="priority", partition=0, credit=nbytes, fusion=0
+    )
+    one = ring_s(nbytes, 2, 1e8, 1e-4)
+    assert result["iteration_s"] == pytest.approx(0.03 + 2 * (3e-4 + one), rel=1e-9)
+    assert result["max_bytes_in_flight"] == nbytes
+
+
+def test_fusion_pays_latency_once():
+    small = 1000
+    # No compute: the completion wakes the core into an empty round before the next gradients arrive,
+    # so each iteration pays two exchanges, one latency phase and the bytes.
+    fused = sim([("l0", 0.0, 0.0, [small] * 10)], fusion=MiB, latency=1e-3)
+    unfused = sim([("l0", 0.0, 0.0, [small] * 10)], fusion=0, latency=1e-3)
+    assert fused["iteration_s"] == pytest.approx(2 * 3e-4 + 2e-3 + 10 * small / 1e8, rel=1e-9)
+    assert unfused["iteration_s"] == pytest.approx(
+        2 * 3e-4 + 2e-3 + 10 * small / 1e8, rel=1e-9
+    )  # shared link, in parallel
+    assert fused["launches"] == 6 and unfused["launches"] == 60
+
+
+# Two layers, 1 s of forward and of backward each; on 2 ranks at 1 MB/s a tensor of b bytes takes b us.
+# Worked by hand: the big gradient of layer 1 (2 s on the wire) is ready at t=3, the small one of layer 0
+# (0.5 s) at t=4. Preemptive priority sends layer 0 first at t=4: the next forward starts 4.5 s apart.
+# FIFO launches layer 0 at t=4 next to layer 1 (no credit): sharing the link, layer 0 ends at t=5.
+TWO_LAYERS = [("first", 1.0, 1.0, [500_000]), ("second", 1.0, 1.0, [2_000_000])]
+
+
+def test_ideal_schedule_preempts_for_the_first_layer():
+    best = _core.simulate_ideal(TWO_LAYERS, 2, 1e6, 4, 2)
+    assert best["iteration_s"] == pytest.approx(4.5, rel=1e-9)
+    assert best["iteration_starts_s"][:3] == pytest.approx([0.0, 4.5, 9.0])
+    assert best["bound_s"] == pytest.approx(4.0)
+
+
+def test_real_scheduler_approaches_the_ideal_with_fine_partitions():
+    kwargs = {"bw": 1e6, "latency": 1e-6, "exchange": 1e-6, "cycle": 1e-4, "credit": 20_000, "fusion": 0}
+    priority = sim(TWO_LAYERS, "priority", "overlap", partition=10_000, **kwargs)
+    fifo = sim(TWO_LAYERS, "fifo", "overlap", partition=10_000, **kwargs)
+    assert priority["iteration_s"] == pytest.approx(4.5, rel=0.02)
+    assert fifo["iteration_s"] == pytest.approx(5.0, rel=0.01)
+
+
+def test_submission_during_an_idle_exchange_waits_for_it():
+    # Cycles every 4.7 ms with 3 ms exchanges: idle rounds run 4.7-7.7, 12.4-15.4, ...; the gradient
+    # ready at t=15 arrives mid-round and is agreed only in the round that starts when that one ends.
+    layers = [("l0", 0.005, 0.010, [1_000_000])]
+    result = sim(layers, exchange=3e-3, cycle=4.7e-3)
+    first_period = result["iteration_starts_s"][1]
+    assert first_period == pytest.approx(0.0154 + 3e-3 + ring_s(1_000_000, 2, 1e8, 1e-4), rel=1e-9)
+
+
+def test_no_gradients_means_compute_only():
+    layers = [("a", 0.1, 0.2, []), ("b", 0.3, 0.4, [])]
+    assert sim(layers)["iteration_s"] == pytest.approx(1.0)
+    assert _core.simulate_ideal(layers, 8, 1e9, 3, 1)["iteration_s"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"ranks": 1}, {"bw": 0.0}, {"latency": -1.0}, {"cycle": 0.0}],
+)
+def test_bad_inputs_are_refused(change):
+    with pytest.raises(ValueError):
+        sim([("l0", 0.1, 0.1, [4])], **change)
+
+
+def test_empty_profile_is_refused():
+    with pytest.raises(ValueError, match="no layers"):
+        sim([])
