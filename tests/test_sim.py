@@ -21,10 +21,11 @@ def sim(
     credit=8 * MiB,
     fusion=MiB,
     cycle=1.0,
+    link="fifo",
 ):
     # A 1 s cycle keeps idle agreement rounds out of these short timelines unless a test asks for them.
     return _core.simulate(
-        layers, ranks, bw, latency, policy, partition, credit, fusion, mode, cycle, exchange, 4, 2
+        layers, ranks, bw, latency, policy, partition, credit, fusion, mode, cycle, exchange, 4, 2, link
     )
 
 
@@ -45,10 +46,10 @@ def test_one_tensor_costs_compute_exchange_and_ring(policy, mode, ranks):
     assert result["communication_s"] == pytest.approx(ring_s(1_000_000, ranks, 1e8, 1e-4))
 
 
-def test_collectives_in_flight_share_the_link():
+def test_collectives_in_flight_share_the_link_equally_when_fair():
     # Fusion off: the two tensors go as two collectives at once and each gets half the link.
     nbytes = 2_000_000
-    result = sim([("l0", 0.01, 0.02, [nbytes, nbytes])], fusion=0)
+    result = sim([("l0", 0.01, 0.02, [nbytes, nbytes])], fusion=0, link="fair")
     assert result["launches"] == 6 * 2
     expected = 0.03 + 3e-4 + 2 * 1e-4 + 2 * nbytes / 1e8
     assert result["iteration_s"] == pytest.approx(expected, rel=1e-9)
@@ -65,23 +66,24 @@ def test_credit_waits_for_the_agreed_completion():
     assert result["max_bytes_in_flight"] == nbytes
 
 
-def test_fusion_pays_latency_once():
+def test_fusion_and_completions_seen_mid_exchange():
     small = 1000
     # No compute: the completion wakes the core into an empty round before the next gradients arrive,
-    # so each iteration pays two exchanges, one latency phase and the bytes.
+    # so a fused iteration pays two exchanges, one latency phase and the bytes.
     fused = sim([("l0", 0.0, 0.0, [small] * 10)], fusion=MiB, latency=1e-3)
-    unfused = sim([("l0", 0.0, 0.0, [small] * 10)], fusion=0, latency=1e-3)
     assert fused["iteration_s"] == pytest.approx(2 * 3e-4 + 2e-3 + 10 * small / 1e8, rel=1e-9)
-    assert unfused["iteration_s"] == pytest.approx(
-        2 * 3e-4 + 2e-3 + 10 * small / 1e8, rel=1e-9
-    )  # shared link, in parallel
+    # Unfused, the ten go in start order after a common latency phase: the first completion wakes the
+    # core into a round, the other nine finish during it and are handed over when it ends.
+    unfused = sim([("l0", 0.0, 0.0, [small] * 10)], fusion=0, latency=1e-3)
+    assert unfused["iteration_s"] == pytest.approx(2 * 3e-4 + 2e-3 + small / 1e8, rel=1e-9)
     assert fused["launches"] == 6 and unfused["launches"] == 60
 
 
 # Two layers, 1 s of forward and of backward each; on 2 ranks at 1 MB/s a tensor of b bytes takes b us.
 # Worked by hand: the big gradient of layer 1 (2 s on the wire) is ready at t=3, the small one of layer 0
 # (0.5 s) at t=4. Preemptive priority sends layer 0 first at t=4: the next forward starts 4.5 s apart.
-# FIFO launches layer 0 at t=4 next to layer 1 (no credit): sharing the link, layer 0 ends at t=5.
+# FIFO launches layer 0 at t=4 behind layer 1 (no credit): on a link served in start order it ends at
+# t=5.5 (period 5.5 s); on a fairly shared link it takes half the rate from t=4 and ends at t=5.
 TWO_LAYERS = [("first", 1.0, 1.0, [500_000]), ("second", 1.0, 1.0, [2_000_000])]
 
 
@@ -96,8 +98,10 @@ def test_real_scheduler_approaches_the_ideal_with_fine_partitions():
     kwargs = {"bw": 1e6, "latency": 1e-6, "exchange": 1e-6, "cycle": 1e-4, "credit": 20_000, "fusion": 0}
     priority = sim(TWO_LAYERS, "priority", "overlap", partition=10_000, **kwargs)
     fifo = sim(TWO_LAYERS, "fifo", "overlap", partition=10_000, **kwargs)
+    fifo_fair = sim(TWO_LAYERS, "fifo", "overlap", partition=10_000, link="fair", **kwargs)
     assert priority["iteration_s"] == pytest.approx(4.5, rel=0.02)
-    assert fifo["iteration_s"] == pytest.approx(5.0, rel=0.01)
+    assert fifo["iteration_s"] == pytest.approx(5.5, rel=0.01)
+    assert fifo_fair["iteration_s"] == pytest.approx(5.0, rel=0.01)
 
 
 def test_submission_during_an_idle_exchange_waits_for_it():

@@ -52,6 +52,7 @@ def predict(
     exchange_s: float = -1.0,
     iterations: int = 6,
     warmup: int = 2,
+    link: str = "fifo",
 ) -> list[dict[str, Any]]:
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule."""
     best = simulate_ideal(layers, ranks, bandwidth_bytes_per_s, iterations, warmup)
@@ -72,6 +73,7 @@ def predict(
                 exchange_s,
                 iterations,
                 warmup,
+                link,
             )
             result.pop("iteration_starts_s")
             comm = result["communication_s"]
@@ -124,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency", default="20us", help="per-message latency, e.g. 20us")
     parser.add_argument(
         "--exchange", default=None, help="agreement exchange time (default ceil(log2 n) * latency)"
+    )
+    parser.add_argument(
+        "--link",
+        choices=("fifo", "fair"),
+        default="fifo",
+        help="how collectives in flight share a link: in start order (one TCP stream, MPI) or equally",
     )
     parser.add_argument("--device-tflops", type=float, default=schedule.DEFAULT_DEVICE_TFLOPS)
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
@@ -189,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 exchange,
                 args.iterations,
                 args.warmup,
+                args.link,
             )
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "

@@ -20,7 +20,7 @@ double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network) {
   return ring_wire_bytes(bytes, network.ranks) / network.bandwidth_bytes_per_s + ring_latency_s(network);
 }
 
-SharedLink::SharedLink(double bytes_per_s) : rate_(bytes_per_s) {
+SharedLink::SharedLink(double bytes_per_s, LinkSharing sharing) : rate_(bytes_per_s), sharing_(sharing) {
   if (!(bytes_per_s > 0)) throw std::invalid_argument("link bandwidth must be above 0 bytes/s");
 }
 
@@ -32,19 +32,21 @@ void SharedLink::start(uint64_t id, double now_s, double latency_s, double wire_
 double SharedLink::next_event_s() const {
   double next = kNever;
   for (const Flow& flow : joining_) next = std::min(next, flow.join_s);
-  if (!active_.empty()) {
+  const size_t served_now = served();
+  if (served_now > 0) {
     double least = kNever;
-    for (const Flow& flow : active_) least = std::min(least, flow.remaining);
-    next = std::min(next, now_s_ + least * static_cast<double>(active_.size()) / rate_);
+    for (size_t i = 0; i < served_now; ++i) least = std::min(least, active_[i].remaining);
+    next = std::min(next, now_s_ + least * static_cast<double>(served_now) / rate_);
   }
   return next;
 }
 
 void SharedLink::drain(double until_s) {
   if (until_s <= now_s_) return;
-  if (!active_.empty()) {
-    const double share = (until_s - now_s_) * rate_ / static_cast<double>(active_.size());
-    for (Flow& flow : active_) flow.remaining -= share;
+  const size_t served_now = served();
+  if (served_now > 0) {
+    const double share = (until_s - now_s_) * rate_ / static_cast<double>(served_now);
+    for (size_t i = 0; i < served_now; ++i) active_[i].remaining -= share;
   }
   now_s_ = until_s;
 }
@@ -64,7 +66,7 @@ std::vector<uint64_t> SharedLink::advance(double t_s) {
         ++it;
       }
     }
-    const double k = static_cast<double>(active_.size());
+    const double k = static_cast<double>(std::max<size_t>(1, served()));
     for (auto it = active_.begin(); it != active_.end();) {
       // The second test catches a residue too small to move the clock, which would loop forever.
       if (it->remaining <= kByteEpsilon || now_s_ + it->remaining * k / rate_ <= now_s_) {

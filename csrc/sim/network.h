@@ -1,22 +1,27 @@
 // Network model of the simulator: collectives in flight share one link fairly.
 //
 // A collective first waits out its latency (per-message latency times the number
-// of sequential steps of its algorithm) and then moves its wire bytes at an equal
-// share of the link with every other collective in that phase (processor sharing),
-// which is how concurrent non-blocking collectives interleave on one TCP link.
+// of sequential steps of its algorithm) and then moves its wire bytes over the link,
+// which the collectives in that phase share in one of two ways: in start order
+// (kFifo: one TCP stream per peer, as MPI over TCP sends queued messages in order)
+// or in equal shares (kFair: processor sharing, as separate streams or channels do).
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 namespace commsched::sim {
 
+enum class LinkSharing : uint8_t { kFifo = 0, kFair };
+
 struct NetworkSpec {
   int ranks = 2;
   double bandwidth_bytes_per_s = 125e6;  // of each rank's link, per direction
   double latency_s = 50e-6;              // one message, one hop
+  LinkSharing sharing = LinkSharing::kFifo;
 };
 
 // Bytes each rank puts on its link for a ring allreduce of `bytes`: 2(n-1)/n of them.
@@ -30,7 +35,7 @@ constexpr double kNever = std::numeric_limits<double>::infinity();
 
 class SharedLink {
  public:
-  explicit SharedLink(double bytes_per_s);
+  SharedLink(double bytes_per_s, LinkSharing sharing);
 
   // Starts flow `id` at `now_s`: idle for `latency_s`, then `wire_bytes` at a fair share.
   void start(uint64_t id, double now_s, double latency_s, double wire_bytes);
@@ -50,7 +55,11 @@ class SharedLink {
 
   void drain(double until_s);
 
+  // Flows served at once: all of them when fair, the oldest one in start order otherwise.
+  size_t served() const { return sharing_ == LinkSharing::kFair ? active_.size() : std::min<size_t>(1, active_.size()); }
+
   double rate_;
+  LinkSharing sharing_;
   double now_s_ = 0;
   std::vector<Flow> joining_;  // in their latency phase, in start order
   std::vector<Flow> active_;   // sharing the bandwidth, in start order

@@ -144,7 +144,7 @@ class RuntimeComm : public Comm {
         exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s
                                               : std::ceil(std::log2(std::max(2, network.ranks))) * network.latency_s),
         scheduler_(settings.scheduling),
-        link_(network.bandwidth_bytes_per_s),
+        link_(network.bandwidth_bytes_per_s, network.sharing),
         deadline_s_(settings.cycle_time_s) {}
 
   void submit(double now_s, uint64_t tensor_id) override {
