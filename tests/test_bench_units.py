@@ -1,0 +1,117 @@
+"""Unit checks of the benchmark helpers against values worked out independently."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from commsched.bench import allreduce, report, schedule, sim_cli
+
+
+def test_sizes_double_from_4_bytes_to_256_mib():
+    assert allreduce.sizes(4, 256 << 20, 2.0, 0) == [4 << k for k in range(27)]
+
+
+def test_sizes_by_fixed_step():
+    assert allreduce.sizes(1024, 4096, 1.0, 1024) == [1024, 2048, 3072, 4096]
+
+
+@pytest.mark.parametrize("ranks, expected", [(2, 1.0), (4, 1.5), (8, 1.75)])
+def test_bus_bandwidth_is_nccl_tests_factor(ranks, expected):
+    assert allreduce.bus_bandwidth(1.0, ranks) == pytest.approx(expected)
+
+
+def test_iterations_shrink_for_big_messages():
+    assert allreduce.iterations_for(4, 20, 1 << 30) == 20
+    assert allreduce.iterations_for(256 << 20, 20, 1 << 30) == 4
+    assert allreduce.iterations_for(1 << 30, 20, 1 << 30) == 2
+
+
+@pytest.mark.parametrize(
+    "text, bytes_per_s", [("10gbit", 1.25e9), ("400mbit", 5e7), ("1.25GBps", 1.25e9), ("1gbps", 1e9)]
+)
+def test_parse_rate(text, bytes_per_s):
+    assert sim_cli.parse_rate(text) == pytest.approx(bytes_per_s)
+
+
+def test_parse_rate_refuses_nonsense():
+    with pytest.raises(argparse.ArgumentTypeError):
+        sim_cli.parse_rate("fast")
+
+
+def test_table_aligns_and_marks_missing():
+    text = report.format_table([("a", "A", "d"), ("b", "bee", ".2f")], [{"a": 5, "b": 1.234}, {"a": 123}])
+    lines = text.splitlines()
+    assert lines[0] == "  A   bee"
+    assert lines[2] == "  5  1.23"
+    assert lines[3] == "123     -"
+    assert len({len(line) for line in lines}) == 1
+
+
+def test_human_size():
+    assert [report.human_size(n) for n in (4, 2048, 1536 << 10, 3 << 30)] == ["4B", "2KiB", "1.5MiB", "3GiB"]
+
+
+def _profile():
+    layer = SimpleNamespace
+    return SimpleNamespace(
+        name="tiny",
+        batch_size=1,
+        layers=[
+            layer(
+                name="a", params=[("a.w", (64, 32)), ("a.b", (64,))], forward_flops=2e12, backward_flops=4e12
+            ),
+            layer(name="b", params=[("b.w", (10, 64))], forward_flops=1e12, backward_flops=2e12),
+        ],
+    )
+
+
+def test_timed_layers_turn_flops_into_seconds_and_scale_both():
+    layers = schedule.timed_layers(_profile(), device_tflops=100.0, scale=4, time_scale=2.0)
+    # 2e12 FLOPs at 100 TFLOP/s is 20 ms; /4 for the scale, *2 for the time scale.
+    assert layers[0].forward_s == pytest.approx(0.02 / 4 * 2)
+    assert layers[0].backward_s == pytest.approx(0.04 / 4 * 2)
+    assert layers[0].params == [("a.w", 64 * 32 // 4), ("a.b", 16)]
+    assert schedule.gradient_bytes(layers) == 4 * (512 + 16 + 160)
+    assert schedule.compute_s(layers) == pytest.approx((0.06 + 0.03) / 2)
+    assert schedule.sim_layers(layers)[1] == ("b", layers[1].forward_s, layers[1].backward_s, [640])
+
+
+def test_predict_rows_relate_to_each_other():
+    layers = schedule.sim_layers(schedule.timed_layers(_profile(), 100.0))
+    settings = {"partition_bytes": 1024, "credit_bytes": 4096, "fusion_bytes": 0, "cycle_time": 0.001}
+    rows = sim_cli.predict(layers, 4, 1e6, 1e-5, settings, ["priority", "fifo"], ["overlap", "barrier"])
+    assert [(r["policy"], r["mode"]) for r in rows] == [
+        ("priority", "overlap"),
+        ("priority", "barrier"),
+        ("fifo", "overlap"),
+        ("fifo", "barrier"),
+    ]
+    fifo_barrier = rows[3]["iteration_s"]
+    for row in rows:
+        assert row["speedup"] == pytest.approx(fifo_barrier / row["iteration_s"])
+        assert row["iteration_s"] >= row["best_s"] * (1 - 1e-9) >= row["bound_s"] * (1 - 1e-9)
+        assert 0.0 <= row["hidden"] <= 1.0
+
+
+def test_sim_cli_prints_and_writes_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(schedule, "load_model", lambda name: _profile())
+    out = tmp_path / "sim.json"
+    assert (
+        sim_cli.main(["--model", "tiny", "--ranks", "2,1024", "--bandwidth", "1gbit", "--json", str(out)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "priority" in printed and "fifo" in printed
+    data = json.loads(out.read_text())
+    assert {row["ranks"] for row in data["results"]} == {2, 1024}
+    # Communication of one ring allreduce of every gradient at 1 Gbit/s, written out by hand.
+    total = 4 * (64 * 32 + 64 + 10 * 64)
+    row = next(r for r in data["results"] if r["ranks"] == 1024)
+    expected = 2 * 1023 / 1024 * total / 1.25e8 + 2 * 1023 * 20e-6
+    assert row["communication_s"] == pytest.approx(expected)
+    assert math.isclose(data["compute_s"], 0.09)
