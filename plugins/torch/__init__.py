@@ -1,0 +1,38 @@
+"""commsched for PyTorch: one-line optimizer wrap with forward-order priorities.
+
+    optimizer = commsched.torch.DistributedOptimizer(optimizer, model=model)
+    commsched.torch.broadcast_parameters(model.state_dict(), root_rank=0)
+    commsched.torch.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Each gradient goes to the scheduler the moment backward accumulates it; its priority is
+the position where the first forward pass reached its parameter. ``overlap_forward=True``
+applies each update as soon as its gradient is reduced and lets the next forward wait
+module by module. CPU tensors travel over the commsched core (MPI under mpiexec, Gloo
+under torchrun); CUDA tensors over the torch.distributed NCCL group, without scheduling.
+"""
+
+from __future__ import annotations
+
+from commsched.torch.functions import allreduce, allreduce_, broadcast_optimizer_state, broadcast_parameters
+from commsched.torch.optimizer import DistributedOptimizer
+
+import commsched
+
+__all__ = [
+    "DistributedOptimizer",
+    "allreduce",
+    "allreduce_",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "init",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "size",
+]
+
+init = commsched.init
+shutdown = commsched.shutdown
+rank = commsched.rank
+size = commsched.size
+local_rank = commsched.local_rank

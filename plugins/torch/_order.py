@@ -1,0 +1,90 @@
+"""Forward-pass bookkeeping: the order parameters are first used, and per-module waits.
+
+The next forward needs the first layer's parameters first, so a parameter's priority is
+the position where the first forward pass reached it (module forward pre-hooks), measured
+rather than taken from declaration order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class ForwardOrder:
+    """Records, during the model's next forward pass, the order in which parameters are reached."""
+
+    def __init__(self, model: torch.nn.Module, on_recorded: Callable[[list[torch.Tensor]], None]) -> None:
+        self._seen: list[torch.Tensor] = []
+        self._ids: set[int] = set()
+        self._on_recorded = on_recorded
+        self._handles: list[Any] = [m.register_forward_pre_hook(self._reach) for m in model.modules()]
+        self._handles.append(model.register_forward_hook(self._finish))
+
+    def _reach(self, module: torch.nn.Module, args: Any) -> None:
+        for param in module.parameters(recurse=False):
+            if id(param) not in self._ids:
+                self._ids.add(id(param))
+                self._seen.append(param)
+
+    def _finish(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.remove()
+        self._on_recorded(self._seen)
+
+    def remove(self) -> None:
+        """Detaches the recording hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class ModuleWaits:
+    """Before each module runs, settles the pending updates of that module's own parameters.
+
+    Parameters that no module reached in the recorded forward pass (used functionally by
+    another module, or owned by a module that did not run) are settled before the root runs,
+    which is safe for any use at the price of some overlap.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: set[int],
+        settle: Callable[[list[torch.Tensor]], None],
+    ) -> None:
+        self._settle = settle
+        self._root = model
+        self._reached: set[int] = set()
+        self._all = [p for m in model.modules() for p in m.parameters(recurse=False) if id(p) in params]
+        self._handles: list[Any] = []
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in params]
+            if module is model:
+                self._handles.append(module.register_forward_pre_hook(self._before_root, prepend=True))
+            elif own:
+                self._handles.append(module.register_forward_pre_hook(self._before(own), prepend=True))
+        self._extra: list[torch.Tensor] = []
+
+    def _before(self, own: list[torch.Tensor]) -> Callable[[torch.nn.Module, Any], None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._settle(own)
+
+        return hook
+
+    def _before_root(self, module: torch.nn.Module, args: Any) -> None:
+        own = list(module.parameters(recurse=False))
+        unreached = [p for p in self._all if id(p) not in self._reached]
+        self._settle(own + unreached + self._extra)
+
+    def set_reached(self, reached: list[torch.Tensor], extra: list[torch.Tensor]) -> None:
+        """Marks the parameters whose module ran in the recorded pass; `extra` are settled at the root."""
+        self._reached = {id(p) for p in reached}
+        self._extra = list(extra)
+
+    def remove(self) -> None:
+        """Detaches the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

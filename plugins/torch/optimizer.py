@@ -1,0 +1,256 @@
+"""DistributedOptimizer: wraps any torch optimizer so gradients are reduced by commsched.
+
+State (momentum, Adam moments) stays in the wrapped optimizer; this object shares its
+``param_groups``, ``state`` and ``defaults``, so LR schedulers, GradScaler and
+``state_dict()`` keep working and checkpoints load into a plain optimizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from commsched.torch import _wire
+from commsched.torch._order import ForwardOrder, ModuleWaits
+from commsched.torch._reducer import Reducer, ReducerOptions, Slot
+
+import torch
+
+_instances = itertools.count()
+
+
+def _overlap_error(label: str) -> RuntimeError:
+    return RuntimeError(
+        f"commsched.torch: the gradient of '{label}' is still being reduced and is applied per parameter "
+        "(overlap_forward=True), so its values cannot be read or changed before the next forward pass. "
+        "Features that need every gradient at once (global-norm clipping, GradScaler, reading .grad after "
+        "backward) need barrier mode: DistributedOptimizer(..., overlap_forward=False). "
+        "To zero gradients use optimizer.zero_grad(); optimizer.synchronize() finishes every update."
+    )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` so each gradient is reduced by commsched as soon as backward produces it."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None = None,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        backward_passes_per_step: int = 1,
+        op: str = "average",
+        overlap_forward: bool = False,
+        compression: str | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already a commsched DistributedOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}"
+            )
+        if op not in ("average", "sum"):
+            raise ValueError(f'op must be "average" or "sum", not {op!r}')
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
+            )
+        if overlap_forward:
+            if model is None:
+                raise ValueError(
+                    "overlap_forward=True needs model= (the next forward waits module by module)"
+                )
+            if isinstance(optimizer, torch.optim.LBFGS) or _needs_closure(optimizer):
+                raise ValueError(
+                    f"{type(optimizer).__name__} needs every gradient at once (its step takes a closure), so it "
+                    "cannot apply updates per parameter; use barrier mode: overlap_forward=False"
+                )
+        wire_dtype = _wire.compression_dtype(compression)
+        _wire.ensure_initialized(process_group)
+        self._inner = optimizer
+        self._overlap = overlap_forward
+        self._model = model
+        self._named = list(named_parameters) if named_parameters is not None else None
+        self._options = ReducerOptions(
+            prefix=f"torch.opt{next(_instances)}.",
+            op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            wire_dtype=wire_dtype,
+            process_group=process_group,
+            overlap=overlap_forward,
+        )
+        # What torch.optim.Optimizer.__init__ would set; the hooks run around this wrapper's step().
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._patch_step_function()
+        self._forward_order: list[torch.Tensor] | None = None
+        self._reducer = self._build_reducer()
+        self._recorder = ForwardOrder(model, self._on_forward_order) if model is not None else None
+        self._waits: ModuleWaits | None = None
+        if overlap_forward and model is not None:
+            self._waits = ModuleWaits(model, {id(s.param) for s in self._reducer.slots}, self._reducer.settle)
+            self._waits.set_reached([], self._unowned())
+
+    # -- shared state of the wrapped optimizer ---------------------------------------------
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (the same list)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state (the same dict)."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    def __repr__(self) -> str:
+        mode = "overlap_forward" if self._overlap else "barrier"
+        return f"DistributedOptimizer({mode}, {self._inner!r})"
+
+    # -- setup -------------------------------------------------------------------------------
+    def _labels(self) -> dict[int, str]:
+        pairs: list[tuple[str, torch.Tensor]] = []
+        if self._named is not None:
+            pairs = self._named
+        elif self._model is not None:
+            pairs = list(self._model.named_parameters())
+        labels: dict[int, str] = {}
+        for name, param in pairs:
+            if name in labels.values():
+                raise ValueError(f"parameter name '{name}' appears twice in named_parameters")
+            labels[id(param)] = name
+        return labels
+
+    def _build_reducer(self) -> Reducer:
+        labels = self._labels()
+        slots: list[Slot] = []
+        seen: set[int] = set()
+        for g, group in enumerate(self._inner.param_groups):
+            for i, param in enumerate(group["params"]):
+                if id(param) in seen:
+                    raise ValueError("a parameter appears in two parameter groups")
+                seen.add(id(param))
+                label = labels.get(id(param), f"param.{g}.{i}")
+                slots.append(Slot(param, label, len(slots), g, len(slots)))
+        reducer = Reducer(slots, self._options, self._apply, _overlap_error)
+        if self._forward_order is not None:
+            reducer.set_priorities(self._forward_order)
+        return reducer
+
+    def _unowned(self) -> list[torch.Tensor]:
+        owned = {id(p) for p in self._model.parameters()} if self._model is not None else set()
+        return [s.param for s in self._reducer.slots if id(s.param) not in owned]
+
+    def _on_forward_order(self, order: list[torch.Tensor]) -> None:
+        self._forward_order = order
+        self._reducer.set_priorities(order)
+        if self._waits is not None:
+            self._waits.set_reached(order, self._unowned())
+
+    def priorities(self) -> dict[str, int]:
+        """Each parameter's priority (smaller is sent sooner), by name."""
+        return {s.label: s.priority for s in self._reducer.slots}
+
+    # -- the per-parameter update of overlap mode --------------------------------------------
+    def _apply(self, slots: list[Slot]) -> None:
+        """Runs the wrapped optimizer's step on a view of its groups holding only these parameters."""
+        inner = self._inner
+        groups = inner.param_groups
+        chosen: dict[int, list[torch.Tensor]] = {}
+        for slot in slots:
+            chosen.setdefault(slot.group, []).append(slot.param)
+        views = [(g, {**groups[g], "params": params}) for g, params in chosen.items()]
+        inner.param_groups = [view for _, view in views]
+        try:
+            inner.step()
+        finally:
+            inner.param_groups = groups
+            for g, view in views:  # keep what step() wrote into the group (none of torch's do)
+                for key, value in view.items():
+                    if key != "params" and groups[g].get(key) is not value:
+                        groups[g][key] = value
+
+    # -- the optimizer API -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Waits for every outstanding reduction (and, in overlap mode, update) of this iteration."""
+        self._reducer.synchronize()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Barrier mode: waits for all gradients, then steps. Overlap mode: closes the iteration."""
+        if self._overlap:
+            if closure is not None:
+                raise ValueError("step(closure) needs every gradient at once; use overlap_forward=False")
+            self._reducer.close()
+            return None
+        self._reducer.synchronize()
+        return self._inner.step(closure) if closure is not None else self._inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes gradients; never writes into a gradient that is still being reduced."""
+        if self._overlap:
+            self._reducer.zero_grad_in_flight(set_to_none)
+        elif self._reducer.pending():
+            self._reducer.synchronize()
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state_dict, after finishing updates of already closed iterations."""
+        self._reducer.settle_previous()
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads into the wrapped optimizer (a plain optimizer's state_dict fits too)."""
+        self._reducer.settle_previous()
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group to the wrapped optimizer; its parameters are reduced from the next backward on."""
+        if not hasattr(self, "_reducer"):  # called before __init__ finished
+            raise RuntimeError("DistributedOptimizer is not set up yet")
+        self._reducer.synchronize()
+        self._inner.add_param_group(param_group)
+        self._reducer.remove()
+        self._reducer = self._build_reducer()
+        if self._waits is not None:
+            self._waits.remove()
+            assert self._model is not None
+            self._waits = ModuleWaits(
+                self._model, {id(s.param) for s in self._reducer.slots}, self._reducer.settle
+            )
+            self._waits.set_reached(self._forward_order or [], self._unowned())
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")

@@ -1,0 +1,78 @@
+"""Starts a rank script under mpiexec or torchrun for the torch plug-in tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _clean_env() -> dict[str, str]:
+    # A test run inside another launcher (or with COMMSCHED_* set) must not leak into the ranks.
+    drop = (
+        "COMMSCHED_",
+        "PMI_",
+        "PMIX_",
+        "OMPI_",
+        "MPI_LOCALRANKID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    launcher: str, ranks: int, script: str, *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Runs tests/torch_ranks/<script> on `ranks` ranks; returns the finished process (stdout+stderr)."""
+    path = str(HERE / script)
+    if launcher == "mpiexec":
+        argv = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, path, *args]
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            path,
+            *args,
+        ]
+    return subprocess.run(
+        argv,
+        check=False,
+        env=_clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def have_mpiexec() -> bool:
+    """True when mpiexec and mpi4py are installed."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("mpiexec") is not None
