@@ -13,6 +13,34 @@ from typing import Any
 import torch
 
 
+def _inert(*args: Any) -> None:
+    return None
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
+class _Hook:
+    """A module hook that copies of the module (deepcopy, pickle) carry as a no-op.
+
+    A bound method would drag the whole optimizer into ``copy.deepcopy(model)`` (an EMA copy,
+    say) and fail on the scheduler's handles; the copy is not ours to schedule anyway.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self._function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self._function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _make_inert, ()
+
+
 class ForwardOrder:
     """Records, during the model's next forward pass, the order in which parameters are reached."""
 
@@ -20,8 +48,8 @@ class ForwardOrder:
         self._seen: list[torch.Tensor] = []
         self._ids: set[int] = set()
         self._on_recorded = on_recorded
-        self._handles: list[Any] = [m.register_forward_pre_hook(self._reach) for m in model.modules()]
-        self._handles.append(model.register_forward_hook(self._finish))
+        self._handles: list[Any] = [m.register_forward_pre_hook(_Hook(self._reach)) for m in model.modules()]
+        self._handles.append(model.register_forward_hook(_Hook(self._finish)))
 
     def _reach(self, module: torch.nn.Module, args: Any) -> None:
         for param in module.parameters(recurse=False):
@@ -62,9 +90,9 @@ class ModuleWaits:
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in params]
             if module is model:
-                self._handles.append(module.register_forward_pre_hook(self._before_root, prepend=True))
+                self._handles.append(module.register_forward_pre_hook(_Hook(self._before_root), prepend=True))
             elif own:
-                self._handles.append(module.register_forward_pre_hook(self._before(own), prepend=True))
+                self._handles.append(module.register_forward_pre_hook(_Hook(self._before(own)), prepend=True))
         self._extra: list[torch.Tensor] = []
 
     def _before(self, own: list[torch.Tensor]) -> Callable[[torch.nn.Module, Any], None]:
