@@ -134,6 +134,7 @@ def shutdown() -> None:
     """Stops commsched on every rank; pending handles fail with a clear error."""
     with _state.lock:
         _core.stop()
+        _state.settings = None
 
 
 atexit.register(shutdown)
@@ -162,7 +163,7 @@ def local_rank() -> int:
 
 def config() -> dict[str, Any]:
     """The effective settings, transport and launch details as a dict."""
-    if _state.settings is None or not _core.running():
+    if _state.settings is None:
         raise ValueError("commsched.config() needs commsched.init() first")
     result = _state.settings.as_dict()
     result.update(

@@ -127,6 +127,7 @@ CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double no
       outcome.abort_message = std::move(abort_message);
     }
     const auto entries = reader.get<uint32_t>();
+    outcome.announcements += entries;
     for (uint32_t i = 0; i < entries; ++i) {
       TensorSpec spec;
       const auto tag = reader.get<uint8_t>();
@@ -170,7 +171,9 @@ void Agreement::record(int from_rank, TensorSpec spec, double now_s, CycleOutcom
                     "' twice before it was agreed");
   }
   entry.by_rank[from_rank] = std::move(spec);
+  if (from_rank == rank_) ++own_pending_;
   if (++entry.reported == size_) {
+    --own_pending_;
     finish(name, entry, outcome);
     pending_.erase(it);
   }

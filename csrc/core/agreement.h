@@ -36,6 +36,7 @@ struct CycleOutcome {
   int shutdown_rank = -1;  // lowest rank that asked to shut down, -1 if none
   int abort_rank = -1;
   std::string abort_message;
+  uint32_t announcements = 0;  // entries in all reports: a sign the ranks are making progress
 };
 
 struct StalledTensor {
@@ -62,6 +63,8 @@ class Agreement {
   // Tensors some but not all ranks have announced for longer than `older_than_s`.
   std::vector<StalledTensor> stalled(double now_s, double older_than_s) const;
   size_t pending() const { return pending_.size(); }
+  // True while this rank announced a tensor that another rank has not: agreement is worth retrying soon.
+  bool waiting_on_others() const { return own_pending_ > 0; }
   size_t cached_names() const { return cache_.size(); }
 
  private:
@@ -80,6 +83,7 @@ class Agreement {
   std::unordered_map<std::string, uint32_t> cache_ids_;
   std::vector<TensorSpec> cache_;
   std::map<std::string, Pending> pending_;
+  size_t own_pending_ = 0;
 };
 
 }  // namespace commsched

@@ -6,6 +6,10 @@
 
 #include "core/elementwise.h"
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 namespace commsched {
 
 namespace {
@@ -14,7 +18,10 @@ using Clock = std::chrono::steady_clock;
 
 // How often the core polls collectives in flight: short enough to keep a
 // transport's progress engine moving, long enough to leave the CPU to the training.
-constexpr auto kPollInterval = std::chrono::microseconds(20);
+constexpr auto kPollInterval = std::chrono::microseconds(10);
+// While this rank waits for others to announce what it already has, it retries the
+// exchange at once and backs off up to a quarter cycle when nothing moves.
+constexpr auto kEagerBackoffStep = std::chrono::microseconds(10);
 constexpr double kStallCheckPeriodS = 1.0;
 
 std::string human_bytes(uint64_t bytes) {
@@ -105,7 +112,12 @@ void Runtime::loop() {
   const double exchange_timeout_s =
       settings_.stall_shutdown_s > 0 ? settings_.stall_shutdown_s : 10 * settings_.stall_timeout_s;
   const auto cycle = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settings_.cycle_time_s));
+#ifdef __linux__
+  // Short polling sleeps are only cheap if the kernel wakes us on time (default slack: 50us).
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
   auto deadline = Clock::now() + cycle;
+  Clock::duration eager_backoff{0};
   while (true) {
     CycleOutcome outcome;
     try {
@@ -127,7 +139,13 @@ void Runtime::loop() {
       stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
       return;
     }
-    deadline = Clock::now() + cycle;
+    if (agreement_.waiting_on_others()) {
+      const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
+      eager_backoff = progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff + kEagerBackoffStep, cycle / 4);
+      deadline = Clock::now() + eager_backoff;
+    } else {
+      deadline = Clock::now() + cycle;
+    }
     if (outcome.abort_rank >= 0) {
       stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
       return;
@@ -156,7 +174,14 @@ void Runtime::wait_for_news(Clock::time_point deadline) {
     if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
     const auto now = Clock::now();
     if (now >= deadline) return;
-    inbox_cv_.wait_until(lock, in_flight_.empty() ? deadline : std::min(deadline, now + kPollInterval));
+    if (in_flight_.empty()) {
+      inbox_cv_.wait_until(lock, deadline);
+    } else {
+      // Transports such as MPI move data only while polled: keep polling, but give the
+      // core to any other runnable thread between polls.
+      lock.unlock();
+      std::this_thread::yield();
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 #include "transport/mpi/mpi_transport.h"
 
 #include <chrono>
+#include <algorithm>
 #include <climits>
+#include <cstring>
 #include <thread>
 
 #include "core/elementwise.h"
@@ -119,27 +121,42 @@ MPI_Op MpiTransport::sum_op(DType dtype) const {
 }
 
 std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
-  uint64_t length = mine.size();
-  std::vector<uint64_t> lengths(static_cast<size_t>(size_));
+  // One allgather of fixed slots carries every report in the common case; only
+  // reports longer than a slot need a second allgatherv for their tails.
+  constexpr size_t kSlot = 512;
+  constexpr size_t kInline = kSlot - sizeof(uint32_t);
+  if (mine.size() > static_cast<size_t>(INT_MAX)) throw CommError("agreement report exceeds 2 GiB");
+  std::string slot(kSlot, '\0');
+  const auto length = static_cast<uint32_t>(mine.size());
+  std::memcpy(slot.data(), &length, sizeof(length));
+  std::memcpy(slot.data() + sizeof(length), mine.data(), std::min(mine.size(), kInline));
+  std::string slots(kSlot * static_cast<size_t>(size_), '\0');
   MPI_Request request;
-  check(MPI_Iallgather(&length, 1, MPI_UINT64_T, lengths.data(), 1, MPI_UINT64_T, control_, &request), "Iallgather");
+  check(MPI_Iallgather(slot.data(), kSlot, MPI_BYTE, slots.data(), kSlot, MPI_BYTE, control_, &request), "Iallgather");
   wait_polling(request, timeout_s, "agreement exchange");
-  std::vector<int> counts(static_cast<size_t>(size_));
-  std::vector<int> displacements(static_cast<size_t>(size_));
-  uint64_t total = 0;
+
+  std::vector<std::string> reports(static_cast<size_t>(size_));
+  std::vector<int> tail_counts(static_cast<size_t>(size_));
+  std::vector<int> tail_offsets(static_cast<size_t>(size_));
+  uint64_t tail_total = 0;
   for (int r = 0; r < size_; ++r) {
-    if (total + lengths[r] > static_cast<uint64_t>(INT_MAX)) throw CommError("agreement reports exceed 2 GiB");
-    counts[r] = static_cast<int>(lengths[r]);
-    displacements[r] = static_cast<int>(total);
-    total += lengths[r];
+    uint32_t their_length;
+    std::memcpy(&their_length, slots.data() + r * kSlot, sizeof(their_length));
+    reports[r].assign(slots.data() + r * kSlot + sizeof(uint32_t), std::min<size_t>(their_length, kInline));
+    const uint64_t tail = their_length > kInline ? their_length - kInline : 0;
+    if (tail_total + tail > static_cast<uint64_t>(INT_MAX)) throw CommError("agreement reports exceed 2 GiB");
+    tail_counts[r] = static_cast<int>(tail);
+    tail_offsets[r] = static_cast<int>(tail_total);
+    tail_total += tail;
   }
-  std::string gathered(total, '\0');
-  check(MPI_Iallgatherv(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, gathered.data(), counts.data(),
-                        displacements.data(), MPI_BYTE, control_, &request),
+  if (tail_total == 0) return reports;
+  std::string tails(tail_total, '\0');
+  const int my_tail = tail_counts[rank_];
+  check(MPI_Iallgatherv(mine.data() + std::min(mine.size(), kInline), my_tail, MPI_BYTE, tails.data(),
+                        tail_counts.data(), tail_offsets.data(), MPI_BYTE, control_, &request),
         "Iallgatherv");
   wait_polling(request, timeout_s, "agreement exchange");
-  std::vector<std::string> reports(static_cast<size_t>(size_));
-  for (int r = 0; r < size_; ++r) reports[r] = gathered.substr(displacements[r], counts[r]);
+  for (int r = 0; r < size_; ++r) reports[r].append(tails, tail_offsets[r], tail_counts[r]);
   return reports;
 }
 

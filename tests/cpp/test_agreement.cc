@@ -1,0 +1,194 @@
+// Cross-rank agreement without a transport: reports are exchanged by hand between
+// Agreement objects standing for the ranks.
+#include <algorithm>
+#include <random>
+
+#include "check.h"
+#include "core/agreement.h"
+
+using namespace commsched;
+
+namespace {
+
+TensorSpec spec(const std::string& name, uint64_t count, int priority = 0, DType dtype = DType::kFloat32) {
+  TensorSpec result;
+  result.name = name;
+  result.count = count;
+  result.priority = priority;
+  result.dtype = dtype;
+  return result;
+}
+
+struct World {
+  explicit World(int size) {
+    for (int r = 0; r < size; ++r) ranks.emplace_back(r, size);
+  }
+  // One cycle: every rank reports, every rank applies all reports.
+  std::vector<CycleOutcome> cycle(double now = 0, std::vector<ReportStatus> statuses = {}) {
+    statuses.resize(ranks.size());
+    std::vector<std::string> reports;
+    for (size_t r = 0; r < ranks.size(); ++r) reports.push_back(ranks[r].build_report(statuses[r]));
+    last_report_bytes.clear();
+    for (const std::string& report : reports) last_report_bytes.push_back(report.size());
+    std::vector<CycleOutcome> outcomes;
+    for (Agreement& agreement : ranks) outcomes.push_back(agreement.apply(reports, now));
+    return outcomes;
+  }
+  std::vector<Agreement> ranks;
+  std::vector<size_t> last_report_bytes;
+};
+
+std::vector<std::string> names(const CycleOutcome& outcome) {
+  std::vector<std::string> result;
+  for (const TensorSpec& agreed : outcome.agreed) result.push_back(agreed.name);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE(tensor_is_agreed_only_when_every_rank_announced_it) {
+  World world(3);
+  world.ranks[0].announce(spec("a", 10));
+  world.ranks[1].announce(spec("a", 10));
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) EXPECT(outcome.agreed.empty());
+  world.ranks[2].announce(spec("a", 10));
+  outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) EXPECT(names(outcome) == std::vector<std::string>{"a"});
+  EXPECT_EQ(world.ranks[0].pending(), 0u);
+}
+
+TEST_CASE(every_rank_derives_the_same_order_from_different_local_orders) {
+  std::mt19937 random(5);
+  World world(4);
+  std::vector<std::string> all;
+  for (int i = 0; i < 300; ++i) all.push_back("t" + std::to_string(i));
+  std::vector<std::vector<std::string>> local_orders(4, all);
+  for (auto& order : local_orders) std::shuffle(order.begin(), order.end(), random);
+  std::vector<std::vector<std::string>> agreed(4);
+  std::vector<size_t> position(4, 0);
+  while (agreed[0].size() < all.size()) {
+    for (int r = 0; r < 4; ++r) {  // each rank makes a random number ready per cycle
+      const size_t burst = random() % 7;
+      for (size_t k = 0; k < burst && position[r] < all.size(); ++k) {
+        world.ranks[r].announce(spec(local_orders[r][position[r]++], 5));
+      }
+    }
+    std::vector<CycleOutcome> outcomes = world.cycle();
+    for (int r = 0; r < 4; ++r) {
+      for (const std::string& name : names(outcomes[r])) agreed[r].push_back(name);
+    }
+  }
+  for (int r = 1; r < 4; ++r) EXPECT(agreed[r] == agreed[0]);
+  std::vector<std::string> sorted = agreed[0];
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<std::string> expected = all;
+  std::sort(expected.begin(), expected.end());
+  EXPECT(sorted == expected);
+}
+
+TEST_CASE(agreed_priority_is_the_most_urgent_one) {
+  World world(2);
+  world.ranks[0].announce(spec("p", 1, 7));
+  world.ranks[1].announce(spec("p", 1, 2));
+  const std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT_EQ(outcomes[0].agreed[0].priority, 2);
+  EXPECT_EQ(outcomes[1].agreed[0].priority, 2);
+}
+
+TEST_CASE(mismatched_sizes_fail_on_every_rank_naming_tensor_and_ranks) {
+  World world(3);
+  world.ranks[0].announce(spec("w", 10));
+  world.ranks[1].announce(spec("w", 20));
+  world.ranks[2].announce(spec("w", 10));
+  const std::vector<CycleOutcome> outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) {
+    EXPECT(outcome.agreed.empty());
+    EXPECT_EQ(outcome.failures.size(), 1u);
+    const std::string& message = outcome.failures[0].message;
+    EXPECT(message.find("'w'") != std::string::npos);
+    EXPECT(message.find("ranks 0,2 submitted allreduce float32[10]") != std::string::npos);
+    EXPECT(message.find("rank 1 submitted allreduce float32[20]") != std::string::npos);
+  }
+  EXPECT_EQ(world.ranks[0].pending(), 0u);
+}
+
+TEST_CASE(mismatched_dtypes_fail) {
+  World world(2);
+  world.ranks[0].announce(spec("d", 10, 0, DType::kFloat32));
+  world.ranks[1].announce(spec("d", 10, 0, DType::kFloat64));
+  const std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT_EQ(outcomes[1].failures.size(), 1u);
+  EXPECT(outcomes[1].failures[0].message.find("float64") != std::string::npos);
+}
+
+TEST_CASE(second_use_of_a_name_travels_as_a_cached_id) {
+  World world(2);
+  const std::string long_name = "model.encoder.layer.11.attention.self.query.weight";
+  for (Agreement& rank : world.ranks) rank.announce(spec(long_name, 1000));
+  world.cycle();
+  const size_t first_size = world.last_report_bytes[0];
+  for (Agreement& rank : world.ranks) rank.announce(spec(long_name, 1000, 3));
+  const std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT(world.last_report_bytes[0] + long_name.size() <= first_size);
+  EXPECT(names(outcomes[0]) == std::vector<std::string>{long_name});
+  EXPECT_EQ(outcomes[0].agreed[0].priority, 3);
+  // A new shape under a cached name goes out in full and is checked again.
+  world.ranks[0].announce(spec(long_name, 1000));
+  world.ranks[1].announce(spec(long_name, 999));
+  EXPECT_EQ(world.cycle()[0].failures.size(), 1u);
+}
+
+TEST_CASE(completed_bytes_shutdown_and_abort_are_shared) {
+  World world(3);
+  std::vector<ReportStatus> statuses(3);
+  statuses[0].completed_bytes = 500;
+  statuses[1].completed_bytes = 300;
+  statuses[2].completed_bytes = 900;
+  statuses[2].shutdown = true;
+  statuses[1].abort_message = "disk on fire";
+  const std::vector<CycleOutcome> outcomes = world.cycle(0, statuses);
+  for (const CycleOutcome& outcome : outcomes) {
+    EXPECT_EQ(outcome.min_completed_bytes, 300u);
+    EXPECT_EQ(outcome.shutdown_rank, 2);
+    EXPECT_EQ(outcome.abort_rank, 1);
+    EXPECT_EQ(outcome.abort_message, std::string("disk on fire"));
+  }
+}
+
+TEST_CASE(stalled_tensors_name_the_missing_ranks) {
+  World world(3);
+  world.ranks[0].announce(spec("late", 1));
+  world.ranks[2].announce(spec("late", 1));
+  world.cycle(10.0);
+  EXPECT(world.ranks[0].stalled(15.0, 60.0).empty());
+  const std::vector<StalledTensor> stalled = world.ranks[0].stalled(75.0, 60.0);
+  EXPECT_EQ(stalled.size(), 1u);
+  EXPECT_EQ(stalled[0].name, std::string("late"));
+  EXPECT(stalled[0].missing_ranks == std::vector<int>{1});
+  EXPECT(stalled[0].ready_ranks == (std::vector<int>{0, 2}));
+}
+
+TEST_CASE(malformed_reports_are_rejected_with_the_sender) {
+  Agreement agreement(0, 2);
+  Agreement other(1, 2);
+  other.announce(spec("x", 4));
+  std::string good = other.build_report({});
+  std::string mine = agreement.build_report({});
+  EXPECT_THROWS(agreement.apply({mine, good.substr(0, good.size() - 3)}, 0), CommError, "rank 1");
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  EXPECT_THROWS(agreement.apply({mine, bad_magic}, 0), CommError, "bad magic");
+  EXPECT_THROWS(agreement.apply({mine, good + "junk"}, 0), CommError, "trailing");
+  EXPECT_THROWS(agreement.apply({mine}, 0), CommError, "expected 2 reports");
+}
+
+TEST_CASE(announcing_a_name_twice_before_agreement_is_an_error) {
+  World world(2);
+  world.ranks[0].announce(spec("twice", 1));
+  world.cycle();
+  world.ranks[0].announce(spec("twice", 1));
+  EXPECT_THROWS(world.cycle(), CommError, "twice");
+}
+
+int main() { return check::run_all(); }
