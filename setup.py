@@ -48,6 +48,7 @@ extensions = [
             "csrc/transport/loopback/loopback_transport.cc",
             "csrc/transport/python/python_transport.cc",
             "csrc/bindings/core_module.cc",
+            "csrc/bindings/c_api.cc",
         ]
         + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
         + ["csrc/bindings/sim_bindings.cc"],

@@ -29,6 +29,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "rank",
+    "reconfigure",
     "shutdown",
     "size",
 ]
@@ -166,6 +167,7 @@ def config() -> dict[str, Any]:
     if _state.settings is None:
         raise ValueError("commsched.config() needs commsched.init() first")
     result = _state.settings.as_dict()
+    result.update(_core.scheduling_settings())  # reconfigure() may have changed these
     result.update(
         transport=_state.transport,
         launcher=_state.launcher,
@@ -174,6 +176,25 @@ def config() -> dict[str, Any]:
         local_rank=_state.local_rank,
     )
     return result
+
+
+def reconfigure(**settings: Any) -> None:
+    """Switches policy, partition, credit or fusion size on every rank at the same cycle.
+
+    Every rank calls it; the switch happens once all have, with rank 0's values. Tensors
+    already cut into chunks finish under the old settings.
+    """
+    allowed = {"policy", "partition_bytes", "credit_bytes", "fusion_bytes"}
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise _config.SettingError(
+            f"commsched.reconfigure() got {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}"
+        )
+    current = config()
+    merged = {name: current[name] for name in allowed}
+    merged.update({name: value for name, value in settings.items() if value is not None})
+    resolved = _config.resolve(merged, environ={})
+    _core.reconfigure(resolved.policy, resolved.partition_bytes, resolved.credit_bytes, resolved.fusion_bytes)
 
 
 def stats() -> dict[str, int]:

@@ -7,53 +7,53 @@
 #include <mutex>
 #include <optional>
 
+#include "bindings/runtime_slot.h"
 #include "core/runtime.h"
 #include "transport/loopback/loopback_transport.h"
 #include "transport/python/python_transport.h"
 
 namespace py = pybind11;
+
+namespace commsched {
+
+void RuntimeSlot::install(std::shared_ptr<Runtime> runtime) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (runtime_ && runtime_->running()) {
+    throw UsageError("commsched is already initialised; call commsched.shutdown() before init() again");
+  }
+  previous_ = std::move(runtime_);
+  runtime_ = std::move(runtime);
+}
+
+std::shared_ptr<Runtime> RuntimeSlot::get() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return runtime_;
+}
+
+std::shared_ptr<Runtime> RuntimeSlot::require(const char* what) const {
+  auto runtime = get();
+  if (!runtime) throw UsageError(std::string("commsched.") + what + "() needs commsched.init() first");
+  return runtime;
+}
+
+std::shared_ptr<Runtime> RuntimeSlot::release() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  previous_.reset();
+  return std::move(runtime_);
+}
+
+RuntimeSlot& runtime_slot() {
+  static RuntimeSlot slot;
+  return slot;
+}
+
+}  // namespace commsched
+
 using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
 
 namespace {
-
-// The single owned runtime of this process, created by init() and released by shutdown().
-class RuntimeSlot {
- public:
-  void install(std::shared_ptr<Runtime> runtime) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (runtime_ && runtime_->running()) {
-      throw UsageError("commsched is already initialised; call commsched.shutdown() before init() again");
-    }
-    previous_ = std::move(runtime_);
-    runtime_ = std::move(runtime);
-  }
-  std::shared_ptr<Runtime> get() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return runtime_;
-  }
-  std::shared_ptr<Runtime> require(const char* what) const {
-    auto runtime = get();
-    if (!runtime) throw UsageError(std::string("commsched.") + what + "() needs commsched.init() first");
-    return runtime;
-  }
-  std::shared_ptr<Runtime> release() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    previous_.reset();
-    return std::move(runtime_);
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::shared_ptr<Runtime> runtime_;
-  std::shared_ptr<Runtime> previous_;  // a stopped runtime, kept until the next one is up
-};
-
-RuntimeSlot& slot() {
-  static RuntimeSlot the_slot;
-  return the_slot;
-}
 
 LogLevel log_level_from_name(const std::string& name) {
   static const std::pair<const char*, LogLevel> kLevels[] = {{"trace", LogLevel::kTrace},
@@ -141,7 +141,7 @@ PYBIND11_MODULE(_core, module) {
         settings.timeline_path = timeline_path;
         settings.log_level = log_level_from_name(log_level);
         auto transport = make_transport(transport_kind, std::move(transport_argument));
-        slot().install(std::make_shared<Runtime>(settings, std::move(transport)));
+        runtime_slot().install(std::make_shared<Runtime>(settings, std::move(transport)));
       },
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
@@ -151,7 +151,7 @@ PYBIND11_MODULE(_core, module) {
   module.def(
       "stop",
       [] {
-        auto runtime = slot().release();
+        auto runtime = runtime_slot().release();
         if (!runtime) return;
         py::gil_scoped_release release;
         runtime->shutdown();
@@ -171,20 +171,44 @@ PYBIND11_MODULE(_core, module) {
         spec.root = root;
         spec.count = count;
         spec.priority = priority;
-        return slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address));
+        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address));
       },
       py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
       py::arg("root"), py::arg("priority"), "Submits a collective on raw memory that the caller keeps alive.");
 
+  module.def(
+      "reconfigure",
+      [](const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes) {
+        SchedulingSettings settings;
+        settings.policy = policy == "fifo" ? Policy::kFifo : Policy::kPriority;
+        settings.partition_bytes = partition_bytes;
+        settings.credit_bytes = credit_bytes;
+        settings.fusion_bytes = fusion_bytes;
+        runtime_slot().require("reconfigure")->request_settings(settings);
+      },
+      py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
+      "Requests new scheduling settings; they switch on every rank in one cycle.");
+  module.def(
+      "scheduling_settings",
+      [] {
+        const SchedulingSettings settings = runtime_slot().require("config")->applied_settings();
+        py::dict out;
+        out["policy"] = settings.policy == Policy::kFifo ? "fifo" : "priority";
+        out["partition_bytes"] = settings.partition_bytes;
+        out["credit_bytes"] = settings.credit_bytes;
+        out["fusion_bytes"] = settings.fusion_bytes;
+        return out;
+      },
+      "The scheduling settings in effect now.");
   module.def("running", [] {
-    auto runtime = slot().get();
+    auto runtime = runtime_slot().get();
     return runtime && runtime->running();
   }, "True while a runtime is up.");
-  module.def("rank", [] { return slot().require("rank")->rank(); }, "This process's rank.");
-  module.def("size", [] { return slot().require("size")->size(); }, "The number of ranks.");
-  module.def("transport_name", [] { return slot().require("config")->transport_name(); }, "The active transport.");
-  module.def("stats", [] { return stats_dict(slot().require("stats")->stats()); }, "Counters of the running core.");
-  module.def("describe", [](const std::string& name) { return slot().require("describe")->describe(name); },
+  module.def("rank", [] { return runtime_slot().require("rank")->rank(); }, "This process's rank.");
+  module.def("size", [] { return runtime_slot().require("size")->size(); }, "The number of ranks.");
+  module.def("transport_name", [] { return runtime_slot().require("config")->transport_name(); }, "The active transport.");
+  module.def("stats", [] { return stats_dict(runtime_slot().require("stats")->stats()); }, "Counters of the running core.");
+  module.def("describe", [](const std::string& name) { return runtime_slot().require("describe")->describe(name); },
              "Where a pending tensor stands.");
   register_simulator(module);
 }

@@ -86,6 +86,11 @@ std::string Agreement::build_report(const ReportStatus& status) {
   writer.put<uint8_t>(status.shutdown ? 1 : 0);
   writer.put<uint64_t>(status.completed_bytes);
   writer.put_string(status.abort_message);
+  writer.put<uint32_t>(status.settings_epoch);
+  writer.put<uint8_t>(static_cast<uint8_t>(status.settings.policy));
+  writer.put<uint64_t>(status.settings.partition_bytes);
+  writer.put<uint64_t>(status.settings.credit_bytes);
+  writer.put<uint64_t>(status.settings.fusion_bytes);
   writer.put<uint32_t>(static_cast<uint32_t>(outbox_.size()));
   for (const TensorSpec& spec : outbox_) {
     auto cached = cache_ids_.find(spec.name);
@@ -121,6 +126,19 @@ CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double no
     const bool shutdown = reader.get<uint8_t>() != 0;
     outcome.min_completed_bytes = std::min(outcome.min_completed_bytes, reader.get<uint64_t>());
     std::string abort_message = reader.get_string(kMaxNameBytes);
+    const auto settings_epoch = reader.get<uint32_t>();
+    SchedulingSettings settings;
+    const auto policy = reader.get<uint8_t>();
+    if (policy > 1) reader.fail("bad policy");
+    settings.policy = static_cast<Policy>(policy);
+    settings.partition_bytes = reader.get<uint64_t>();
+    settings.credit_bytes = reader.get<uint64_t>();
+    settings.fusion_bytes = reader.get<uint64_t>();
+    outcome.min_settings_epoch = from == 0 ? settings_epoch : std::min(outcome.min_settings_epoch, settings_epoch);
+    if (from == 0) {
+      outcome.root_settings_epoch = settings_epoch;
+      outcome.root_settings = settings;
+    }
     if (shutdown && outcome.shutdown_rank < 0) outcome.shutdown_rank = from;
     if (!abort_message.empty() && outcome.abort_rank < 0) {
       outcome.abort_rank = from;

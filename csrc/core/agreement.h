@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "settings.h"
 #include "types.h"
 
 namespace commsched {
@@ -22,6 +23,9 @@ struct ReportStatus {
   uint64_t completed_bytes = 0;
   bool shutdown = false;
   std::string abort_message;  // non-empty: this rank has failed and asks everyone to stop
+  // Scheduling settings this rank asks for, numbered; they switch once every rank asked.
+  uint32_t settings_epoch = 0;
+  SchedulingSettings settings;
 };
 
 struct TensorFailure {
@@ -37,6 +41,9 @@ struct CycleOutcome {
   int abort_rank = -1;
   std::string abort_message;
   uint32_t announcements = 0;  // entries in all reports: a sign the ranks are making progress
+  uint32_t min_settings_epoch = 0;
+  uint32_t root_settings_epoch = 0;  // rank 0's request wins, so every rank applies the same settings
+  SchedulingSettings root_settings;
 };
 
 struct StalledTensor {

@@ -4,22 +4,32 @@
 
 namespace commsched {
 
-void HandleState::complete() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    done_ = true;
-  }
-  done_cv_.notify_all();
-}
+void HandleState::complete() { fail(""); }
 
 void HandleState::fail(const std::string& message) {
+  std::vector<Callback> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
-    error_ = message.empty() ? "unknown error" : message;
+    error_ = message;
     done_ = true;
+    callbacks.swap(callbacks_);
   }
   done_cv_.notify_all();
+  for (Callback& callback : callbacks) callback(message);
+}
+
+void HandleState::on_done(Callback callback) {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!done_) {
+      callbacks_.push_back(std::move(callback));
+      return;
+    }
+    error = error_;
+  }
+  callback(error);
 }
 
 bool HandleState::done() const {

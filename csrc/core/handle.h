@@ -2,8 +2,10 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace commsched {
 
@@ -20,12 +22,19 @@ class HandleState {
   std::string error() const;
   const std::string& name() const { return name_; }
 
+  // Runs `callback(error)` once the collective is done (error empty on success): at once
+  // on the calling thread if it already is, otherwise on the core's thread, which it
+  // must not block.
+  using Callback = std::function<void(const std::string& error)>;
+  void on_done(Callback callback);
+
  private:
   const std::string name_;
   mutable std::mutex mutex_;
   mutable std::condition_variable done_cv_;
   bool done_ = false;
   std::string error_;
+  std::vector<Callback> callbacks_;
 };
 
 }  // namespace commsched

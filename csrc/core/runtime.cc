@@ -53,7 +53,9 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       logger_(settings.log_level, rank_),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
-      started_(Clock::now()) {
+      started_(Clock::now()),
+      requested_settings_(settings.scheduling),
+      applied_settings_(settings.scheduling) {
   timeline_.open(settings_.timeline_path, rank_);
   logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
   thread_ = std::thread([this] { loop(); });
@@ -96,6 +98,18 @@ void Runtime::shutdown() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Runtime::request_settings(const SchedulingSettings& settings) {
+  std::lock_guard<std::mutex> lock(inbox_mutex_);
+  if (stopped_) throw UsageError("commsched is not running; call commsched.init() before reconfigure()");
+  ++requested_epoch_;
+  requested_settings_ = settings;
+}
+
+SchedulingSettings Runtime::applied_settings() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return applied_settings_;
+}
+
 RuntimeStats Runtime::stats() const {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   return stats_;
@@ -122,8 +136,13 @@ void Runtime::loop() {
     CycleOutcome outcome;
     try {
       wait_for_news(deadline);
+      ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+      {
+        std::lock_guard<std::mutex> lock(inbox_mutex_);
+        status.settings_epoch = requested_epoch_;
+        status.settings = requested_settings_;
+      }
       take_submissions();
-      const ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
       const bool had_news = agreement_.has_announcements();
       const uint64_t exchange_start_us = Timeline::now_us();
       const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s);
@@ -204,6 +223,13 @@ void Runtime::take_submissions() {
 }
 
 void Runtime::apply_outcome(const CycleOutcome& outcome) {
+  if (outcome.min_settings_epoch > applied_epoch_) {
+    // Every rank sees the same reports, so every rank switches in this same cycle.
+    applied_epoch_ = outcome.root_settings_epoch;
+    scheduler_.reconfigure(outcome.root_settings);
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    applied_settings_ = outcome.root_settings;
+  }
   for (const TensorFailure& failure : outcome.failures) {
     logger_.log(LogLevel::kError, failure.message);
     auto found = waiting_ids_.find(failure.name);

@@ -48,6 +48,11 @@ class Runtime {
   // name is already in flight or the runtime has stopped.
   std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data);
 
+  // Asks for new scheduling settings; they take effect on every rank in the same cycle,
+  // once every rank has asked as many times (rank 0's settings win).
+  void request_settings(const SchedulingSettings& settings);
+  SchedulingSettings applied_settings() const;
+
   // Asks every rank to stop, waits for in-flight collectives, fails what is left.
   void shutdown();
 
@@ -116,6 +121,8 @@ class Runtime {
   std::string stop_reason_;
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
+  uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
+  SchedulingSettings requested_settings_;
 
   // Owned by the background thread.
   std::unordered_map<uint64_t, LocalTensor> tensors_;
@@ -129,8 +136,11 @@ class Runtime {
   double last_stall_check_s_ = 0;
   std::map<std::string, double> stall_warned_at_s_;
 
+  uint32_t applied_epoch_ = 0;
+
   mutable std::mutex stats_mutex_;
   RuntimeStats stats_;
+  SchedulingSettings applied_settings_;  // guarded by stats_mutex_
 
   std::thread thread_;  // last member: starts after everything above exists
 };
