@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv beside the repository with everything commsched, its tests and its
+# benchmarks need, then builds commsched into it (editable). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+pip install -q --upgrade pip
+# The CPU build of torch first, so nothing later pulls a multi-GB CUDA build for a `torch>=` range.
+pip install -q torch==2.13.0
+pip install -q -r requirements-dev.txt
+pip install -q -e . --no-build-isolation
+python -c "import commsched, commsched._mpi; print('commsched', commsched.__version__, 'built with MPI')"
