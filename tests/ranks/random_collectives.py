@@ -103,6 +103,8 @@ def run_config(config: dict, tensors: list[dict], seed: int) -> None:
         largest_chunk = settings["partition_bytes"]
         assert stats["max_bytes_in_flight"] <= max(settings["credit_bytes"], largest_chunk), stats
     assert stats["completed_tensors"] == len(tensors), stats
+    if settings["fusion_bytes"] > 0:
+        assert stats["fused_launches"] > 0, stats  # small tensors ready together must share collectives
     commsched.shutdown()
     print(f"rank {rank}: OK {config} launches={stats['launches']} fused={stats['fused_launches']}", flush=True)
 

@@ -1,0 +1,28 @@
+"""Launches rank programs under mpiexec for the tests; an exception on any rank ends the job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RANKS_DIR = Path(__file__).resolve().parent / "ranks"
+
+
+def mpiexec() -> str | None:
+    """The mpiexec beside this Python (pip's mpich), or one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def run_ranks(
+    ranks: int, script: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs tests/ranks/<script> on `ranks` ranks; `python -m mpi4py` aborts all ranks on an exception."""
+    launcher = mpiexec()
+    assert launcher, "mpiexec not found: pip install mpich mpi4py"
+    command = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(RANKS_DIR / script), *args]
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)

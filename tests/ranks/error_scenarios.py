@@ -1,0 +1,138 @@
+"""Rank program for the error-path tests; the scenario is the first argument.
+
+Each scenario prints `SCENARIO-OK <rank>` when every rank saw what it should.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+import commsched
+
+
+def mismatch() -> None:
+    """Rank 1 submits a bigger tensor under the same name: every rank's handle fails, the job goes on."""
+    commsched.init()
+    rank = commsched.rank()
+    handle = commsched.allreduce_async(np.ones(10 + (rank == 1) * 5, np.float32), "w")
+    try:
+        handle.wait(timeout=30)
+    except commsched.CommschedError as error:
+        text = str(error)
+        assert "'w'" in text and "rank 1 submitted allreduce float32[15]" in text, text
+        assert "float32[10]" in text, text
+    else:
+        raise AssertionError("a mismatched tensor was reduced")
+    good = commsched.allreduce(np.ones(4, np.int64), "after", timeout=30)
+    assert (good == commsched.size()).all()
+    commsched.shutdown()
+
+
+def duplicate() -> None:
+    """A second in-flight use of one name is refused at once."""
+    commsched.init()
+    first = commsched.allreduce_async(np.ones(3), "dup")
+    try:
+        commsched.allreduce_async(np.ones(3), "dup")
+    except ValueError as error:
+        assert "already in flight" in str(error) and "'dup'" in str(error), error
+    else:
+        raise AssertionError("a second in-flight use of 'dup' was accepted")
+    assert (first.wait(timeout=30) == commsched.size()).all()
+    again = commsched.allreduce(np.ones(3), "dup", timeout=30)  # the name is free once done
+    assert (again == commsched.size()).all()
+    commsched.shutdown()
+
+
+def stall() -> None:
+    """Rank 1 submits late: the others warn (naming tensor and rank), then it completes."""
+    commsched.init(stall_timeout=1, stall_shutdown=30)
+    if commsched.rank() == 1:
+        time.sleep(3.5)
+    result = commsched.allreduce(np.ones(2), "late", timeout=30)
+    assert (result == commsched.size()).all()
+    commsched.shutdown()
+
+
+def stall_shutdown() -> None:
+    """Rank 1 never submits: every rank stops with an error naming the tensor and the missing rank."""
+    commsched.init(stall_timeout=1, stall_shutdown=2)
+    started = time.monotonic()
+    if commsched.rank() != 1:
+        try:
+            commsched.allreduce(np.ones(2), "never", timeout=60)
+        except commsched.CommschedError as error:
+            assert "never" in str(error) and "not on ranks 1" in str(error), error
+        else:
+            raise AssertionError("a stalled tensor completed")
+    else:
+        while commsched.is_initialized() and time.monotonic() - started < 60:
+            time.sleep(0.05)
+        try:
+            commsched.allreduce(np.ones(2), "never", timeout=60)
+        except ValueError as error:
+            assert "not running" in str(error) and "stall" in str(error).lower(), error
+        else:
+            raise AssertionError("rank 1 could still submit after the stall shutdown")
+    assert time.monotonic() - started < 30, "the stall shutdown took too long"
+    commsched.shutdown()
+
+
+def shutdown_pending() -> None:
+    """Rank 0 shuts down with a handle pending: it fails clearly, and rank 1 learns commsched stopped."""
+    commsched.init()
+    if commsched.rank() == 0:
+        handle = commsched.allreduce_async(np.ones(2), "orphan")
+        commsched.shutdown()
+        try:
+            handle.wait(timeout=10)
+        except commsched.CommschedError as error:
+            assert "shutdown() was called on rank 0" in str(error) and "orphan" in str(error), error
+        else:
+            raise AssertionError("a pending handle completed although rank 1 never submitted it")
+    else:
+        deadline = time.monotonic() + 30
+        while commsched.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            commsched.allreduce_async(np.ones(2), "orphan")
+        except ValueError as error:
+            assert "shutdown() was called on rank 0" in str(error), error
+        else:
+            raise AssertionError("rank 1 could submit after rank 0 shut down")
+        commsched.shutdown()
+
+
+def reconfigure() -> None:
+    """Settings switch on every rank together; integer results stay exact across switches."""
+    commsched.init(policy="priority")
+    rank, size = commsched.rank(), commsched.size()
+    rng = np.random.default_rng(rank)
+    variants = [
+        dict(policy="fifo"),
+        dict(policy="priority", partition_bytes="8KiB", credit_bytes="16KiB", fusion_bytes="2KiB"),
+        dict(policy="priority", partition_bytes="1MiB", credit_bytes="4MiB", fusion_bytes=0),
+    ]
+    for step, variant in enumerate(variants * 2):
+        commsched.reconfigure(**variant)
+        handles = []
+        for i in rng.permutation(40):
+            data = np.arange(int(i) * 500, dtype=np.int64) * (rank + 1)
+            handles.append((commsched.allreduce_async(data, f"r{i}", priority=int(i)), int(i)))
+            if i % 7 == 0:
+                time.sleep(0.001)
+        for handle, i in handles:
+            expected = np.arange(i * 500, dtype=np.int64) * (size * (size + 1) // 2)
+            assert np.array_equal(handle.wait(timeout=60), expected), (step, i)
+    commsched.allreduce(np.zeros(1), "settle", timeout=30)
+    assert commsched.config()["partition_bytes"] == 1024**2, commsched.config()
+    assert commsched.config()["fusion_bytes"] == 0
+    commsched.shutdown()
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
+    print(f"SCENARIO-OK {sys.argv[1]}", flush=True)

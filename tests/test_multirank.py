@@ -1,0 +1,64 @@
+"""Multi-rank runs of the core over MPI: randomized correctness, error paths, reconfiguration."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpirun import run_ranks
+
+pytest.importorskip("mpi4py")
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_random_collectives_match_numpy(ranks: int) -> None:
+    """Thousands of random tensors per policy/setting, each rank in its own order, equal the numpy reference."""
+    tensors = {2: 2000, 3: 1500, 4: 1000}[ranks]  # fewer on more ranks: this machine may have 2 cores
+    result = run_ranks(ranks, "random_collectives.py", "--tensors", str(tensors), "--seed", str(ranks))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ALL OK") == ranks, result.stdout
+    assert result.stdout.count("OK {'policy': 'fifo'}") == ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mismatched_tensor_fails_on_every_rank(ranks: int) -> None:
+    """Different sizes under one name: every rank gets an error naming the tensor and the ranks."""
+    result = run_ranks(ranks, "error_scenarios.py", "mismatch", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == ranks
+
+
+def test_duplicate_in_flight_name_is_refused() -> None:
+    """A name already in flight is refused at submission."""
+    result = run_ranks(2, "error_scenarios.py", "duplicate", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == 2
+
+
+def test_stall_warning_names_tensor_and_missing_rank() -> None:
+    """A rank that submits late triggers a warning naming the tensor and the rank, then the job completes."""
+    result = run_ranks(3, "error_scenarios.py", "stall", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == 3
+    assert "'late' ready on ranks 0,2 but not on ranks 1" in result.stderr, result.stderr
+    assert "COMMSCHED_STALL_TIMEOUT" in result.stderr
+
+
+def test_stall_shutdown_stops_every_rank() -> None:
+    """A rank that never submits makes every rank stop with a clear error instead of hanging."""
+    result = run_ranks(3, "error_scenarios.py", "stall_shutdown", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == 3
+
+
+def test_shutdown_fails_pending_handles() -> None:
+    """shutdown() with a pending handle fails it; the other rank's runtime stops too."""
+    result = run_ranks(2, "error_scenarios.py", "shutdown_pending", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == 2
+
+
+def test_reconfigure_switches_every_rank_together() -> None:
+    """Settings change mid-run on all ranks at one cycle; integer results stay exact."""
+    result = run_ranks(3, "error_scenarios.py", "reconfigure", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == 3
