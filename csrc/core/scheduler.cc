@@ -22,13 +22,15 @@ uint32_t Scheduler::add(uint64_t tensor_id, const TensorSpec& spec) {
                              static_cast<uint8_t>(spec.op), spec.kind == CollectiveKind::kBroadcast ? spec.root : 0};
   const uint64_t step = partition_elements(spec);
   const size_t elem_size = dtype_size(spec.dtype);
+  const bool fusible = step >= spec.count;
   uint32_t index = 0;
   uint64_t offset = 0;
   do {  // a zero-length tensor still gets one (empty) chunk so its handle completes in order
     const uint64_t count = std::min(step, spec.count - offset);
     const OrderKey key{priority, seq, index};
-    queue_.emplace(key, QueuedChunk{ChunkRef{tensor_id, offset, count, index}, fusion_key, count * elem_size});
-    by_fusion_key_[fusion_key].insert(key);
+    queue_.emplace(key,
+                   QueuedChunk{ChunkRef{tensor_id, offset, count, index}, fusion_key, count * elem_size, fusible});
+    if (fusible) by_fusion_key_[fusion_key].insert(key);
     offset += count;
     ++index;
   } while (offset < spec.count);
@@ -44,9 +46,11 @@ void Scheduler::take(const OrderKey& key, Launch& launch) {
   const QueuedChunk& chunk = found->second;
   launch.bytes += chunk.bytes;
   launch.chunks.push_back(chunk.ref);
-  auto group = by_fusion_key_.find(chunk.fusion_key);
-  group->second.erase(key);
-  if (group->second.empty()) by_fusion_key_.erase(group);
+  if (chunk.fusible) {
+    auto group = by_fusion_key_.find(chunk.fusion_key);
+    group->second.erase(key);
+    if (group->second.empty()) by_fusion_key_.erase(group);
+  }
   queue_.erase(found);
 }
 
@@ -65,12 +69,13 @@ std::vector<Launch> Scheduler::next_launches() {
     launch.op = static_cast<ReduceOp>(std::get<2>(head.fusion_key));
     launch.root = std::get<3>(head.fusion_key);
     const FusionKey fusion_key = head.fusion_key;
+    const bool fusible = head.fusible;
     take(head_key, launch);
 
     uint64_t cap = settings_.fusion_bytes;
     if (credit_limited() && in_flight > 0) cap = std::min(cap, settings_.credit_bytes - in_flight);
-    // The head is the smallest key overall, so the rest of its group follows in priority order.
-    auto group = by_fusion_key_.find(fusion_key);
+    // A fusible head is the smallest key of its group too, so the rest follows in priority order.
+    auto group = fusible ? by_fusion_key_.find(fusion_key) : by_fusion_key_.end();
     while (group != by_fusion_key_.end() && launch.bytes < cap) {
       const OrderKey next_key = *group->second.begin();
       if (launch.bytes + queue_.at(next_key).bytes > cap) break;

@@ -67,6 +67,7 @@ class Scheduler {
     ChunkRef ref;
     FusionKey fusion_key;
     uint64_t bytes = 0;
+    bool fusible = false;  // whole small tensors fuse; chunks of a partitioned one go alone
   };
 
   bool credit_limited() const { return settings_.policy == Policy::kPriority; }
@@ -75,7 +76,7 @@ class Scheduler {
 
   SchedulingSettings settings_;
   std::map<OrderKey, QueuedChunk> queue_;
-  std::map<FusionKey, std::set<OrderKey>> by_fusion_key_;
+  std::map<FusionKey, std::set<OrderKey>> by_fusion_key_;  // fusible chunks only
   uint64_t next_ready_seq_ = 0;
   uint64_t next_launch_seq_ = 0;
   uint64_t launched_bytes_ = 0;

@@ -154,6 +154,21 @@ TEST_CASE(fusion_packs_small_tensors_in_priority_order) {
   }
 }
 
+TEST_CASE(chunks_of_a_partitioned_tensor_are_never_fused) {
+  Scheduler scheduler(priority_settings(1024, 64 * kMiB, 1 * kMiB));
+  scheduler.add(0, spec("big", 1000, 1));  // 4000 bytes: four chunks
+  scheduler.add(1, spec("small_a", 10, 0));
+  scheduler.add(2, spec("small_b", 10, 2));
+  const std::vector<Launch> launches = scheduler.next_launches();
+  EXPECT_EQ(launches.size(), 5u);
+  EXPECT_EQ(launches[0].chunks.size(), 2u);  // the two small tensors, most urgent first
+  EXPECT_EQ(launches[0].chunks[1].tensor_id, 2u);
+  for (size_t i = 1; i < launches.size(); ++i) {
+    EXPECT_EQ(launches[i].chunks.size(), 1u);
+    EXPECT_EQ(launches[i].chunks[0].tensor_id, 0u);
+  }
+}
+
 TEST_CASE(fusion_stops_at_fusion_size) {
   Scheduler scheduler(priority_settings(4 * kMiB, 64 * kMiB, 300 * 1024));
   for (uint64_t id = 0; id < 10; ++id) scheduler.add(id, spec("s" + std::to_string(id), 25600, 0));  // 100 KiB
