@@ -78,7 +78,7 @@ class Settings:
 
     policy: str = "priority"
     partition_bytes: int = 4 * 1024**2
-    credit_bytes: int = 8 * 1024**2
+    credit_bytes: int = 16 * 1024**2
     fusion_bytes: int = 1024**2
     transport: str = "auto"
     timeline: str = ""

@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
     parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
     parser.add_argument("--partition-bytes", default="4MiB")
-    parser.add_argument("--credit-bytes", default="8MiB")
+    parser.add_argument("--credit-bytes", default="16MiB")
     parser.add_argument("--fusion-bytes", default="1MiB")
     parser.add_argument("--cycle-time", default="1ms")
     parser.add_argument("--iterations", type=int, default=6)

@@ -14,7 +14,7 @@ enum class LogLevel : uint8_t { kTrace = 0, kDebug, kInfo, kWarning, kError };
 struct SchedulingSettings {
   Policy policy = Policy::kPriority;
   uint64_t partition_bytes = 4ull << 20;
-  uint64_t credit_bytes = 8ull << 20;
+  uint64_t credit_bytes = 16ull << 20;
   uint64_t fusion_bytes = 1ull << 20;
 };
 
