@@ -1,0 +1,163 @@
+"""Builds the custom TensorFlow ops against the installed TensorFlow, once, into a cache.
+
+The library is keyed by TensorFlow's version and a hash of the sources, the compiler and
+TensorFlow's flags, so a TensorFlow upgrade or an edited op source triggers a rebuild.
+Several ranks may start at once: one builds under a file lock, into a temporary file
+that is renamed into place, and the others find the finished library.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "ops" / "commsched_ops.cc"
+LIBRARY_NAME = "libcommsched_tf_ops.so"
+CACHE_VARIABLE = "COMMSCHED_TF_OPS_DIR"
+
+
+class BuildError(RuntimeError):
+    """The TensorFlow ops could not be compiled; the message says why and what to do."""
+
+
+def header_dir() -> Path:
+    """The include directory holding core/c_api.h (shipped with the package or in the source tree)."""
+    import commsched
+
+    candidates = [
+        Path(commsched.__file__).resolve().parent / "include",
+        HERE.parent.parent / "csrc",  # editable install: plugins/tensorflow -> repository root
+    ]
+    for candidate in candidates:
+        if (candidate / "core" / "c_api.h").is_file():
+            return candidate
+    raise BuildError(
+        "commsched's C ABI header core/c_api.h was not found in "
+        + " or ".join(str(c) for c in candidates)
+        + "; install commsched from its source tree (pip install -e .)"
+    )
+
+
+def compiler() -> str:
+    """The C++ compiler to use: $CXX, else c++, g++ or clang++ on PATH."""
+    explicit = os.environ.get("CXX")
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise BuildError(f"CXX={explicit!r} is not an executable on PATH; point CXX at a C++17 compiler")
+        return found
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise BuildError(
+        "commsched.tensorflow compiles its TensorFlow ops on first use and needs a C++17 compiler, "
+        "but none of c++, g++, clang++ is on PATH; install one (apt-get install g++) or set CXX"
+    )
+
+
+def tf_flags() -> tuple[list[str], list[str]]:
+    """TensorFlow's compile and link flags for custom ops."""
+    import tensorflow as tf
+
+    return list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags())
+
+
+def cache_key(tf_version: str, parts: list[bytes]) -> str:
+    """`<tf version>-<hash>`: a new TensorFlow, source, compiler or flag set gets a new library."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return f"{tf_version}-{digest.hexdigest()[:16]}"
+
+
+def cache_root() -> Path:
+    """$COMMSCHED_TF_OPS_DIR, else ~/.cache/commsched/tf-ops (XDG_CACHE_HOME honoured)."""
+    explicit = os.environ.get(CACHE_VARIABLE)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "commsched" / "tf-ops"
+
+
+def _command(
+    cxx: str, output: Path, include: Path, compile_flags: list[str], link_flags: list[str]
+) -> list[str]:
+    # -w: TensorFlow's own headers emit hundreds of deprecation warnings that say nothing about ours.
+    return [
+        cxx,
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-O2",
+        "-w",
+        str(SOURCE),
+        f"-I{include}",
+        *compile_flags,
+        "-o",
+        str(output),
+        *link_flags,
+        "-ldl",
+    ]
+
+
+def library_path() -> Path:
+    """Where the library for this TensorFlow and these sources lives (built or not)."""
+    import tensorflow as tf
+
+    include = header_dir()
+    compile_flags, link_flags = tf_flags()
+    cxx = compiler()
+    parts = [
+        SOURCE.read_bytes(),
+        (include / "core" / "c_api.h").read_bytes(),
+        cxx.encode(),
+        " ".join(compile_flags + link_flags).encode(),
+    ]
+    return cache_root() / cache_key(tf.__version__, parts) / LIBRARY_NAME
+
+
+def build(target: Path) -> Path:
+    """Compiles the ops into `target` unless it exists; safe when several processes race."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the losers wait here, then find the winner's library
+        if target.is_file():
+            return target
+        compile_flags, link_flags = tf_flags()
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+        os.close(handle)
+        command = _command(compiler(), Path(temporary), header_dir(), compile_flags, link_flags)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise BuildError(
+                    f"compiling commsched's TensorFlow ops failed (exit {result.returncode}):\n"
+                    + " ".join(command)
+                    + "\n"
+                    + result.stderr[-4000:]
+                )
+            os.replace(temporary, target)  # atomic: a reader sees no library or a whole one
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any:
+    """The loaded op module (tf.load_op_library), building it first if needed."""
+    import tensorflow as tf
+
+    return tf.load_op_library(str(build(library_path())))
