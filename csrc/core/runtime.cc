@@ -50,6 +50,7 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       rank_(transport_->rank()),
       size_(transport_->size()),
       transport_name_(transport_->name()),
+      poll_interval_(transport_->poll_interval()),
       logger_(settings.log_level, rank_),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
@@ -195,9 +196,11 @@ void Runtime::wait_for_news(Clock::time_point deadline) {
     if (now >= deadline) return;
     if (in_flight_.empty()) {
       inbox_cv_.wait_until(lock, deadline);
+    } else if (poll_interval_.count() > 0) {
+      inbox_cv_.wait_until(lock, std::min(deadline, now + poll_interval_));
     } else {
-      // Transports such as MPI move data only while polled: keep polling, but give the
-      // core to any other runnable thread between polls.
+      // The transport moves data only while polled: keep polling, but give the core to
+      // any other runnable thread between polls.
       lock.unlock();
       std::this_thread::yield();
     }

@@ -107,6 +107,7 @@ class Runtime {
   const int rank_;
   const int size_;
   const std::string transport_name_;
+  const std::chrono::microseconds poll_interval_;
   Logger logger_;
   Timeline timeline_;
   Agreement agreement_;

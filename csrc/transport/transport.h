@@ -2,6 +2,7 @@
 // transports through the trampoline). The core calls it from its background thread only.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,11 @@ class Transport {
   // Starts a collective in place on `op.data`. Every rank starts collectives in the
   // same order (the agreement guarantees it).
   virtual std::unique_ptr<PendingOp> start(const WireOp& op) = 0;
+
+  // How long the core may sleep between polls of collectives in flight. Zero means the
+  // library moves data only while polled (MPI's progress engine), so the core keeps
+  // polling and only yields the CPU; transports with their own threads get a real sleep.
+  virtual std::chrono::microseconds poll_interval() const { return std::chrono::microseconds(0); }
 };
 
 }  // namespace commsched

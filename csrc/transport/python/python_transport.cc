@@ -34,7 +34,8 @@ PythonTransport::PythonTransport(py::object impl)
     : impl_(std::move(impl)),
       rank_(impl_.attr("rank").cast<int>()),
       size_(impl_.attr("size").cast<int>()),
-      name_(impl_.attr("name").cast<std::string>()) {}
+      name_(impl_.attr("name").cast<std::string>()),
+      poll_interval_(py::hasattr(impl_, "poll_interval_us") ? impl_.attr("poll_interval_us").cast<int64_t>() : 200) {}
 
 PythonTransport::~PythonTransport() {
   py::gil_scoped_acquire gil;

@@ -5,6 +5,7 @@
 //   rank: int, size: int, name: str
 //   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
 //   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
+//   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -25,12 +26,15 @@ class PythonTransport : public Transport {
   std::string name() const override { return name_; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
+  // Every poll takes the GIL from the training thread, so poll sparingly.
+  std::chrono::microseconds poll_interval() const override { return poll_interval_; }
 
  private:
   pybind11::object impl_;
   int rank_;
   int size_;
   std::string name_;
+  std::chrono::microseconds poll_interval_;
 };
 
 }  // namespace commsched
