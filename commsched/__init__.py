@@ -92,7 +92,7 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
         info = _launch.detect()
         kind = transports.choose(resolved.transport, info, comm, process_group)
-        core_kind, argument = transports.build(kind, info, comm, process_group)
+        core_kind, argument = transports.build(kind, info, comm, process_group, resolved)
         rank, size = _probe_rank_size(core_kind, argument, info)
         _core.start(
             policy=resolved.policy,

@@ -22,7 +22,7 @@ _SIZE_UNITS = {
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
 POLICIES = ("priority", "fifo")
-TRANSPORTS = ("auto", "mpi", "gloo", "loopback")
+TRANSPORTS = ("auto", "mpi", "gloo", "grpc", "nccl", "loopback")
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 
 
@@ -86,6 +86,7 @@ class Settings:
     stall_shutdown: float = 300.0
     cycle_time: float = 0.001
     log_level: str = "warning"
+    grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict."""
@@ -106,7 +107,20 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "stall_shutdown": ("COMMSCHED_STALL_SHUTDOWN", parse_duration, _DURATION_FORM + " (0 never fails stalls)"),
     "cycle_time": ("COMMSCHED_CYCLE_TIME", parse_duration, _DURATION_FORM),
     "log_level": ("COMMSCHED_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
+    "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
 }
+JOB_TOKEN_VARIABLE = "COMMSCHED_JOB_TOKEN"
+
+
+def job_token(environ: dict[str, str] | None = None) -> str:
+    """COMMSCHED_JOB_TOKEN, kept out of Settings so config() and logs never show it ("" if unset)."""
+    environ = dict(os.environ) if environ is None else environ
+    token = environ.get(JOB_TOKEN_VARIABLE, "").strip()
+    if token and (len(token) < 8 or not token.isprintable()):
+        raise SettingError(
+            f"{JOB_TOKEN_VARIABLE} must be at least 8 printable characters, e.g. from `openssl rand -hex 16`"
+        )
+    return token
 
 
 def resolve(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> Settings:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import os
 from typing import Any
 
 from commsched.launch import LaunchInfo
@@ -10,22 +13,37 @@ from commsched.launch import LaunchInfo
 log = logging.getLogger("commsched")
 
 
-def choose(requested: str, launch: LaunchInfo, comm: Any, process_group: Any) -> str:
-    """Resolves COMMSCHED_TRANSPORT=auto into a concrete transport and checks explicit choices."""
+def _torch_present() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def choose(
+    requested: str, launch: LaunchInfo, comm: Any, process_group: Any, cuda_buffers: bool = False
+) -> str:
+    """Resolves COMMSCHED_TRANSPORT=auto into a concrete transport and checks explicit choices.
+
+    auto: NCCL for CUDA buffers, MPI under mpiexec, otherwise Gloo if PyTorch is installed,
+    otherwise gRPC; a lone rank uses loopback. `cuda_buffers` stays False until the core
+    accepts device memory (see csrc/transport/nccl/README.md).
+    """
     if comm is not None and process_group is not None:
         raise ValueError("commsched.init() takes comm= (MPI) or process_group= (torch.distributed), not both")
     if requested == "auto":
-        if comm is not None:
-            chosen = "mpi"
+        if cuda_buffers:
+            chosen, why = "nccl", "the buffers live on a GPU"
+        elif comm is not None:
+            chosen, why = "mpi", "comm= was given"
         elif process_group is not None:
-            chosen = "gloo"
+            chosen, why = "gloo", "process_group= was given"
         elif launch.launcher == "mpiexec" and launch.size != 1:
-            chosen = "mpi"
+            chosen, why = "mpi", "launched by mpiexec"
         elif launch.launcher == "torchrun" and launch.size > 1:
-            chosen = "gloo"
+            torch = _torch_present()
+            chosen = "gloo" if torch else "grpc"
+            why = "RANK/WORLD_SIZE set and PyTorch " + ("installed" if torch else "not installed")
         else:
-            chosen = "loopback"
-        log.info("COMMSCHED_TRANSPORT=auto chose %s (launcher: %s)", chosen, launch.launcher)
+            chosen, why = "loopback", "a single rank"
+        log.info("COMMSCHED_TRANSPORT=auto chose %s (%s; launcher: %s)", chosen, why, launch.launcher)
         return chosen
     if requested == "loopback" and launch.size > 1:
         raise ValueError(
@@ -40,7 +58,9 @@ def choose(requested: str, launch: LaunchInfo, comm: Any, process_group: Any) ->
     return requested
 
 
-def build(kind: str, launch: LaunchInfo, comm: Any, process_group: Any) -> tuple[str, Any]:
+def build(
+    kind: str, launch: LaunchInfo, comm: Any, process_group: Any, settings: Any = None
+) -> tuple[str, Any]:
     """Returns the (transport kind, argument) pair that commsched._core.start() takes."""
     if kind == "loopback":
         return "loopback", None
@@ -52,4 +72,50 @@ def build(kind: str, launch: LaunchInfo, comm: Any, process_group: Any) -> tuple
         from commsched.transports.gloo import GlooTransport
 
         return "python", GlooTransport(launch, process_group)
+    if kind == "grpc":
+        return "python", _grpc(launch, settings)
+    if kind == "nccl":
+        from commsched.transports.nccl import NcclTransport
+
+        return "python", NcclTransport.from_launch(launch, comm, process_group, settings)
     raise ValueError(f"unknown transport {kind!r}")
+
+
+def _grpc(launch: LaunchInfo, settings: Any) -> Any:
+    """Builds the gRPC transport from the launcher's variables and the settings."""
+    try:
+        from commsched.transports.grpc_transport import GrpcTransport
+    except ImportError as error:
+        raise RuntimeError(
+            f"COMMSCHED_TRANSPORT=grpc needs grpcio and protobuf ({error}): pip install grpcio protobuf"
+        ) from None
+    # `commsched.config` the attribute is the config() function; the module is reached by import.
+    settings_module = importlib.import_module("commsched.config")
+    from commsched.transports.grpc_net import endpoint_from, fallback_token, parse_peers
+
+    if settings is None:
+        settings = settings_module.resolve({})
+    if launch.size < 1:
+        raise ValueError("COMMSCHED_TRANSPORT=grpc needs the number of ranks: set WORLD_SIZE")
+    peers = parse_peers(os.environ.get("COMMSCHED_GRPC_PEERS", ""))
+    endpoint = endpoint_from(
+        launch.rank,
+        launch.size,
+        launch.master_addr or os.environ.get("MASTER_ADDR", ""),
+        launch.master_port or int(os.environ.get("MASTER_PORT", "0") or 0),
+        peers,
+        settings.grpc_bind,
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+    )
+    token = settings_module.job_token()
+    if not token:
+        token = fallback_token(
+            endpoint.master or ",".join(peers), launch.size, os.environ.get("TORCHELASTIC_RUN_ID", "")
+        )
+        if launch.size > 1:
+            log.warning(
+                "COMMSCHED_JOB_TOKEN is not set: gRPC peers are checked against a token derived from the "
+                "rendezvous address, which keeps other jobs out but is no secret; launch with "
+                "`python -m commsched.launch` or set COMMSCHED_JOB_TOKEN on every rank"
+            )
+    return GrpcTransport(endpoint, token, timeout_s=settings.stall_timeout)

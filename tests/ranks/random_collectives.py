@@ -2,6 +2,7 @@
 random delays, checked against a numpy reference; loops over policies and size settings.
 
 Run as: mpiexec -n N python random_collectives.py --tensors 2000 --seed 1
+(--configs 0,3 runs a subset, --transport grpc picks a transport; tests/test_transports.py uses both)
 """
 
 from __future__ import annotations
@@ -114,9 +115,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensors", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--configs", default="", help="comma-separated indices into CONFIGS (default: all)")
+    parser.add_argument("--transport", default="", help="COMMSCHED_TRANSPORT for every configuration")
     args = parser.parse_args()
     tensors = plan(args.tensors, args.seed)
-    for number, config in enumerate(CONFIGS):
+    chosen = [int(i) for i in args.configs.split(",")] if args.configs else range(len(CONFIGS))
+    for number in chosen:
+        config = dict(CONFIGS[number], transport=args.transport) if args.transport else CONFIGS[number]
         run_config(config, tensors, args.seed + number)
     print(f"rank {commsched.rank() if commsched.is_initialized() else '?'}: ALL OK", flush=True)
     return 0

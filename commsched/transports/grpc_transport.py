@@ -1,0 +1,592 @@
+"""A transport over gRPC for clusters without MPI, driven through the core's Python trampoline.
+
+Every rank runs one gRPC server. Ranks meet at rank 0 (MASTER_ADDR:MASTER_PORT) or through an
+explicit address list, then keep long-lived client streams open: a control stream to every other
+rank (agreement reports, so they never wait behind data) and a data stream to the right-hand ring
+neighbour (grpc_ring's pieces). Every stream carries the job token and is refused without it.
+Frames are protobuf with raw byte payloads, checked for size, dtype and sequence on arrival.
+
+Threads: gRPC's own threads move frames; one engine thread applies data frames to buffers, so
+`start` and `test`, called by the core with the GIL held, only enqueue and read a flag.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import grpc
+
+from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_net import DaemonExecutor, Endpoint
+from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
+
+log = logging.getLogger("commsched")
+
+STREAM_METHOD = f"/{wire.SERVICE}/Stream"
+JOIN_METHOD = f"/{wire.SERVICE}/Join"
+_CHANNEL_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
+class GrpcError(RuntimeError):
+    """The gRPC transport failed; the message names the peer and what happened."""
+
+
+class _Op:
+    """A collective in flight as the core sees it; only the engine thread changes it."""
+
+    def __init__(self, ring: RingOp) -> None:
+        self.ring = ring
+        self.done = False
+        self.error = ""
+        self.progress_at = time.monotonic()
+
+    def test(self) -> bool:
+        """True once the collective finished; raises if it failed."""
+        if self.error:
+            raise GrpcError(self.error)
+        return self.done
+
+
+class _Node:
+    """The transport's machinery; the GrpcTransport facade closes it when the core lets go."""
+
+    def __init__(
+        self, endpoint: Endpoint, token: str, timeout_s: float, piece_bytes: int, max_frame_bytes: int
+    ) -> None:
+        self.rank, self.size = endpoint.rank, endpoint.size
+        self.endpoint = endpoint
+        self.token = token
+        self.timeout_s = timeout_s
+        self.piece_bytes = piece_bytes
+        self.addresses: list[str] = []
+        self.failure = ""
+        self.closing = False
+        self.departed: set[int] = set()  # ranks that closed their streams on purpose
+        self._lock = threading.Condition()
+        self._joined: dict[int, str] = {}
+        self._reports: dict[int, dict[int, bytes]] = {}
+        self._exchange_seq = 0
+        self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._ops: dict[int, _Op] = {}
+        self._early: dict[int, list[Any]] = {}
+        self._next_seq = 0  # next collective number start() hands out (core thread)
+        self._begun = 0  # engine: collectives below this number were begun here
+        self._finished_below = 0  # engine: every collective below this number is finished
+        self._streams_in: set[tuple[int, str]] = set()
+        self._outboxes: dict[tuple[int, str], _Outbox] = {}
+        limit = max(max_frame_bytes, piece_bytes + 64 * 1024)
+        self._server = grpc.server(
+            DaemonExecutor(4 * self.size + 16, "commsched-grpc"),
+            handlers=[self._handlers()],
+            options=_CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
+            maximum_concurrent_rpcs=4 * self.size + 16,
+        )
+        self._channel_options = _CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
+        self._channels: dict[int, grpc.Channel] = {}
+        self._engine = threading.Thread(target=self._run_engine, name="commsched-grpc-engine", daemon=True)
+
+    # ---------------------------------------------------------------- setup
+
+    def open(self) -> None:
+        """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
+        bound = self._bind()
+        deadline = time.monotonic() + self.timeout_s
+        if self.endpoint.peers:
+            self.addresses = list(self.endpoint.peers)
+        elif self.rank == 0:
+            self._joined[0] = f"{self.endpoint.advertise}:{bound}"
+            with self._lock:
+                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.timeout_s):
+                    missing = sorted(set(range(self.size)) - set(self._joined))
+                    raise GrpcError(
+                        f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
+                        f"{self.timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                    )
+                self.addresses = [self._joined[r] for r in range(self.size)]
+        else:
+            self.addresses = self._join(f"{self.endpoint.advertise}:{bound}", deadline)
+        self._engine.start()
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._outboxes[(peer, "control")] = self._open_stream(peer, "control")
+        if self.size > 1:
+            self._outboxes[(self.right, "data")] = self._open_stream(self.right, "data")
+        log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
+
+    @property
+    def right(self) -> int:
+        """The ring neighbour this rank sends data to."""
+        return (self.rank + 1) % self.size
+
+    def _bind(self) -> int:
+        address = f"{self.endpoint.bind_host()}:{self.endpoint.port}"
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise GrpcError(
+                f"rank {self.rank}: cannot listen on {address} ({error}); is the port in use?"
+            ) from None
+        if port == 0:
+            raise GrpcError(f"rank {self.rank}: cannot listen on {address}; is the port in use?")
+        self._server.start()
+        return port
+
+    def _metadata(self, channel: str) -> list[tuple[str, str]]:
+        return [
+            ("commsched-token", self.token),
+            ("commsched-rank", str(self.rank)),
+            ("commsched-channel", channel),
+        ]
+
+    def _channel(self, peer: int) -> grpc.Channel:
+        if peer not in self._channels:
+            self._channels[peer] = grpc.insecure_channel(self.addresses[peer], options=self._channel_options)
+        return self._channels[peer]
+
+    def _join(self, mine: str, deadline: float) -> list[str]:
+        master = self.endpoint.master
+        channel = grpc.insecure_channel(master, options=self._channel_options)
+        join = channel.unary_unary(
+            JOIN_METHOD,
+            request_serializer=wire.JoinRequest.SerializeToString,
+            response_deserializer=wire.JoinReply.FromString,
+        )
+        last = "no answer"
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    reply = join(
+                        wire.JoinRequest(rank=self.rank, size=self.size, address=mine),
+                        timeout=max(0.1, deadline - time.monotonic()),
+                        wait_for_ready=True,
+                        metadata=self._metadata("join"),
+                    )
+                    return list(reply.addresses)
+                except grpc.RpcError as error:
+                    last = f"{error.code().name}: {error.details()}"
+                    if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                        break  # the job refuses us; retrying cannot help
+                    time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
+        finally:
+            channel.close()
+        raise GrpcError(
+            f"rank {self.rank}: could not join rank 0 at {master} within {self.timeout_s:.0f}s ({last}); "
+            "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+        )
+
+    def _open_stream(self, peer: int, kind: str) -> _Outbox:
+        method = self._channel(peer).stream_unary(
+            STREAM_METHOD,
+            request_serializer=wire.Frame.SerializeToString,
+            response_deserializer=wire.Ack.FromString,
+        )
+        return _Outbox(self, peer, kind, method)
+
+    # ---------------------------------------------------------------- server side
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            wire.SERVICE,
+            {
+                "Join": grpc.unary_unary_rpc_method_handler(
+                    self._serve_join,
+                    request_deserializer=wire.JoinRequest.FromString,
+                    response_serializer=wire.JoinReply.SerializeToString,
+                ),
+                "Stream": grpc.stream_unary_rpc_method_handler(
+                    self._serve_stream,
+                    request_deserializer=wire.Frame.FromString,
+                    response_serializer=wire.Ack.SerializeToString,
+                ),
+            },
+        )
+
+    def _authenticate(self, context: grpc.ServicerContext) -> tuple[int, str]:
+        metadata = dict(context.invocation_metadata())
+        token = str(metadata.get("commsched-token", ""))
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            log.warning(
+                "grpc rank %d: refused a connection from %s: wrong job token", self.rank, context.peer()
+            )
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong job token (COMMSCHED_JOB_TOKEN)")
+        try:
+            peer = int(metadata.get("commsched-rank", ""))
+        except ValueError:
+            peer = -1
+        if not 0 <= peer < self.size or peer == self.rank:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {peer} is not a peer of rank {self.rank}")
+        return peer, str(metadata.get("commsched-channel", ""))
+
+    def _serve_join(self, request: Any, context: grpc.ServicerContext) -> Any:
+        peer, _ = self._authenticate(context)
+        if self.rank != 0 or self.endpoint.peers:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"rank {self.rank} does not hold the rendezvous"
+            )
+        if request.size != self.size or request.rank != peer:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} of {request.size} joined a job of {self.size} ranks (WORLD_SIZE differs?)",
+            )
+        with self._lock:
+            if len(self._joined) == self.size and self._joined.get(peer) != request.address:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "this rendezvous is over (a previous run?)"
+                )
+            if self._joined.setdefault(peer, request.address) != request.address:
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"rank {peer} already joined from another address"
+                )
+            self._lock.notify_all()
+            if not self._lock.wait_for(
+                lambda: len(self._joined) == self.size or self.closing, self.timeout_s
+            ):
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "not every rank joined in time")
+            return wire.JoinReply(addresses=[self._joined[r] for r in range(self.size)])
+
+    def _serve_stream(self, frames: Any, context: grpc.ServicerContext) -> Any:
+        peer, kind = self._authenticate(context)
+        if kind not in ("control", "data") or (kind == "data" and peer != (self.rank - 1) % self.size):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"rank {self.rank} takes no {kind} stream from rank {peer}"
+            )
+        with self._lock:
+            if (peer, kind) in self._streams_in:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rank {peer} already has a {kind} stream open")
+            self._streams_in.add((peer, kind))
+        closed = False
+        try:
+            for frame in frames:
+                if frame.channel == wire.CLOSE:
+                    closed = True
+                    with self._lock:
+                        self.departed.add(peer)  # it shuts down: our streams to it may end now
+                        self._lock.notify_all()
+                    break
+                self._check_frame(frame, peer, kind)
+                if frame.channel == wire.ABORT:
+                    self.fail(
+                        f"rank {peer} failed: {frame.payload.decode(errors='replace')}", tell_peers=False
+                    )
+                elif frame.channel == wire.CONTROL:
+                    self._take_report(frame)
+                else:
+                    self._events.put(("frame", frame))
+        except FrameError as error:
+            message = f"rank {self.rank} rejected a frame from rank {peer} ({context.peer()}): {error}"
+            self.fail(message)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        except grpc.RpcError:
+            pass  # the peer went away mid-stream; handled below
+        if not closed and not self.closing:
+            self.fail(
+                f"rank {self.rank}: lost the {kind} stream from rank {peer} at {self._address_of(peer)}"
+            )
+        return wire.Ack()
+
+    def _address_of(self, peer: int) -> str:
+        return self.addresses[peer] if peer < len(self.addresses) else "an unknown address"
+
+    def _check_frame(self, frame: Any, peer: int, kind: str) -> None:
+        if frame.src != peer:
+            raise FrameError(f"frame claims rank {frame.src} on rank {peer}'s stream")
+        allowed = (wire.DATA,) if kind == "data" else (wire.CONTROL, wire.ABORT)
+        if frame.channel not in allowed:
+            raise FrameError(f"channel {frame.channel} does not belong on a {kind} stream")
+        if frame.channel == wire.DATA:
+            try:
+                width = itemsize(frame.dtype)
+            except KeyError:
+                raise FrameError(f"unknown dtype {frame.dtype!r}") from None
+            if len(frame.payload) != frame.count * width:
+                state = "truncated" if len(frame.payload) < frame.count * width else "oversized"
+                raise FrameError(
+                    f"{state} payload in collective #{frame.seq}: {len(frame.payload)} bytes for "
+                    f"{frame.count} {frame.dtype}"
+                )
+            if frame.seq < self._finished_below:
+                raise FrameError(f"collective #{frame.seq} is already finished")
+
+    # ---------------------------------------------------------------- agreement
+
+    def _take_report(self, frame: Any) -> None:
+        with self._lock:
+            # A peer runs at most one exchange ahead: it needs our report to finish the current one.
+            if not self._exchange_seq <= frame.seq <= self._exchange_seq + 1:
+                raise FrameError(f"report #{frame.seq} while exchange #{self._exchange_seq} runs")
+            slot = self._reports.setdefault(frame.seq, {})
+            if frame.src in slot:
+                raise FrameError(f"report #{frame.seq} arrived twice")
+            slot[frame.src] = bytes(frame.payload)
+            self._lock.notify_all()
+
+    def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
+        """Allgathers one report per rank over the control streams."""
+        with self._lock:
+            seq = self._exchange_seq
+            if self.failure:
+                raise GrpcError(self.failure)
+        frame = wire.Frame(channel=wire.CONTROL, src=self.rank, seq=seq, payload=report)
+        for (_, kind), outbox in self._outboxes.items():
+            if kind == "control":
+                outbox.put(frame)
+        with self._lock:
+            slot = self._reports.setdefault(seq, {})
+            ready = self._lock.wait_for(
+                lambda: len(slot) == self.size - 1 or bool(self.failure) or bool(self.departed - set(slot)),
+                timeout_s,
+            )
+            if self.failure:
+                raise GrpcError(self.failure)
+            gone = sorted(self.departed - set(slot))
+            if gone and len(slot) < self.size - 1:
+                raise GrpcError(f"rank {self.rank}: ranks {gone} shut down while this rank still exchanges")
+            if not ready:
+                missing = sorted(set(range(self.size)) - set(slot) - {self.rank})
+                raise GrpcError(
+                    f"rank {self.rank}: no agreement report from ranks {missing} "
+                    f"({', '.join(self._address_of(p) for p in missing)}) within {timeout_s:.0f}s"
+                )
+            del self._reports[seq]
+            self._exchange_seq = seq + 1
+        slot[self.rank] = report
+        return [slot[r] for r in range(self.size)]
+
+    # ---------------------------------------------------------------- data
+
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Op:
+        """Registers a collective; the engine thread sends and applies its frames."""
+        seq = self._next_seq
+        self._next_seq += 1
+        data = self._outboxes.get((self.right, "data"))
+        ring = RingOp(
+            seq,
+            array_at(address, count, dtype),
+            dtype,
+            kind,
+            root,
+            self.rank,
+            self.size,
+            self.piece_bytes,
+            data.put if data is not None else _no_peer,
+        )
+        op = _Op(ring)
+        self._events.put(("start", op))
+        return op
+
+    def _run_engine(self) -> None:
+        while True:
+            try:
+                event = self._events.get(timeout=0.5)
+            except queue.Empty:
+                self._check_progress()
+                continue
+            try:
+                if event[0] == "stop":
+                    return
+                if event[0] == "start":
+                    self._begin(event[1])
+                elif event[0] == "frame":
+                    self._apply(event[1])
+                elif event[0] == "fail":
+                    self._fail_ops(event[1])
+            except FrameError as error:
+                self.fail(f"rank {self.rank} rejected data from rank {(self.rank - 1) % self.size}: {error}")
+            except Exception as error:  # noqa: BLE001 - a bug must end the job with a message, not kill the engine
+                self.fail(f"rank {self.rank}: gRPC engine error: {error!r}")
+
+    def _begin(self, op: _Op) -> None:
+        if self.failure:
+            op.error = self.failure
+            return
+        self._ops[op.ring.seq] = op
+        self._begun = op.ring.seq + 1
+        self._finished_below = min(self._ops)
+        op.ring.begin()
+        for frame in self._early.pop(op.ring.seq, []):
+            op.ring.receive(frame)
+        self._settle(op)
+
+    def _apply(self, frame: Any) -> None:
+        op = self._ops.get(frame.seq)
+        if op is None:
+            if frame.seq < self._begun:
+                raise FrameError(f"frame for collective #{frame.seq}, which already finished")
+            if frame.seq > self._begun + 65536:
+                raise FrameError(f"frame for collective #{frame.seq}, far ahead of #{self._begun}")
+            self._early.setdefault(frame.seq, []).append(frame)  # the peer started it before us
+            return
+        op.ring.receive(frame)
+        op.progress_at = time.monotonic()
+        self._settle(op)
+
+    def _settle(self, op: _Op) -> None:
+        if not op.ring.done:
+            return
+        del self._ops[op.ring.seq]
+        op.done = True
+        self._finished_below = min(self._ops, default=self._begun)
+
+    def _check_progress(self) -> None:
+        now = time.monotonic()
+        for op in self._ops.values():
+            if now - op.progress_at > self.timeout_s:
+                left = (self.rank - 1) % self.size
+                self.fail(
+                    f"rank {self.rank}: no data from rank {left} at {self._address_of(left)} for "
+                    f"{self.timeout_s:.0f}s during {op.ring.describe()}"
+                )
+                return
+
+    def _fail_ops(self, message: str) -> None:
+        for op in self._ops.values():
+            op.error = message
+        self._ops.clear()
+        self._early.clear()
+
+    def fail(self, message: str, tell_peers: bool = True) -> None:
+        """Ends every pending collective and exchange with `message`; tells the other ranks once."""
+        with self._lock:
+            if self.failure or self.closing:
+                return
+            self.failure = message
+            self._lock.notify_all()
+        log.error("grpc: %s", message)
+        self._events.put(("fail", message))
+        if tell_peers:
+            abort = wire.Frame(channel=wire.ABORT, src=self.rank, payload=message.encode())
+            for (_, kind), outbox in list(self._outboxes.items()):
+                if kind == "control":
+                    outbox.put(abort)
+
+    def close(self) -> None:
+        """Says goodbye on every stream and stops the server (idempotent)."""
+        with self._lock:
+            if self.closing:
+                return
+            self.closing = True
+            self._lock.notify_all()
+        for outbox in self._outboxes.values():
+            outbox.close()
+        for outbox in self._outboxes.values():
+            outbox.wait(1.0)
+        for channel in self._channels.values():
+            channel.close()
+        self._events.put(("stop",))
+        self._server.stop(grace=0.5).wait(5.0)
+        if self._engine.is_alive():
+            self._engine.join(5.0)
+
+
+def _no_peer(frame: Any) -> None:
+    raise GrpcError("a single rank sends no data")
+
+
+class _Outbox:
+    """One long-lived client stream to a peer, fed from a queue by gRPC's own thread."""
+
+    def __init__(self, node: _Node, peer: int, kind: str, method: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._node_ref = weakref.ref(node)
+        self._peer, self._kind = peer, kind
+        self._address = node.addresses[peer]
+        self._future = method.future(self._frames(), metadata=node._metadata(kind), wait_for_ready=True)
+        self._future.add_done_callback(self._finished)
+
+    def _frames(self) -> Any:
+        while True:
+            frame = self._queue.get()
+            if frame is None:
+                return
+            yield frame
+
+    def put(self, frame: Any) -> None:
+        """Queues a frame for the peer."""
+        self._queue.put(frame)
+
+    def close(self) -> None:
+        """Ends the stream with a CLOSE frame, so the peer knows it was on purpose."""
+        node = self._node_ref()
+        self._queue.put(wire.Frame(channel=wire.CLOSE, src=node.rank if node else 0))
+        self._queue.put(None)
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits a little for the peer to take the rest of the stream."""
+        try:
+            self._future.result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - at shutdown a peer that already left is fine
+            self._future.cancel()
+
+    def _finished(self, future: Any) -> None:
+        node = self._node_ref()
+        if node is None or node.closing or future.cancelled() or self._peer in node.departed:
+            return
+        error = future.exception()
+        detail = (
+            f"{error.code().name}: {error.details()}"
+            if isinstance(error, grpc.RpcError)
+            else "closed by the peer"
+        )
+        node.fail(
+            f"rank {node.rank}: the {self._kind} stream to rank {self._peer} at {self._address} ended ({detail})"
+        )
+
+
+class GrpcTransport:
+    """The object the core's trampoline drives: rank, size, name, exchange(), start()."""
+
+    name = "grpc"
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        token: str,
+        timeout_s: float = 60.0,
+        piece_bytes: int = 1024**2,
+        max_frame_bytes: int = 64 * 1024**2,
+    ) -> None:
+        # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
+        # and gRPC itself refuses anything above it.
+        if not token:
+            raise ValueError("the gRPC transport needs a job token")
+        if piece_bytes <= 0:
+            raise ValueError("piece_bytes must be positive")
+        self.rank, self.size = endpoint.rank, endpoint.size
+        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes)
+        # The core holds this facade; once it lets go, the node's streams and server close.
+        # The node never points back here, so that happens as soon as the last reference goes.
+        self._closer = weakref.finalize(self, self._node.close)
+        try:
+            self._node.open()
+        except BaseException:
+            self._closer()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        """Server address of every rank, index = rank."""
+        return list(self._node.addresses)
+
+    def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
+        """Blocking allgather of one byte string per rank."""
+        return self._node.exchange(report, timeout_s)
+
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Op:
+        """Starts an in-place SUM allreduce or a broadcast from `root` on raw memory."""
+        return self._node.start(address, count, dtype, kind, root)
+
+    def close(self) -> None:
+        """Closes streams and server now instead of when the object is collected."""
+        self._closer()
