@@ -22,6 +22,7 @@ __all__ = [
     "Handle",
     "allreduce",
     "allreduce_async",
+    "autotune_step",
     "broadcast",
     "broadcast_async",
     "config",
@@ -48,6 +49,8 @@ class _State:
         self.local_rank = 0
         self.launcher = ""
         self.unnamed = itertools.count()
+        self.user_given: frozenset[str] = frozenset()  # settings the auto-tuner must leave alone
+        self.tuner: Any = None  # commsched.autotune.Tuner while tuning
 
 
 _state = _State()
@@ -112,6 +115,11 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         _state.launcher = info.launcher
         _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
         _state.unnamed = itertools.count()
+        _state.user_given = _config.user_given(settings)
+    if resolved.autotune:
+        from commsched import autotune
+
+        autotune.start()
 
 
 def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:
@@ -134,6 +142,9 @@ def _mpi_local_rank(comm: Any) -> int:
 def shutdown() -> None:
     """Stops commsched on every rank; pending handles fail with a clear error."""
     with _state.lock:
+        if _state.tuner is not None:
+            _state.tuner.close()
+            _state.tuner = None
         _core.stop()
         _state.settings = None
 
@@ -197,6 +208,13 @@ def reconfigure(**settings: Any) -> None:
     _core.reconfigure(resolved.policy, resolved.partition_bytes, resolved.credit_bytes, resolved.fusion_bytes)
 
 
+def autotune_step() -> None:
+    """Marks the end of a training iteration for the auto-tuner; does nothing unless it is on."""
+    tuner = _state.tuner
+    if tuner is not None:
+        tuner.step()
+
+
 def stats() -> dict[str, int]:
     """Counters of the running core: cycles, launches, fused launches, bytes, peak bytes in flight."""
     return dict(_core.stats())
@@ -214,6 +232,9 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
         raise ValueError(f"op of '{name}' must be \"sum\" or \"average\", not {op!r}")
     view = buffers.view(array, name)
     core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    tuner = _state.tuner
+    if tuner is not None and tuner.recording:
+        tuner.observe(name, view.count, view.dtype, priority, core_handle)
     return Handle(core_handle, array, view)
 
 

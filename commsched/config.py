@@ -72,6 +72,15 @@ def _path(value: Any) -> str:
     return str(value).strip()
 
 
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError("not a switch")
+    return text in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The effective settings of one runtime."""
@@ -86,6 +95,8 @@ class Settings:
     stall_shutdown: float = 300.0
     cycle_time: float = 0.001
     log_level: str = "warning"
+    autotune: bool = False
+    autotune_log: str = ""
     grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,6 +118,8 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "stall_shutdown": ("COMMSCHED_STALL_SHUTDOWN", parse_duration, _DURATION_FORM + " (0 never fails stalls)"),
     "cycle_time": ("COMMSCHED_CYCLE_TIME", parse_duration, _DURATION_FORM),
     "log_level": ("COMMSCHED_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
+    "autotune": ("COMMSCHED_AUTOTUNE", _flag, "1 or 0 (also true/false, yes/no, on/off)"),
+    "autotune_log": ("COMMSCHED_AUTOTUNE_LOG", _path, "a file path for the CSV log of trials"),
     "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
 }
 JOB_TOKEN_VARIABLE = "COMMSCHED_JOB_TOKEN"
@@ -147,6 +160,16 @@ def resolve(arguments: dict[str, Any], environ: dict[str, str] | None = None) ->
     settings = Settings(**values)
     _check_consistency(settings)
     return settings
+
+
+def user_given(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> frozenset[str]:
+    """The settings given explicitly (init() argument or COMMSCHED_* variable), not defaulted."""
+    environ = dict(os.environ) if environ is None else environ
+    return frozenset(
+        name
+        for name, (variable, _, _) in _SPECS.items()
+        if arguments.get(name) is not None or environ.get(variable, "").strip()
+    )
 
 
 def _check_consistency(settings: Settings) -> None:

@@ -107,6 +107,8 @@ def replay(layers: list[TimedLayer], grads: list[Any], mode: str, iterations: in
                     for handle in pending:
                         handle.wait()
                     pending.clear()
+            if j == 0:
+                commsched.autotune_step()  # the iteration boundary; a no-op unless autotune is on
             # Planned, not measured, ends: sleep overshoot does not pile up from layer to layer.
             clock = max(clock, time.perf_counter())
             if j == 0:
@@ -184,9 +186,15 @@ def run(args: argparse.Namespace) -> int:
     progress = report.Progress(
         len(args.policies) * len(args.modes), "schedule", enabled=None if rank == 0 else False
     )
-    for policy in args.policies:
+    # With --autotune one run per mode starts from the defaults and tunes during the warm-up.
+    runs = (
+        [("autotune", [m]) for m in args.modes] if args.autotune else [(p, args.modes) for p in args.policies]
+    )
+    chosen = []
+    for policy, modes in runs:
         commsched.init(
-            policy=policy,
+            policy=None if args.autotune else policy,
+            autotune=True if args.autotune else None,
             transport="mpi",
             partition_bytes=args.partition_bytes,
             credit_bytes=args.credit_bytes,
@@ -194,17 +202,23 @@ def run(args: argparse.Namespace) -> int:
             cycle_time=args.cycle_time,
         )
         settings = commsched.config()
-        for mode in args.modes:
+        for mode in modes:
             comm.Barrier()
             mine = replay(layers, grads, mode, args.iterations, args.warmup)
             rows.append({"policy": policy, "mode": mode, "iteration_s": comm.allreduce(mine, op=MPI.MAX)})
+            chosen.append(commsched.config())  # what the tuner chose, for the simulator's column
             progress.step(f"{policy}/{mode}")
         commsched.shutdown()
     if rank != 0:
         return 0
-    predicted = sim_cli.predict(
-        sim_layers(layers), ranks, bandwidth, latency, settings, args.policies, args.modes
-    )
+    spec = sim_layers(layers)
+    if args.autotune:
+        predicted = [
+            sim_cli.predict(spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]])[0]
+            for s, row in zip(chosen, rows)
+        ]
+    else:
+        predicted = sim_cli.predict(spec, ranks, bandwidth, latency, settings, args.policies, args.modes)
     best_s = predicted[0]["best_s"]
     compute = compute_s(layers)
     baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
@@ -323,6 +337,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--credit-bytes", default=None, help="e.g. 8MiB")
     parser.add_argument("--fusion-bytes", default=None, help="e.g. 1MiB")
     parser.add_argument("--cycle-time", default=None, help="core cycle time, e.g. 1ms")
+    parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help="one run per mode that tunes the settings online during the warm-up (use e.g. --warmup 100)",
+    )
     parser.add_argument(
         "--calibration-repeats", type=int, default=3, help="raw allreduces timed to measure comm"
     )
