@@ -1,0 +1,452 @@
+"""gRPC transport: ring logic against numpy, wire format against protoc, refusal of bad peers and
+bad frames, and failure of the other ranks when one dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_net import endpoint_from, parse_peers, resolve_bind
+from commsched.transports.grpc_ring import FrameError, RingOp, segments
+from commsched.transports.grpc_transport import JOIN_METHOD, STREAM_METHOD, GrpcError, GrpcTransport
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-0123456789"
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# ------------------------------------------------------------------ ring logic, in memory
+
+
+def ring_run(
+    size: int, arrays: list[np.ndarray], dtype: str, kind: str, root: int, piece: int
+) -> list[RingOp]:
+    """Runs one collective over `size` in-memory ranks, delivering frames in a shuffled order."""
+    inboxes: list[deque[Any]] = [deque() for _ in range(size)]
+    ops = [
+        RingOp(
+            3, arrays[r], dtype, kind, root, r, size, piece, lambda f, r=r: inboxes[(r + 1) % size].append(f)
+        )
+        for r in range(size)
+    ]
+    for op in ops:
+        op.begin()
+    rng = np.random.default_rng(size)
+    while any(inboxes):
+        busy = [r for r in range(size) if inboxes[r]]
+        rank = busy[int(rng.integers(len(busy)))]
+        ops[rank].receive(inboxes[rank].popleft())
+    assert all(op.done for op in ops)
+    return ops
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 4, 999])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16", "uint8", "int8"])
+def test_ring_allreduce_and_broadcast_match_numpy(size: int, count: int, dtype: str) -> None:
+    """Every rank ends with numpy's sum (allreduce) or the root's data (broadcast)."""
+    rng = np.random.default_rng([size, count])
+    base = [rng.integers(-4, 5, count).astype(dtype) for _ in range(size)]
+    arrays = [b.copy() for b in base]
+    ring_run(size, arrays, dtype, "allreduce", 0, piece=64)
+    reference = np.sum(np.stack(base).astype(np.int64), axis=0).astype(dtype) if count else np.empty(0, dtype)
+    for array in arrays:
+        assert np.array_equal(array, reference)
+    arrays = [b.copy() for b in base]
+    ring_run(size, arrays, dtype, "broadcast", size - 1, piece=64)
+    for array in arrays:
+        assert np.array_equal(array, base[size - 1])
+
+
+def test_ring_bfloat16_rounds_like_torch() -> None:
+    """bfloat16 sums (as raw uint16) equal PyTorch's bfloat16 addition bit for bit."""
+    torch = pytest.importorskip("torch")
+    values = [torch.randn(3000, dtype=torch.float32).to(torch.bfloat16) for _ in range(2)]
+    arrays = [v.view(torch.int16).numpy().view(np.uint16).copy() for v in values]
+    ring_run(2, arrays, "bfloat16", "allreduce", 0, piece=256)
+    expected = (values[0] + values[1]).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(arrays[0], expected) and np.array_equal(arrays[1], expected)
+
+
+def test_ring_moves_two_n_minus_one_over_n() -> None:
+    """Allreduce sends 2(n-1)/n of the buffer per rank, in pieces no bigger than asked."""
+    size, count = 4, 40_000
+    arrays = [np.ones(count, np.float32) for _ in range(size)]
+    ops = ring_run(size, arrays, "float32", "allreduce", 0, piece=4096)
+    for op in ops:
+        assert op.sent_bytes == count * 4 * 2 * (size - 1) // size
+    assert segments(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def _frame(**fields: Any) -> Any:
+    values = {
+        "channel": wire.DATA,
+        "src": 0,
+        "seq": 3,
+        "step": 0,
+        "piece": 0,
+        "dtype": "float32",
+        "offset": 0,
+    }
+    values.update(count=4, payload=b"\0" * 16)
+    values.update(fields)
+    return wire.Frame(**values)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"payload": b"\0" * 10}, "truncated payload of 10 bytes, expected 16"),
+        ({"payload": b"\0" * 20}, "oversized payload of 20 bytes"),
+        ({"dtype": "float64"}, "dtype 'float64', expected 'float32'"),
+        ({"step": 9}, "no such step"),
+        ({"offset": 2}, "elements 2\\+4, expected 0\\+4"),
+        ({"src": 1}, "data comes from rank 0"),
+    ],
+)
+def test_ring_rejects_frames_that_do_not_fit(fields: dict[str, Any], message: str) -> None:
+    """Size, dtype, step, offset and sender are all checked against the receiver's expectation."""
+    op = RingOp(3, np.zeros(8, np.float32), "float32", "allreduce", 0, 1, 2, 1024, lambda f: None)
+    with pytest.raises(FrameError, match=message):
+        op.receive(_frame(**fields))
+    assert not op.done
+
+
+def test_ring_rejects_a_piece_twice() -> None:
+    """A replayed piece is refused rather than summed twice."""
+    op = RingOp(3, np.zeros(8, np.float32), "float32", "allreduce", 0, 1, 2, 16, lambda f: None)
+    op.receive(_frame())
+    with pytest.raises(FrameError, match="received twice"):
+        op.receive(_frame())
+
+
+def test_wire_descriptor_matches_the_proto_file(tmp_path: Path) -> None:
+    """grpc_wire.py's hand-built descriptor is exactly what protoc compiles from grpc_wire.proto."""
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    from google.protobuf import descriptor_pb2
+
+    out = tmp_path / "wire.pb"
+    assert protoc.main(["protoc", f"-I{ROOT}", f"--descriptor_set_out={out}", wire.FILE_NAME]) == 0
+    compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    assert compiled == wire.file_descriptor()
+
+
+# ------------------------------------------------------------------ addresses
+
+
+def test_bind_and_peer_settings() -> None:
+    """The loopback interface, an explicit IP and the route to MASTER_ADDR resolve; nonsense is named."""
+    assert resolve_bind("lo", "127.0.0.1", 29500) == ("127.0.0.1", "127.0.0.1")
+    assert resolve_bind("", "127.0.0.1", 29500) == ("127.0.0.1", "127.0.0.1")
+    assert resolve_bind("0.0.0.0", "127.0.0.1", 29500) == ("0.0.0.0", "127.0.0.1")
+    with pytest.raises(ValueError, match="COMMSCHED_GRPC_BIND='no-such-thing.invalid'"):
+        resolve_bind("no-such-thing.invalid", "127.0.0.1", 29500)
+    with pytest.raises(ValueError, match="COMMSCHED_GRPC_PEERS"):
+        parse_peers("127.0.0.1:1,nonsense")
+    with pytest.raises(ValueError, match="lists 1 addresses for WORLD_SIZE=2"):
+        endpoint_from(0, 2, "", 0, ["127.0.0.1:5000"], "", False)
+    # torchrun's agent store holds MASTER_PORT, so the rendezvous moves one port up.
+    assert endpoint_from(0, 2, "127.0.0.1", 29500, [], "", True).port == 29501
+    assert endpoint_from(1, 2, "127.0.0.1", 29500, [], "", False).master == "127.0.0.1:29500"
+
+
+# ------------------------------------------------------------------ two transports in one process
+
+
+def make_pair(timeout_s: float = 5.0, peers: bool = False, **options: Any) -> list[GrpcTransport]:
+    """Two connected transports (rank 0 and 1) built concurrently, as two processes would."""
+    port = free_port()
+    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"] if peers else []
+    made: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        endpoint = endpoint_from(rank, 2, "127.0.0.1", port, addresses, "", False)
+        made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=timeout_s, **options)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(made), "rendezvous failed"
+    return made
+
+
+def wait_all(ops: list[Any], timeout_s: float = 10.0) -> list[str]:
+    """Polls ops like the core does; returns '' per op that finished or its error text."""
+    results: list[str | None] = [None] * len(ops)
+    deadline = time.monotonic() + timeout_s
+    while None in results and time.monotonic() < deadline:
+        for index, op in enumerate(ops):
+            if results[index] is None:
+                try:
+                    if op.test():
+                        results[index] = ""
+                except GrpcError as error:
+                    results[index] = str(error)
+        time.sleep(0.002)
+    assert None not in results, "an op neither finished nor failed: a hang"
+    return [r or "" for r in results]
+
+
+def allreduce_pair(pair: list[GrpcTransport], count: int = 10_000) -> list[str]:
+    """One float32 allreduce on both ranks; checks the sum when it succeeds."""
+    arrays = [np.arange(count, dtype=np.float32) * (r + 1) for r in range(2)]
+    errors = wait_all(
+        [t.start(a.ctypes.data, count, "float32", "allreduce", 0) for t, a in zip(pair, arrays)]
+    )
+    if not any(errors):
+        for array in arrays:
+            assert np.array_equal(array, np.arange(count, dtype=np.float32) * 3)
+    return errors
+
+
+@pytest.mark.parametrize("peers", [False, True])
+def test_pair_exchange_allreduce_broadcast(peers: bool) -> None:
+    """Rendezvous (MASTER_ADDR or peer list), an exchange, an allreduce and a broadcast."""
+    pair = make_pair(peers=peers, piece_bytes=4096)
+    try:
+        got: list[Any] = [None, None]
+        threads = [
+            threading.Thread(target=lambda r=r: got.__setitem__(r, pair[r].exchange(b"r%d" % r, 5)))
+            for r in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert got == [[b"r0", b"r1"], [b"r0", b"r1"]]
+        assert allreduce_pair(pair) == ["", ""]
+        values = [np.full(3000, r, np.int64) for r in range(2)]
+        assert wait_all(
+            [t.start(v.ctypes.data, 3000, "int64", "broadcast", 1) for t, v in zip(pair, values)]
+        ) == ["", ""]
+        assert all((v == 1).all() for v in values)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A stream or join without the token gets PERMISSION_DENIED; the next allreduce still works."""
+    pair = make_pair()
+    try:
+        channel = grpc.insecure_channel(pair[1].addresses[1])
+        stream = channel.stream_unary(
+            STREAM_METHOD,
+            request_serializer=wire.Frame.SerializeToString,
+            response_deserializer=wire.Ack.FromString,
+        )
+        join = channel.unary_unary(
+            JOIN_METHOD,
+            request_serializer=wire.JoinRequest.SerializeToString,
+            response_deserializer=wire.JoinReply.FromString,
+        )
+        with caplog.at_level("WARNING", logger="commsched"):
+            for metadata in ([("commsched-token", "wrong-token")], []):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stream(
+                        iter([wire.Frame(channel=wire.CONTROL, src=0, seq=0)]),
+                        metadata=metadata + [("commsched-rank", "0"), ("commsched-channel", "control")],
+                        timeout=5,
+                    )
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as refused:
+                join(
+                    wire.JoinRequest(rank=1, size=2, address="x:1"),
+                    metadata=[("commsched-token", "bad")],
+                    timeout=5,
+                )
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert caplog.text.count("wrong job token") == 3
+        # An impostor with the token cannot open a second stream in a rank's name either.
+        with pytest.raises(grpc.RpcError) as refused:
+            stream(
+                iter([wire.Frame(channel=wire.CONTROL, src=0, seq=0)]),
+                timeout=5,
+                metadata=[
+                    ("commsched-token", TOKEN),
+                    ("commsched-rank", "0"),
+                    ("commsched-channel", "control"),
+                ],
+            )
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        channel.close()
+        assert allreduce_pair(pair) == ["", ""]
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (_frame(seq=0, dtype="float32", count=5000, payload=b"\0" * 100), "truncated payload"),
+        (_frame(seq=0, dtype="float32", count=5, payload=b"\0" * 100), "oversized payload"),
+        (
+            _frame(seq=0, dtype="int64", count=5000, payload=b"\0" * 40000),
+            "dtype 'int64', expected 'float32'",
+        ),
+        (
+            _frame(seq=0, offset=100, count=1024, payload=b"\0" * 4096),
+            "elements 100\\+1024, expected 0\\+1024",
+        ),
+    ],
+)
+def test_bad_frame_fails_both_ranks_with_the_reason(frame: Any, message: str) -> None:
+    """A malformed frame from the ring neighbour ends the collective on both ranks with an error."""
+    pair = make_pair(piece_bytes=4096)
+    try:
+        pair[0]._node._outboxes[(1, "data")].put(frame)  # as if rank 0 sent garbage
+        errors = allreduce_pair(pair)
+        assert all(errors), errors
+        assert any(re.search(message, error) for error in errors), errors
+        with pytest.raises(GrpcError):
+            pair[1].exchange(b"", 2)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_frame_above_the_grpc_limit_is_refused_not_hung() -> None:
+    """A frame bigger than the message limit is stopped by gRPC; both ranks fail instead of waiting."""
+    pair = make_pair(piece_bytes=4096, max_frame_bytes=100_000)
+    try:
+        big = _frame(seq=0, dtype="uint8", count=300_000, payload=b"x" * 300_000)
+        pair[0]._node._outboxes[(1, "data")].put(big)
+        errors = allreduce_pair(pair)
+        assert all(errors) and "RESOURCE_EXHAUSTED" in errors[0], errors
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_unreachable_rank_zero_is_named_quickly() -> None:
+    """A rank that cannot reach the rendezvous fails within its timeout, naming the address."""
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(GrpcError, match=f"could not join rank 0 at 127.0.0.1:{port} within 1s"):
+        GrpcTransport(endpoint_from(1, 2, "127.0.0.1", port, [], "", False), TOKEN, timeout_s=1.0)
+    assert time.monotonic() - started < 10
+
+
+def test_exchange_timeout_names_the_silent_rank() -> None:
+    """When a peer never reports, exchange raises after the timeout naming that rank."""
+    pair = make_pair()
+    try:
+        with pytest.raises(GrpcError, match=r"no agreement report from ranks \[1\]"):
+            pair[0].exchange(b"", 0.5)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+# ------------------------------------------------------------------ whole jobs through the core
+
+
+def job_environment(stall_timeout: str = "10") -> dict[str, str]:
+    """Environment for a launched job: this checkout first, no inherited launcher variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMSCHED_", "PMI_", "OMPI_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(PYTHONPATH=str(ROOT), COMMSCHED_JOB_TOKEN=TOKEN, COMMSCHED_STALL_TIMEOUT=stall_timeout)
+    return env
+
+
+def test_intruder_without_token_is_refused_while_the_job_goes_on(tmp_path: Path) -> None:
+    """During a 2-rank job, a connection with a wrong token is refused and logged; the job finishes."""
+    port = free_port()
+    pause = tmp_path / "intruded"
+    command = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "commsched.launch",
+        "-n",
+        "2",
+        "--master-port",
+        str(port),
+        str(ROOT / "tests" / "transport_ranks" / "grpc_job.py"),
+        "--pause-file",
+        str(pause),
+    ]
+    job = subprocess.Popen(
+        command, env=job_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        join = channel.unary_unary(
+            JOIN_METHOD,
+            request_serializer=wire.JoinRequest.SerializeToString,
+            response_deserializer=wire.JoinReply.FromString,
+        )
+        deadline, code = time.monotonic() + 25, None
+        while code is None and time.monotonic() < deadline:  # until rank 0 listens
+            try:
+                join(
+                    wire.JoinRequest(rank=1, size=2, address="127.0.0.1:1"),
+                    timeout=2,
+                    wait_for_ready=True,
+                    metadata=[("commsched-token", "not-the-token"), ("commsched-rank", "1")],
+                )
+            except grpc.RpcError as error:
+                code = error.code() if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED else None
+        channel.close()
+        pause.touch()
+        output, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert job.returncode == 0, output
+    assert "refused a connection" in output and "wrong job token" in output, output
+    assert "rank 0: OK" in output and "rank 1: OK" in output, output
+
+
+def test_killed_rank_fails_the_others_within_the_stall_timeout() -> None:
+    """SIGKILL of rank 2 of 3: ranks 0 and 1 stop with an error naming rank 2, well before 10 s."""
+    command = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "commsched.launch",
+        "-n",
+        "3",
+        str(ROOT / "tests" / "transport_ranks" / "grpc_job.py"),
+        "--kill-rank",
+        "2",
+        "--kill-after",
+        "1",
+        "--rounds",
+        "100",
+    ]
+    done = subprocess.run(
+        command, env=job_environment("10"), capture_output=True, text=True, timeout=90, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    for rank in (0, 1):
+        line = next((line for line in output.splitlines() if line.startswith(f"rank {rank}: FAILED")), "")
+        assert "rank 2" in line, output
+        assert float(line.split("after ")[1].split("s:")[0]) < 10, line
