@@ -17,6 +17,7 @@ from commsched.torch import _wire
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import Reducer, ReducerOptions, Slot
 
+import commsched
 import torch
 
 _instances = itertools.count()
@@ -214,9 +215,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 raise ValueError("step(closure) needs every gradient at once; use overlap_forward=False")
             self._reducer.close()
+            commsched.autotune_step()  # an iteration boundary for COMMSCHED_AUTOTUNE; else a no-op
             return None
         self._reducer.synchronize()
-        return self._inner.step(closure) if closure is not None else self._inner.step()
+        result = self._inner.step(closure) if closure is not None else self._inner.step()
+        commsched.autotune_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes gradients; never writes into a gradient that is still being reduced."""
