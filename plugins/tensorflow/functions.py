@@ -79,6 +79,8 @@ def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int) -> tf.
         return _build.load().commsched_broadcast(
             tensor, tensor_name=name, root_rank=root, priority=priority, core_library=_core_library()
         )
+    if tensor.dtype == tf.bool:  # tf.bitcast has no bool; one byte per element either way
+        return tf.cast(_broadcast_op(tf.cast(tensor, tf.uint8), name, root, priority), tf.bool)
     carrier = _BROADCAST_AS.get(tensor.dtype.size)
     if carrier is None or tensor.dtype in (tf.string, tf.resource, tf.variant):
         raise TypeError(f"broadcast of '{name}': dtype {tensor.dtype.name} cannot be sent")
@@ -124,8 +126,8 @@ def _broadcast_group(
 
 # Eagerly, one tf.function per group lets TensorFlow's executor start every op at once;
 # names and priorities are Python values, so they key the trace cache.
-_allreduce_group_eager = tf.function(_allreduce_group)
-_broadcast_group_eager = tf.function(_broadcast_group)
+_allreduce_group_eager = tf.function(_allreduce_group, autograph=False)
+_broadcast_group_eager = tf.function(_broadcast_group, autograph=False)
 
 
 def allreduce_many(

@@ -15,6 +15,8 @@ import argparse
 import common
 import commsched.tensorflow as cst
 import keras
+import numpy as np
+import tensorflow as tf
 
 import commsched
 
@@ -89,11 +91,50 @@ def tape_loop(policy: str, rank: int, size: int, dtype: str) -> None:
     check(f"tape/{dtype}/{policy}", model, reference, dtype)
 
 
+def collectives(rank: int, size: int) -> None:
+    """allreduce and broadcast of every dtype, eagerly and in tf.function, against numpy."""
+    failures = []
+    base = np.arange(1, 7).reshape(2, 3)
+    total = size * (size + 1) // 2  # rank r contributes (r + 1) * base
+    for dtype in ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8"):
+        mine = tf.cast(base * (rank + 1), dtype)
+        got = cst.allreduce(mine, name=f"c.sum.{dtype}", op="sum")
+        if got.dtype != mine.dtype or not np.array_equal(tf.cast(got, "float64").numpy(), base * total):
+            failures.append(f"sum {dtype}: {got.numpy().tolist()}")
+    average = tf.function(lambda t: cst.allreduce(t, name="c.avg", op="average"))
+    got = average(tf.constant(base * (rank + 1), tf.float64)).numpy()
+    if not np.allclose(got, base * total / size, rtol=0, atol=1e-12):
+        failures.append(f"average in tf.function: {got.tolist()}")
+    # A constant input inside tf.function: the op must still run as a collective.
+    folded = tf.function(lambda: cst.allreduce(tf.constant([1.0, 2.0]), name="c.const", op="sum"))().numpy()
+    if not np.allclose(folded, [size, 2.0 * size]):
+        failures.append(f"constant input: {folded.tolist()}")
+    slices = tf.IndexedSlices(tf.ones((1, 2)) * (rank + 1), tf.constant([rank % 2]), tf.constant([2, 2]))
+    dense = np.zeros((2, 2))
+    for r in range(size):
+        dense[r % 2] += r + 1
+    got = cst.allreduce(slices, name="c.slices", op="sum").numpy()
+    if not np.allclose(got, dense):
+        failures.append(f"IndexedSlices: {got.tolist()} != {dense.tolist()}")
+    variables = [
+        tf.Variable(np.full(3, rank, np.uint32)),
+        tf.Variable([float(rank), 1.0]),
+        tf.Variable(rank != 0),
+    ]
+    cst.broadcast_variables(variables, root_rank=size - 1)
+    expected = [np.full(3, size - 1, np.uint32), np.array([size - 1.0, 1.0]), np.array(size - 1 != 0)]
+    for variable, want in zip(variables, expected):
+        if not np.array_equal(variable.numpy(), want):
+            failures.append(f"broadcast {variable.dtype.name}: {variable.numpy()} != {want}")
+    verdict = "FAIL" if failures else "PASS"
+    print(f"{verdict} collectives rank={rank} {'; '.join(failures)}", flush=True)
+
+
 def main() -> None:
     """Runs every configuration under each policy."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", choices=["priority", "fifo"], required=True)
-    parser.add_argument("--configs", default="fit,optimizer-loop,tape")
+    parser.add_argument("--configs", default="collectives,fit,optimizer-loop,tape")
     parser.add_argument("--dtypes", default="float32,float64,float16")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -101,6 +142,8 @@ def main() -> None:
     if commsched.config()["policy"] != args.policy:
         print(f"FAIL policy is {commsched.config()['policy']}, not {args.policy}", flush=True)
     rank, size = commsched.rank(), commsched.size()
+    if "collectives" in configs:
+        collectives(rank, size)
     if "fit" in configs:
         keras_fit(args.policy, rank, size)
     if "optimizer-loop" in configs:

@@ -1,0 +1,60 @@
+"""2 and 3 ranks of the TensorFlow plug-in under mpiexec, checked against one process on the whole batch.
+
+Each run covers collectives of every dtype, Keras fit() with DistributedOptimizer and the
+broadcast callback, a tf.function loop with DistributedOptimizer, and tf.function loops
+with DistributedGradientTape on an embedding model (IndexedSlices gradients) in float32,
+float64 and float16; under the priority and the fifo policy. A timeline test shows that
+inside tf.function the first gradient is on the wire before the backward pass ends.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_ranks"))
+from launcher import have_mpiexec, launch, verdicts
+
+pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
+
+ALL = [
+    "collectives",
+    "fit/{p}",
+    "optimizer-loop/{p}",
+    "tape/float32/{p}",
+    "tape/float64/{p}",
+    "tape/float16/{p}",
+]
+
+
+def _check(ranks: int, expected: list[str], *args: str) -> None:
+    result = launch(ranks, "equivalence.py", *args)
+    passes, failures = verdicts(result)
+    tail = result.stdout[-4000:]
+    assert result.returncode == 0, tail
+    assert not failures, tail
+    assert sorted(passes) == sorted(label for label in expected for _ in range(ranks)), tail
+
+
+@pytest.mark.parametrize("policy", ["priority", "fifo"])
+def test_two_ranks_match_one_process(policy: str) -> None:
+    """2 ranks: every configuration ends with the single-process weights."""
+    _check(2, [label.format(p=policy) for label in ALL], "--policy", policy)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fifo"])
+def test_three_ranks_match_one_process(policy: str) -> None:
+    """3 ranks (averaging divides by an odd count): fit, the tape in float32, the collectives."""
+    expected = ["collectives", f"fit/{policy}", f"tape/float32/{policy}"]
+    _check(3, expected, "--policy", policy, "--configs", "collectives,fit,tape", "--dtypes", "float32")
+
+
+def test_reduction_starts_before_backward_ends(tmp_path: Path) -> None:
+    """From the commsched timeline: in tf.function, the first gradient is on the wire before the last is computed."""
+    result = launch(2, "overlap.py", str(tmp_path))
+    passes, failures = verdicts(result)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert not failures and sorted(passes) == ["fit", "fit", "tape", "tape"], result.stdout[-4000:]

@@ -1,0 +1,63 @@
+"""Starts a rank script of the TensorFlow plug-in tests under mpiexec."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _clean_env() -> dict[str, str]:
+    # A test run inside another launcher (or with COMMSCHED_* set) must not leak into the ranks.
+    drop = (
+        "COMMSCHED_",
+        "PMI_",
+        "PMIX_",
+        "OMPI_",
+        "MPI_LOCALRANKID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    if "COMMSCHED_TF_OPS_DIR" in os.environ:  # the one setting the ranks must share with the caller
+        env["COMMSCHED_TF_OPS_DIR"] = os.environ["COMMSCHED_TF_OPS_DIR"]
+    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def have_mpiexec() -> bool:
+    """True when mpiexec and mpi4py are installed."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("mpiexec") is not None
+
+
+def launch(ranks: int, script: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Runs tests/tf_ranks/<script> on `ranks` ranks; `-m mpi4py` makes an exception abort every rank."""
+    argv = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py"]
+    argv += [str(HERE / script), *args]
+    return subprocess.run(
+        argv,
+        check=False,
+        env=_clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def verdicts(result: subprocess.CompletedProcess[str]) -> tuple[list[str], list[str]]:
+    """The labels of the PASS lines and the FAIL lines in a run's output."""
+    output = result.stdout
+    return re.findall(r"PASS (\S+)", output), re.findall(r"FAIL (.*)", output)
