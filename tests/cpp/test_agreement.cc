@@ -191,4 +191,3 @@ TEST_CASE(announcing_a_name_twice_before_agreement_is_an_error) {
   EXPECT_THROWS(world.cycle(), CommError, "twice");
 }
 
-int main() { return check::run_all(); }

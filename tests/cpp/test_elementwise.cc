@@ -53,4 +53,3 @@ TEST_CASE(divide_by_averages_floats_and_refuses_integers) {
   EXPECT_THROWS(divide_by(ints.data(), 1, DType::kInt32, 2.0), UsageError, "floating dtype");
 }
 
-int main() { return check::run_all(); }

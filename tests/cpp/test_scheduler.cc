@@ -241,4 +241,3 @@ TEST_CASE(launch_sequence_is_deterministic) {
   EXPECT(run() == run());
 }
 
-int main() { return check::run_all(); }
