@@ -11,6 +11,7 @@ import atexit
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 from commsched import buffers, config as _config, launch as _launch, transports
@@ -37,6 +38,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 log = logging.getLogger("commsched")
+_WAIT_SLICE_S = 0.2
 
 
 class _State:
@@ -75,14 +77,20 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until done and returns the array; raises TimeoutError or CommschedError."""
-        if not self._core_handle.wait(timeout):
-            where = _core.describe(self.name) if _core.running() else "commsched is not running"
-            raise TimeoutError(
-                f"collective on '{self.name}' did not finish within {timeout}s"
-                + (f" (it is {where})" if where else "")
-                + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
-            )
-        return self._array
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # Wait in slices so Ctrl-C and other signals are handled while a collective hangs.
+            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
+            if self._core_handle.wait(max(left, 0.0)):
+                return self._array
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        where = _core.describe(self.name) if _core.running() else "commsched is not running"
+        raise TimeoutError(
+            f"collective on '{self.name}' did not finish within {timeout}s"
+            + (f" (it is {where})" if where else "")
+            + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
+        )
 
 
 def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
