@@ -81,4 +81,16 @@ if mpi:
 else:
     print("commsched: no MPI found (mpi.h and libmpi); building without the MPI transport", file=sys.stderr)
 
+# The NCCL transport links neither NCCL nor CUDA (it loads them at run time), so it is always built.
+extensions.append(
+    Pybind11Extension(
+        "commsched._nccl",
+        sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc")),
+        include_dirs=["csrc"],
+        libraries=["dl"],
+        cxx_std=17,
+        extra_compile_args=COMPILE_ARGS,
+    )
+)
+
 setup(ext_modules=extensions, cmdclass={"build_ext": build_ext})
