@@ -7,7 +7,8 @@ clock, so ranks on one host compare): per step, the backward pass ends when the 
 rank's last gradient reaches the core (the latest "negotiate" begin); the first
 gradient's reduction starts when the last rank puts it "on the wire". Ranks meet at a
 barrier before each step so that one rank's head start does not count as overlap.
-Prints `PASS <config>` when that start comes before that end in most steps.
+Prints `PASS <config>` when that start comes over 5 ms before that end in most steps
+(gradients reduced only after the whole backward pass measure 0-5 ms).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tensorflow as tf
 import commsched
 
 BATCH, WIDTH, DEPTH, STEPS = 256, 768, 5, 6
+MARGIN_US = 5000
 
 
 def model() -> keras.Model:
@@ -86,7 +88,8 @@ def report(label: str, rank: int, measured: list[tuple[float, float]]) -> None:
     """PASS when, in most steps after the first (tracing), the first reduction began before backward ended."""
     later = measured[1:]
     early = [last - start for start, last in later]
-    overlapped = sum(1 for lead in early if lead > 0)
+    # A margin: ops submitted one after another once backward is over still lead by a few ms.
+    overlapped = sum(1 for lead in early if lead > MARGIN_US)
     verdict = "PASS" if len(later) >= 3 and overlapped * 2 > len(later) else "FAIL"
     leads = ", ".join(f"{lead / 1000:.1f}" for lead in early)
     print(
