@@ -231,7 +231,6 @@ class Tuner:
         self._trial = 0
         self._phase = "default"
         self._current: dict[str, Any] = {name: collectives.settings()[name] for name in FIELDS}
-        self._default = dict(self._current)
         self._search: Search | None = None
         self._confirm: list[dict[str, Any]] = []
         self._confirmed: list[tuple[float, dict[str, Any]]] = []
@@ -325,7 +324,6 @@ class Tuner:
         bandwidth = 2.0 * (n - 1) / max(n, 1) * big / transfer if n > 1 else big / transfer
         cycle = float(self.comm.settings().get("cycle_time", 0.001))
         self.link = Link(max(2, n), bandwidth, latency, cycle)
-        self._probe_bytes = big
 
     def _after_profile(self) -> None:
         self.recording = False
