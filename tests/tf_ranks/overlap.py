@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import commsched
 
-BATCH, WIDTH, DEPTH, STEPS = 256, 768, 5, 6
+BATCH, WIDTH, DEPTH, STEPS = 512, 1024, 5, 5
 MARGIN_US = 5000
 
 
