@@ -52,7 +52,7 @@ extensions = [
         ]
         + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
         + ["csrc/bindings/sim_bindings.cc"],
-        include_dirs=["csrc"],
+        include_dirs=["csrc", "commsched/include"],
         cxx_std=17,
         extra_compile_args=COMPILE_ARGS,
     )
@@ -86,7 +86,7 @@ extensions.append(
     Pybind11Extension(
         "commsched._nccl",
         sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc")),
-        include_dirs=["csrc"],
+        include_dirs=["csrc", "commsched/include"],
         libraries=["dl"],
         cxx_std=17,
         extra_compile_args=COMPILE_ARGS,

@@ -32,10 +32,7 @@ def header_dir() -> Path:
     """The include directory holding core/c_api.h (shipped with the package or in the source tree)."""
     import commsched
 
-    candidates = [
-        Path(commsched.__file__).resolve().parent / "include",
-        HERE.parent.parent / "csrc",  # editable install: plugins/tensorflow -> repository root
-    ]
+    candidates = [Path(commsched.__file__).resolve().parent / "include"]
     for candidate in candidates:
         if (candidate / "core" / "c_api.h").is_file():
             return candidate

@@ -1,4 +1,4 @@
-/* commsched's C ABI: lets code compiled apart from the Python module (the TensorFlow
+/* commsched's C ABI (shipped with the package, so separately built code can include it): lets code compiled apart from the Python module (the TensorFlow
  * custom ops) reach the process's one runtime. Look the table up with
  * dlopen(<path of commsched/_core*.so>, RTLD_NOW | RTLD_NOLOAD) and
  * dlsym(handle, "commsched_api_v1"). */
