@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_ranks"))
-from launcher import have_mpiexec, launch, verdicts
+from tf_launcher import have_mpiexec, launch, verdicts
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")

@@ -24,7 +24,7 @@ from commsched.tensorflow import _build
 import commsched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_ranks"))
-import common
+import tf_common as common
 
 
 @pytest.fixture

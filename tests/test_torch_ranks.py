@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
-from launcher import have_mpiexec, launch
+from torch_launcher import have_mpiexec, launch
 
 pytest.importorskip("torch")
 needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")

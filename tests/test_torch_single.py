@@ -18,7 +18,7 @@ from commsched.torch import _codec
 import commsched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
-from common import FORWARD_ORDER, Net, data, max_difference, shard, skips
+from torch_common import FORWARD_ORDER, Net, data, max_difference, shard, skips
 
 PER_PARAMETER: dict[str, Callable[[Any], Any]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-import common
+import tf_common as common
 import commsched.tensorflow as cst
 import keras
 import numpy as np

@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import common
+import tf_common as common
 import commsched.tensorflow as cst
 import keras
 import numpy as np

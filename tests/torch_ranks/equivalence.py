@@ -13,7 +13,7 @@ import sys
 import commsched.torch as ct
 import torch
 import torch.nn.functional as F
-from common import FORWARD_ORDER, OPTIMIZERS, Net, data, max_difference, reference, shard, skips
+from torch_common import FORWARD_ORDER, OPTIMIZERS, Net, data, max_difference, reference, shard, skips
 
 import commsched
 
