@@ -36,10 +36,15 @@ def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]
         for n, ratio in itertools.product(ranks, ratios):
             rate = 2.0 * (n - 1) / n * total / (ratio * compute)
             for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
-                settings = dict(
-                    partition_bytes=partition, credit_bytes=partition * multiple, fusion_bytes=fusion, cycle_time=0.001
-                )
-                row = predict(spec, n, rate, latency_s, settings, ["priority"], ["overlap"], iterations=4, warmup=1)[0]
+                settings = {
+                    "partition_bytes": partition,
+                    "credit_bytes": partition * multiple,
+                    "fusion_bytes": fusion,
+                    "cycle_time": 0.001,
+                }
+                row = predict(
+                    spec, n, rate, latency_s, settings, ["priority"], ["overlap"], iterations=4, warmup=1
+                )[0]
                 results.append(dict(model=model, ranks=n, ratio=ratio, **settings, vs_best=row["vs_best"]))
     return results
 
@@ -52,7 +57,9 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=20e-6)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = sweep([int(n) for n in args.ranks.split(",")], [float(r) for r in args.ratios.split(",")], args.latency)
+    results = sweep(
+        [int(n) for n in args.ranks.split(",")], [float(r) for r in args.ratios.split(",")], args.latency
+    )
     scores: dict[tuple, list[float]] = {}
     for row in results:
         key = (row["partition_bytes"], row["credit_bytes"], row["fusion_bytes"])
@@ -60,7 +67,9 @@ def main() -> int:
     ranked = sorted((math.exp(sum(v) / len(v)), max(v), key) for key, v in scores.items())
     print(f"{'partition':>10}{'credit':>10}{'fusion':>10}{'geomean x best':>16}{'worst x best':>14}")
     for geomean, worst, (partition, credit, fusion) in ranked[:10]:
-        print(f"{partition / MIB:>9g}M{credit / MIB:>9g}M{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}")
+        print(
+            f"{partition / MIB:>9g}M{credit / MIB:>9g}M{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"results": results}, indent=1) + "\n")
     return 0

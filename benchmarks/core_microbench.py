@@ -17,7 +17,9 @@ def build(output: Path) -> None:
     """Compiles the microbenchmark with the core's sources at -O2."""
     sources = [str(ROOT / "benchmarks" / "core_microbench.cc")]
     sources += [str(ROOT / "csrc" / "core" / f"{name}.cc") for name in CORE]
-    subprocess.run(["g++", "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}", *sources, "-o", str(output)], check=True)
+    subprocess.run(
+        ["g++", "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}", *sources, "-o", str(output)], check=True
+    )
 
 
 def main() -> int:
@@ -31,8 +33,12 @@ def main() -> int:
         binary = Path(scratch) / "core_microbench"
         build(binary)
         result = json.loads(
-            subprocess.run([str(binary), str(args.tensors), str(args.iterations)], check=True, capture_output=True,
-                           text=True).stdout
+            subprocess.run(
+                [str(binary), str(args.tensors), str(args.iterations)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
         )
     rows = [
         ("scheduler, per chunk", result["scheduler_ns_per_chunk"]),
@@ -42,7 +48,9 @@ def main() -> int:
     print(f"{'what':<44}{'cost (us)':>12}")
     for label, nanoseconds in rows:
         print(f"{label:<44}{nanoseconds / 1000:>12.3f}")
-    print(f"({result['chunks']} chunks over {result['iterations']} iterations of {result['tensors']} tensors)")
+    print(
+        f"({result['chunks']} chunks over {result['iterations']} iterations of {result['tensors']} tensors)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

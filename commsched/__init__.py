@@ -14,8 +14,9 @@ import threading
 import time
 from typing import Any
 
-from commsched import buffers, config as _config, launch as _launch, transports
-from commsched import _core
+from commsched import _core, buffers, transports
+from commsched import config as _config
+from commsched import launch as _launch
 from commsched._core import CommschedError
 
 __all__ = [
@@ -97,7 +98,9 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
     """Starts commsched on this process; settings override COMMSCHED_* variables."""
     with _state.lock:
         if _core.running():
-            raise RuntimeError("commsched is already initialised; call commsched.shutdown() before init() again")
+            raise RuntimeError(
+                "commsched is already initialised; call commsched.shutdown() before init() again"
+            )
         resolved = _config.resolve(settings)
         logging.basicConfig()
         log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
@@ -237,7 +240,7 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
     if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
     if op not in ("sum", "average"):
-        raise ValueError(f"op of '{name}' must be \"sum\" or \"average\", not {op!r}")
+        raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
     view = buffers.view(array, name)
     core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
     tuner = _state.tuner

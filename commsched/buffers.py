@@ -50,7 +50,9 @@ def view(array: Any, name: str) -> BufferView:
         raise TypeError(
             f"tensor '{name}' lives on a GPU; this build handles CPU memory only (the NCCL transport is not built in)"
         )
-    if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # a torch.Tensor, without importing torch
+    if hasattr(array, "data_ptr") and hasattr(
+        array, "is_contiguous"
+    ):  # a torch.Tensor, without importing torch
         dtype = _TORCH_DTYPES.get(str(array.dtype))
         if dtype is None:
             raise _unsupported(f"dtype {array.dtype} is not supported", name)
@@ -62,9 +64,10 @@ def view(array: Any, name: str) -> BufferView:
         address, readonly = interface["data"]
         if readonly:
             raise _unsupported("the array is read-only", name)
-        if interface.get("strides") is not None and not getattr(array, "flags", {"C_CONTIGUOUS": False})[
-            "C_CONTIGUOUS"
-        ]:
+        if (
+            interface.get("strides") is not None
+            and not getattr(array, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]
+        ):
             raise _unsupported("the array is not C-contiguous (use numpy.ascontiguousarray)", name)
         typestr = interface["typestr"]
         if typestr[0] not in "<|=":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 _SIZE_UNITS = {
     "": 1,
@@ -33,7 +34,7 @@ class SettingError(ValueError):
 def parse_size(text: str | int) -> int:
     """Parses a byte count with an optional unit (4MiB, 512KB, 1048576)."""
     if isinstance(text, bool):
-        raise ValueError("a size, not a boolean")
+        raise TypeError("a size, not a boolean")
     if isinstance(text, int):
         if text < 0:
             raise ValueError("negative")
@@ -47,7 +48,7 @@ def parse_size(text: str | int) -> int:
 def parse_duration(text: str | float) -> float:
     """Parses seconds with an optional unit (60, 60s, 500ms, 2min)."""
     if isinstance(text, bool):
-        raise ValueError("a duration, not a boolean")
+        raise TypeError("a duration, not a boolean")
     if isinstance(text, (int, float)):
         if text < 0:
             raise ValueError("negative")
@@ -115,7 +116,11 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "transport": ("COMMSCHED_TRANSPORT", _choice(TRANSPORTS), "one of " + ", ".join(TRANSPORTS)),
     "timeline": ("COMMSCHED_TIMELINE", _path, "a file path for the Chrome trace"),
     "stall_timeout": ("COMMSCHED_STALL_TIMEOUT", parse_duration, _DURATION_FORM),
-    "stall_shutdown": ("COMMSCHED_STALL_SHUTDOWN", parse_duration, _DURATION_FORM + " (0 never fails stalls)"),
+    "stall_shutdown": (
+        "COMMSCHED_STALL_SHUTDOWN",
+        parse_duration,
+        _DURATION_FORM + " (0 never fails stalls)",
+    ),
     "cycle_time": ("COMMSCHED_CYCLE_TIME", parse_duration, _DURATION_FORM),
     "log_level": ("COMMSCHED_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
     "autotune": ("COMMSCHED_AUTOTUNE", _flag, "1 or 0 (also true/false, yes/no, on/off)"),
@@ -155,7 +160,7 @@ def resolve(arguments: dict[str, Any], environ: dict[str, str] | None = None) ->
             continue
         try:
             values[field.name] = parse(raw)
-        except ValueError:
+        except (ValueError, TypeError):
             raise SettingError(f"{source}: {raw!r} is not valid; use {form}") from None
     settings = Settings(**values)
     _check_consistency(settings)

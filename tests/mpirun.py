@@ -25,4 +25,6 @@ def run_ranks(
     assert launcher, "mpiexec not found: pip install mpich mpi4py"
     command = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(RANKS_DIR / script), *args]
     environment = {**os.environ, **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+    return subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=timeout, env=environment
+    )

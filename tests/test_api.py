@@ -10,7 +10,7 @@ import pytest
 
 import commsched
 from commsched import launch
-from commsched.config import Settings, SettingError, parse_duration, parse_size, resolve, timeline_path_for
+from commsched.config import SettingError, Settings, parse_duration, parse_size, resolve, timeline_path_for
 
 
 @pytest.fixture

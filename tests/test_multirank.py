@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from mpirun import run_ranks
 
 pytest.importorskip("mpi4py")

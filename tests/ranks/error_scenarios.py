@@ -117,9 +117,9 @@ def reconfigure() -> None:
     rank, size = commsched.rank(), commsched.size()
     rng = np.random.default_rng(rank)
     variants = [
-        dict(policy="fifo"),
-        dict(policy="priority", partition_bytes="8KiB", credit_bytes="16KiB", fusion_bytes="2KiB"),
-        dict(policy="priority", partition_bytes="1MiB", credit_bytes="4MiB", fusion_bytes=0),
+        {"policy": "fifo"},
+        {"policy": "priority", "partition_bytes": "8KiB", "credit_bytes": "16KiB", "fusion_bytes": "2KiB"},
+        {"policy": "priority", "partition_bytes": "1MiB", "credit_bytes": "4MiB", "fusion_bytes": 0},
     ]
     for step, variant in enumerate(variants * 2):
         commsched.reconfigure(**variant)

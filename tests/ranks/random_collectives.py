@@ -17,12 +17,12 @@ import commsched
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.float16]
 CONFIGS = [
-    dict(policy="priority"),
-    dict(policy="priority", partition_bytes="64KiB", credit_bytes="256KiB", fusion_bytes="32KiB"),
-    dict(policy="priority", partition_bytes="1MiB", credit_bytes="1MiB", fusion_bytes=0),
-    dict(policy="priority", partition_bytes="16KiB", credit_bytes="8KiB", fusion_bytes="4KiB"),
-    dict(policy="fifo"),
-    dict(policy="fifo", fusion_bytes=0),
+    {"policy": "priority"},
+    {"policy": "priority", "partition_bytes": "64KiB", "credit_bytes": "256KiB", "fusion_bytes": "32KiB"},
+    {"policy": "priority", "partition_bytes": "1MiB", "credit_bytes": "1MiB", "fusion_bytes": 0},
+    {"policy": "priority", "partition_bytes": "16KiB", "credit_bytes": "8KiB", "fusion_bytes": "4KiB"},
+    {"policy": "fifo"},
+    {"policy": "fifo", "fusion_bytes": 0},
 ]
 
 
@@ -32,12 +32,21 @@ def plan(count: int, seed: int) -> list[dict]:
     tensors = []
     for i in range(count):
         dtype = DTYPES[rng.choice(len(DTYPES), p=[0.35, 0.2, 0.2, 0.2, 0.05])]
-        size = int(rng.choice([0, 1, 3, 17]) if rng.random() < 0.05 else np.exp(rng.uniform(0, np.log(200_000))))
+        size = int(
+            rng.choice([0, 1, 3, 17]) if rng.random() < 0.05 else np.exp(rng.uniform(0, np.log(200_000)))
+        )
         kind = "broadcast" if rng.random() < 0.1 else "allreduce"
         floating = np.issubdtype(dtype, np.floating)
         op = "average" if floating and kind == "allreduce" and rng.random() < 0.5 else "sum"
         tensors.append(
-            dict(name=f"t{i}", dtype=dtype, size=size, kind=kind, op=op, priority=int(rng.integers(-50, 50)))
+            {
+                "name": f"t{i}",
+                "dtype": dtype,
+                "size": size,
+                "kind": kind,
+                "op": op,
+                "priority": int(rng.integers(-50, 50)),
+            }
         )
     return tensors
 
@@ -107,7 +116,9 @@ def run_config(config: dict, tensors: list[dict], seed: int) -> None:
     if settings["fusion_bytes"] > 0:
         assert stats["fused_launches"] > 0, stats  # small tensors ready together must share collectives
     commsched.shutdown()
-    print(f"rank {rank}: OK {config} launches={stats['launches']} fused={stats['fused_launches']}", flush=True)
+    print(
+        f"rank {rank}: OK {config} launches={stats['launches']} fused={stats['fused_launches']}", flush=True
+    )
 
 
 def main() -> int:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-import tf_common as common
 import commsched.tensorflow as cst
 import keras
 import numpy as np
 import tensorflow as tf
+import tf_common as common
 
 import commsched
 

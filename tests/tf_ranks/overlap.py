@@ -18,11 +18,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import tf_common as common
 import commsched.tensorflow as cst
 import keras
 import numpy as np
 import tensorflow as tf
+import tf_common as common
 
 import commsched
 

@@ -23,7 +23,9 @@ def one_round(number: int, rank: int, size: int) -> None:
     data = np.arange(50_000, dtype=np.float32) * (rank + 1) + number
     commsched.allreduce(data, name=f"a{number}", timeout=60)
     reference = np.arange(50_000, dtype=np.float64) * sum(range(1, size + 1)) + number * size
-    assert np.array_equal(data.astype(np.float64), reference), f"rank {rank}: round {number} allreduce differs"
+    assert np.array_equal(data.astype(np.float64), reference), (
+        f"rank {rank}: round {number} allreduce differs"
+    )
     value = np.full(1000, rank, dtype=np.int64)
     commsched.broadcast(value, root=size - 1, name=f"b{number}", timeout=60)
     assert (value == size - 1).all(), f"rank {rank}: round {number} broadcast differs"
