@@ -189,7 +189,10 @@ void Runtime::loop() {
 
 void Runtime::wait_for_news(Clock::time_point deadline) {
   while (true) {
-    if (!in_flight_.empty() && poll_in_flight()) return;
+    // A completion is news only when queued chunks wait for the credit it frees (the
+    // scheduler is identical on every rank, so all ranks agree); otherwise its byte count
+    // rides along with the next report.
+    if (!in_flight_.empty() && poll_in_flight() && scheduler_.queued_chunks() > 0) return;
     std::unique_lock<std::mutex> lock(inbox_mutex_);
     if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
     const auto now = Clock::now();

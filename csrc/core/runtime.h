@@ -132,7 +132,6 @@ class Runtime {
   std::vector<std::vector<uint8_t>> buffer_pool_;
   uint64_t next_tensor_id_ = 0;
   uint64_t completed_bytes_ = 0;
-  bool completions_since_report_ = false;
   std::string abort_message_;
   double last_stall_check_s_ = 0;
   std::map<std::string, double> stall_warned_at_s_;

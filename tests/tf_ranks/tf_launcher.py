@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mpirun import mpiexec  # tests/ is on sys.path (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,12 +40,12 @@ def have_mpiexec() -> bool:
         import mpi4py  # noqa: F401
     except ImportError:
         return False
-    return shutil.which("mpiexec") is not None
+    return mpiexec() is not None
 
 
 def launch(ranks: int, script: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """Runs tests/tf_ranks/<script> on `ranks` ranks; `-m mpi4py` makes an exception abort every rank."""
-    argv = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py"]
+    argv = [mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py"]
     argv += [str(HERE / script), *args]
     return subprocess.run(
         argv,

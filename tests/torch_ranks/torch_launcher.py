@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from mpirun import mpiexec  # tests/ is on sys.path (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,7 +44,7 @@ def launch(
     """Runs tests/torch_ranks/<script> on `ranks` ranks; returns the finished process (stdout+stderr)."""
     path = str(HERE / script)
     if launcher == "mpiexec":
-        argv = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, path, *args]
+        argv = [mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", path, *args]
     else:
         argv = [
             sys.executable,
@@ -75,4 +76,4 @@ def have_mpiexec() -> bool:
         import mpi4py  # noqa: F401
     except ImportError:
         return False
-    return shutil.which("mpiexec") is not None
+    return mpiexec() is not None
