@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from commsched.bench import report
+from commsched.config import Settings
 
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
@@ -149,6 +151,20 @@ def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+_SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
+
+
+def _scaled_setting(given: str | None, name: str, scale: float) -> str | int | None:
+    """A size flag as given; else, unless COMMSCHED_* sets it, commsched's default divided by --scale.
+
+    Shrinking tensors by --scale without shrinking the chunk sizes would change how many
+    chunks each tensor has, so the replay would no longer stand for the full-size model.
+    """
+    if given is not None or scale == 1 or os.environ.get(f"COMMSCHED_{name.upper()}"):
+        return given
+    return max(1, int(getattr(Settings(), name) / scale))
+
+
 def run(args: argparse.Namespace) -> int:
     """Replays the profile under every requested policy and mode; rank 0 prints the report."""
     import numpy as np
@@ -191,15 +207,14 @@ def run(args: argparse.Namespace) -> int:
         [("autotune", [m]) for m in args.modes] if args.autotune else [(p, args.modes) for p in args.policies]
     )
     chosen = []
+    sizes = {name: _scaled_setting(getattr(args, name), name, args.scale) for name in _SCALED_SETTINGS}
     for policy, modes in runs:
         commsched.init(
             policy=None if args.autotune else policy,
             autotune=True if args.autotune else None,
             transport="mpi",
-            partition_bytes=args.partition_bytes,
-            credit_bytes=args.credit_bytes,
-            fusion_bytes=args.fusion_bytes,
             cycle_time=args.cycle_time,
+            **sizes,
         )
         settings = commsched.config()
         for mode in modes:
@@ -286,6 +301,11 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f" time scale {header['time_scale']:.4g}); communication {header['communication_s'] * 1e3:.1f} ms"
         f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
         f" {header['latency_s'] * 1e6:.0f} us per message)"
+    )
+    chosen = header["settings"]
+    print(
+        f"# partition {report.human_size(chosen['partition_bytes'])}, credit {report.human_size(chosen['credit_bytes'])},"
+        f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults / scale)"
     )
     table = [
         dict(
