@@ -17,6 +17,28 @@ def mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+# Launcher and commsched variables of a surrounding job must not leak into the ranks a test starts.
+_LAUNCH_VARIABLES = (
+    "COMMSCHED_",
+    "PMI_",
+    "PMIX_",
+    "OMPI_",
+    "MPI_LOCALRANKID",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_",
+)
+
+
+def clean_rank_env(*python_path: Path) -> dict[str, str]:
+    """This process's environment without launcher variables, one thread per rank, `python_path` first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARIABLES)}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, python_path), env.get("PYTHONPATH", "")]))
+    return env
+
+
 def run_ranks(
     ranks: int, script: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -8,29 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpirun import mpiexec  # tests/ is on sys.path (conftest.py)
+from mpirun import clean_rank_env, mpiexec  # tests/ is on sys.path (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 
 
 def _clean_env() -> dict[str, str]:
-    # A test run inside another launcher (or with COMMSCHED_* set) must not leak into the ranks.
-    drop = (
-        "COMMSCHED_",
-        "PMI_",
-        "PMIX_",
-        "OMPI_",
-        "MPI_LOCALRANKID",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = clean_rank_env(HERE)
     if "COMMSCHED_TF_OPS_DIR" in os.environ:  # the one setting the ranks must share with the caller
         env["COMMSCHED_TF_OPS_DIR"] = os.environ["COMMSCHED_TF_OPS_DIR"]
-    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 
 

@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from mpirun import mpiexec  # tests/ is on sys.path (conftest.py)
+from mpirun import clean_rank_env, mpiexec  # tests/ is on sys.path (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 
 
 def _clean_env() -> dict[str, str]:
-    # A test run inside another launcher (or with COMMSCHED_* set) must not leak into the ranks.
-    drop = (
-        "COMMSCHED_",
-        "PMI_",
-        "PMIX_",
-        "OMPI_",
-        "MPI_LOCALRANKID",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
-    return env
+    return clean_rank_env(HERE)
 
 
 def _free_port() -> int:
