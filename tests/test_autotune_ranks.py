@@ -31,10 +31,10 @@ def test_autotune_on_two_ranks_keeps_sums_and_fixed_fusion(tmp_path):
     argv = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(SCRIPT), "110"]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    reports = sorted(
-        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-        key=lambda r: r["rank"],
-    )
+    # mpiexec may glue the ranks' lines together, so decode each report where it starts.
+    decoder = json.JSONDecoder()
+    starts = [i for i in range(len(proc.stdout)) if proc.stdout.startswith('{"rank"', i)]
+    reports = sorted((decoder.raw_decode(proc.stdout, i)[0] for i in starts), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:
         assert report["mismatches"] == []

@@ -134,7 +134,7 @@ def test_cli_cleans_up_when_interrupted(sig: signal.Signals) -> None:
     )
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "up"
+        assert "up" in proc.stdout.readline()  # both ranks print it; mpiexec may glue the lines
         assert len(_rig_namespaces(proc.pid)) == 3
         os.kill(proc.pid, sig)
         proc.wait(timeout=15)
