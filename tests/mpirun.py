@@ -50,3 +50,10 @@ def run_ranks(
     return subprocess.run(
         command, check=False, capture_output=True, text=True, timeout=timeout, env=environment
     )
+
+
+def unglue(output: str, *markers: str) -> str:
+    """Puts each marker (e.g. "PASS ") at the start of a line: mpiexec may glue two ranks' lines together."""
+    for marker in markers:
+        output = output.replace(marker, "\n" + marker)
+    return output

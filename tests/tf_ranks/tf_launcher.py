@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpirun import clean_rank_env, mpiexec  # tests/ is on sys.path (conftest.py)
+from mpirun import clean_rank_env, mpiexec, unglue  # tests/ is on sys.path (conftest.py)
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,5 +47,5 @@ def launch(ranks: int, script: str, *args: str, timeout: float = 180) -> subproc
 
 def verdicts(result: subprocess.CompletedProcess[str]) -> tuple[list[str], list[str]]:
     """The labels of the PASS lines and the FAIL lines in a run's output."""
-    output = result.stdout
+    output = unglue(result.stdout, "PASS ", "FAIL ")
     return re.findall(r"PASS (\S+)", output), re.findall(r"FAIL (.*)", output)
