@@ -13,5 +13,9 @@ pip install -q --upgrade pip
 # The CPU build of torch first, so nothing later pulls a multi-GB CUDA build for a `torch>=` range.
 pip install -q torch==2.13.0
 pip install -q -r requirements-dev.txt
-pip install -q -e . --no-build-isolation
+# The build's own chatter goes to a log; it is shown only when the build fails.
+if ! pip install -q -e . --no-build-isolation > .venv/build.log 2>&1; then
+  cat .venv/build.log
+  exit 1
+fi
 python -c "import commsched, commsched._mpi; print('commsched', commsched.__version__, 'built with MPI')"
