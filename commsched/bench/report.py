@@ -122,3 +122,15 @@ class Progress:
         if self.done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
+
+
+def timing_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with the columns every policy/mode table shows: times in ms and the hidden share in %."""
+    return dict(
+        row,
+        iteration_ms=row["iteration_s"] * 1e3,
+        bound_ms=row["bound_s"] * 1e3,
+        best_ms=row["best_s"] * 1e3,
+        sum_ms=row["sum_s"] * 1e3,
+        hidden_pct=row["hidden"] * 100,
+    )

@@ -308,16 +308,7 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults / scale)"
     )
     table = [
-        dict(
-            row,
-            iteration_ms=row["iteration_s"] * 1e3,
-            bound_ms=row["bound_s"] * 1e3,
-            best_ms=row["best_s"] * 1e3,
-            sum_ms=row["sum_s"] * 1e3,
-            hidden_pct=row["hidden"] * 100,
-            sim_ms=row["sim_s"] * 1e3,
-            sim_err_pct=row["sim_error"] * 100,
-        )
+        dict(report.timing_fields(row), sim_ms=row["sim_s"] * 1e3, sim_err_pct=row["sim_error"] * 100)
         for row in rows
     ]
     print(report.format_table(COLUMNS, table))

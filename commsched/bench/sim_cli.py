@@ -204,18 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
         f"latency {latency * 1e6:g} us; simulated with the real scheduler"
     )
-    table = [
-        dict(
-            row,
-            gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9,
-            iteration_ms=row["iteration_s"] * 1e3,
-            bound_ms=row["bound_s"] * 1e3,
-            best_ms=row["best_s"] * 1e3,
-            sum_ms=row["sum_s"] * 1e3,
-            hidden_pct=row["hidden"] * 100,
-        )
-        for row in rows
-    ]
+    table = [dict(report.timing_fields(row), gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9) for row in rows]
     print(report.format_table(COLUMNS, table))
     if args.json:
         report.dump_json(
