@@ -137,7 +137,7 @@ void Runtime::loop() {
     CycleOutcome outcome;
     try {
       wait_for_news(deadline);
-      ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+      ReportStatus status{completed_bytes_, scheduler_.launch_count(), shutdown_requested_.load(), abort_message_};
       {
         std::lock_guard<std::mutex> lock(inbox_mutex_);
         status.settings_epoch = requested_epoch_;
@@ -166,13 +166,17 @@ void Runtime::loop() {
     } else {
       deadline = Clock::now() + cycle;
     }
+    // Units a faster rank took since the last agreement come first, before settings
+    // change or new tensors are queued, so every rank launches the same sequence.
+    for (Launch& unit : scheduler_.catch_up(outcome.max_launch_count)) committed_.push_back(std::move(unit));
     if (outcome.abort_rank >= 0) {
       stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
       return;
     }
     try {
       apply_outcome(outcome);
-      for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
+      // When stopping, pop nothing new: ranks would pop different amounts with nobody left to catch up.
+      if (outcome.shutdown_rank < 0) launch_ready();
       poll_in_flight();
     } catch (const std::exception& error) {
       // Tell every rank with the next report, so all stop in the same cycle.
@@ -189,10 +193,9 @@ void Runtime::loop() {
 
 void Runtime::wait_for_news(Clock::time_point deadline) {
   while (true) {
-    // A completion is news only when queued chunks wait for the credit it frees (the
-    // scheduler is identical on every rank, so all ranks agree); otherwise its byte count
-    // rides along with the next report.
-    if (!in_flight_.empty() && poll_in_flight() && scheduler_.queued_chunks() > 0) return;
+    // A completion frees credit here and now: the next units go on the wire without an
+    // agreement round; ranks that launch fewer catch up at the next agreement.
+    if (!in_flight_.empty() && poll_in_flight()) launch_ready();
     std::unique_lock<std::mutex> lock(inbox_mutex_);
     if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
     const auto now = Clock::now();
@@ -263,7 +266,24 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     for (const TensorSpec& agreed : outcome.agreed) active_names_[agreed.name] = "agreed, queued for the wire";
   }
-  scheduler_.set_completed_bytes(outcome.min_completed_bytes);
+}
+
+bool Runtime::credit_allows(uint64_t bytes) const {
+  if (scheduler_.settings().policy == Policy::kFifo) return true;
+  return bytes_in_flight_ == 0 || bytes_in_flight_ + bytes <= scheduler_.settings().credit_bytes;
+}
+
+void Runtime::launch_ready() {
+  while (!committed_.empty() && credit_allows(committed_.front().bytes)) {
+    Launch unit = std::move(committed_.front());
+    committed_.pop_front();
+    launch(std::move(unit));
+  }
+  if (!committed_.empty()) return;
+  // With nothing committed, everything popped is on the wire or done: the scheduler's
+  // credit is this rank's own bytes in flight.
+  scheduler_.set_completed_bytes(completed_bytes_);
+  for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
 }
 
 void Runtime::launch(Launch next) {
@@ -307,10 +327,11 @@ void Runtime::launch(Launch next) {
     stats_.fused_launches += plan.chunks.size() > 1 ? 1 : 0;
     stats_.chunks += plan.chunks.size();
     stats_.launched_bytes += plan.bytes;
-    stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, scheduler_.bytes_in_flight());
+    bytes_in_flight_ += plan.bytes;
+    stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, bytes_in_flight_);
     stats_.max_launch_bytes = std::max(stats_.max_launch_bytes, plan.bytes);
   }
-  timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(scheduler_.bytes_in_flight()));
+  timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(bytes_in_flight_));
   flight.op = transport_->start(op);
   in_flight_.push_back(std::move(flight));
 }
@@ -353,6 +374,7 @@ void Runtime::finish(InFlight& done) {
     if (--tensor.chunks_left == 0) finish_tensor(chunk.tensor_id, "");
   }
   completed_bytes_ += plan.bytes;
+  bytes_in_flight_ -= plan.bytes;
   if (timeline_.enabled()) {
     const std::string label = std::string(kind_name(plan.kind)) + " " + dtype_name(plan.dtype) + " " +
                               human_bytes(plan.bytes) +
@@ -360,7 +382,7 @@ void Runtime::finish(InFlight& done) {
     timeline_.complete(label, Timeline::kWireTrack, done.started_us, now_us - done.started_us,
                        "{\"seq\":" + std::to_string(plan.seq) + ",\"bytes\":" + std::to_string(plan.bytes) +
                            ",\"chunks\":[" + members + "]}");
-    timeline_.counter("bytes in flight", now_us, static_cast<double>(scheduler_.launched_bytes() - completed_bytes_));
+    timeline_.counter("bytes in flight", now_us, static_cast<double>(bytes_in_flight_));
   }
   if (!done.fusion_buffer.empty()) buffer_pool_.push_back(std::move(done.fusion_buffer));
 }
@@ -439,6 +461,17 @@ void Runtime::drain_in_flight(double timeout_s) {
 }
 
 void Runtime::stop_everything(const std::string& reason) {
+  // Other ranks may already have launched the committed units: match them, or their
+  // collectives never finish.
+  try {
+    while (!committed_.empty()) {
+      launch(std::move(committed_.front()));
+      committed_.pop_front();
+    }
+  } catch (const std::exception& error) {
+    logger_.log(LogLevel::kError, std::string("could not launch a collective while stopping: ") + error.what());
+    committed_.clear();
+  }
   // Buffers must be out of the transport's hands before their handles fail.
   drain_in_flight(settings_.stall_timeout_s);
   std::vector<Submission> unclaimed;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,9 @@ class Runtime {
   void wait_for_news(std::chrono::steady_clock::time_point deadline);
   void take_submissions();
   void apply_outcome(const CycleOutcome& outcome);
+  // Launches caught-up units first, then whatever the scheduler's credit admits.
+  void launch_ready();
+  bool credit_allows(uint64_t bytes) const;
   void launch(Launch launch);
   bool poll_in_flight();
   void finish(InFlight& done);
@@ -129,6 +133,9 @@ class Runtime {
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
   std::vector<InFlight> in_flight_;
+  uint64_t bytes_in_flight_ = 0;
+  // Units another rank launched before this one: they go on the wire before anything else.
+  std::deque<Launch> committed_;
   std::vector<std::vector<uint8_t>> buffer_pool_;
   uint64_t next_tensor_id_ = 0;
   uint64_t completed_bytes_ = 0;

@@ -54,37 +54,54 @@ void Scheduler::take(const OrderKey& key, Launch& launch) {
   queue_.erase(found);
 }
 
+std::vector<Scheduler::OrderKey> Scheduler::next_unit(uint64_t* bytes) const {
+  std::vector<OrderKey> keys;
+  const auto& [head_key, head] = *queue_.begin();
+  keys.push_back(head_key);
+  *bytes = head.bytes;
+  if (!head.fusible || head.bytes >= settings_.fusion_bytes) return keys;
+  // A fusible head is the smallest key of its group too, so the rest follows in priority order.
+  const std::set<OrderKey>& group = by_fusion_key_.at(head.fusion_key);
+  for (auto it = std::next(group.begin()); it != group.end(); ++it) {
+    const uint64_t more = queue_.at(*it).bytes;
+    if (*bytes + more > settings_.fusion_bytes) break;
+    keys.push_back(*it);
+    *bytes += more;
+  }
+  return keys;
+}
+
+Launch Scheduler::pop_unit() {
+  uint64_t bytes = 0;
+  const std::vector<OrderKey> keys = next_unit(&bytes);
+  const QueuedChunk& head = queue_.at(keys.front());
+  Launch launch;
+  launch.seq = next_launch_seq_++;
+  launch.kind = static_cast<CollectiveKind>(std::get<0>(head.fusion_key));
+  launch.dtype = static_cast<DType>(std::get<1>(head.fusion_key));
+  launch.op = static_cast<ReduceOp>(std::get<2>(head.fusion_key));
+  launch.root = std::get<3>(head.fusion_key);
+  for (const OrderKey& key : keys) take(key, launch);
+  launched_bytes_ += launch.bytes;
+  return launch;
+}
+
 std::vector<Launch> Scheduler::next_launches() {
   std::vector<Launch> launches;
   while (!queue_.empty()) {
-    const auto& [head_key, head] = *queue_.begin();
+    uint64_t bytes = 0;
+    next_unit(&bytes);
     const uint64_t in_flight = bytes_in_flight();
-    // A chunk larger than the whole credit may still go alone when nothing is in flight.
-    if (credit_limited() && in_flight > 0 && in_flight + head.bytes > settings_.credit_bytes) break;
-
-    Launch launch;
-    launch.seq = next_launch_seq_++;
-    launch.kind = static_cast<CollectiveKind>(std::get<0>(head.fusion_key));
-    launch.dtype = static_cast<DType>(std::get<1>(head.fusion_key));
-    launch.op = static_cast<ReduceOp>(std::get<2>(head.fusion_key));
-    launch.root = std::get<3>(head.fusion_key);
-    const FusionKey fusion_key = head.fusion_key;
-    const bool fusible = head.fusible;
-    take(head_key, launch);
-
-    uint64_t cap = settings_.fusion_bytes;
-    if (credit_limited() && in_flight > 0) cap = std::min(cap, settings_.credit_bytes - in_flight);
-    // A fusible head is the smallest key of its group too, so the rest follows in priority order.
-    auto group = fusible ? by_fusion_key_.find(fusion_key) : by_fusion_key_.end();
-    while (group != by_fusion_key_.end() && launch.bytes < cap) {
-      const OrderKey next_key = *group->second.begin();
-      if (launch.bytes + queue_.at(next_key).bytes > cap) break;
-      take(next_key, launch);
-      group = by_fusion_key_.find(fusion_key);
-    }
-    launched_bytes_ += launch.bytes;
-    launches.push_back(std::move(launch));
+    // A unit larger than the whole credit may still go alone when nothing is in flight.
+    if (credit_limited() && in_flight > 0 && in_flight + bytes > settings_.credit_bytes) break;
+    launches.push_back(pop_unit());
   }
+  return launches;
+}
+
+std::vector<Launch> Scheduler::catch_up(uint64_t launch_count) {
+  std::vector<Launch> launches;
+  while (next_launch_seq_ < launch_count && !queue_.empty()) launches.push_back(pop_unit());
   return launches;
 }
 

@@ -43,11 +43,19 @@ class Scheduler {
   // Returns the number of chunks it was cut into.
   uint32_t add(uint64_t tensor_id, const TensorSpec& spec);
 
-  // Releases credit: `cumulative_bytes` is the total of launched bytes completed on every rank.
+  // Releases credit: `cumulative_bytes` is the total of launched bytes completed so far.
   void set_completed_bytes(uint64_t cumulative_bytes);
 
-  // Pops what may launch now, in launch order.
+  // Pops what may launch now, in launch order, while the credit allows. A unit (one chunk,
+  // or small tensors fused up to the fusion size) never depends on the credit, so every
+  // rank cuts the queue into the same units whenever it pops them.
   std::vector<Launch> next_launches();
+
+  // Pops units regardless of credit until `launch_count` units have been popped in all:
+  // a rank that launched fewer than another between two agreements catches up with
+  // exactly the units the other took, before anything newly agreed is queued.
+  std::vector<Launch> catch_up(uint64_t launch_count);
+  uint64_t launch_count() const { return next_launch_seq_; }
 
   // Applies new sizes or policy; takes effect for tensors added afterwards.
   void reconfigure(const SchedulingSettings& settings);
@@ -72,6 +80,9 @@ class Scheduler {
 
   bool credit_limited() const { return settings_.policy == Policy::kPriority; }
   uint64_t partition_elements(const TensorSpec& spec) const;
+  // The keys of the next unit and its bytes, without popping it.
+  std::vector<OrderKey> next_unit(uint64_t* bytes) const;
+  Launch pop_unit();
   void take(const OrderKey& key, Launch& launch);
 
   SchedulingSettings settings_;

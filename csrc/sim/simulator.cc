@@ -185,7 +185,6 @@ class RuntimeComm : public Comm {
   void start_exchange(double now_s) {
     announced_.swap(inbox_);
     inbox_.clear();
-    reported_bytes_ = completed_bytes_;
     exchanging_ = true;
     exchange_end_s_ = now_s + exchange_s_;
     news_s_ = kNever;
@@ -203,8 +202,18 @@ class RuntimeComm : public Comm {
       chunks_left_[id] = scheduler_.add(id, spec);
     }
     announced_.clear();
-    // Credit comes back only as the agreed report says, as in the real core.
-    scheduler_.set_completed_bytes(reported_bytes_);
+    launch_ready(now_s);
+    // Completions seen during the exchange are polled after the launches, without waking the next cycle.
+    done.insert(done.end(), deferred_.begin(), deferred_.end());
+    deferred_.clear();
+    deadline_s_ = now_s + cycle_s_;
+    if (!inbox_.empty()) news_s_ = now_s;
+  }
+
+  // As in the real core, credit comes back as this rank's collectives complete; the ranks
+  // are identical here, so none ever has to catch up with another.
+  void launch_ready(double now_s) {
+    scheduler_.set_completed_bytes(completed_bytes_);
     for (Launch& launch : scheduler_.next_launches()) {
       ++launches_;
       fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
@@ -212,11 +221,6 @@ class RuntimeComm : public Comm {
       in_flight_.emplace(launch.seq, std::move(launch));
     }
     max_bytes_in_flight_ = std::max(max_bytes_in_flight_, scheduler_.bytes_in_flight());
-    // Completions seen during the exchange are polled after the launches, without waking the next cycle.
-    done.insert(done.end(), deferred_.begin(), deferred_.end());
-    deferred_.clear();
-    deadline_s_ = now_s + cycle_s_;
-    if (!inbox_.empty()) news_s_ = now_s;
   }
 
   void complete(uint64_t seq, double now_s, std::vector<uint64_t>& done) {
@@ -230,7 +234,7 @@ class RuntimeComm : public Comm {
       chunks_left_.erase(left);
       (exchanging_ ? deferred_ : done).push_back(chunk.tensor_id);
     }
-    if (!exchanging_) news_s_ = std::min(news_s_, now_s);
+    if (!exchanging_) launch_ready(now_s);
   }
 
   const std::vector<Param>& params_;
@@ -247,7 +251,6 @@ class RuntimeComm : public Comm {
   std::vector<uint64_t> announced_;
   std::vector<uint64_t> deferred_;
   uint64_t completed_bytes_ = 0;
-  uint64_t reported_bytes_ = 0;
   std::unordered_map<uint64_t, uint32_t> chunks_left_;
   std::unordered_map<uint64_t, Launch> in_flight_;
   uint64_t launches_ = 0;

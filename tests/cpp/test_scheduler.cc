@@ -1,5 +1,6 @@
 // Scheduling logic without a transport: partition, priority, preemption, credit, fusion, FIFO.
 #include <algorithm>
+#include <memory>
 #include <random>
 
 #include "check.h"
@@ -239,5 +240,45 @@ TEST_CASE(launch_sequence_is_deterministic) {
     return trace;
   };
   EXPECT(run() == run());
+}
+
+TEST_CASE(a_lagging_rank_catches_up_with_the_same_units) {
+  // Two ranks see local completions at different times, so they pop different numbers of
+  // units between agreements; after catch_up both have launched the same sequence.
+  auto make = [] {
+    auto scheduler = std::make_unique<Scheduler>(priority_settings(64 * 1024, 128 * 1024, 32 * 1024));
+    for (uint64_t id = 0; id < 40; ++id) {
+      scheduler->add(id, spec("t" + std::to_string(id), 1000 + (id * 7919) % 60000, static_cast<int>(id % 5)));
+    }
+    return scheduler;
+  };
+  auto leader = make();
+  auto lagging = make();
+  std::vector<std::tuple<uint64_t, uint64_t, uint32_t>> leader_units;
+  std::vector<std::tuple<uint64_t, uint64_t, uint32_t>> lagging_units;
+  auto record = [](const std::vector<Launch>& launches, auto& units) {
+    for (const Launch& launch : launches) {
+      for (const ChunkRef& chunk : launch.chunks) units.emplace_back(launch.seq, chunk.tensor_id, chunk.index);
+    }
+  };
+  for (int cycle = 0; cycle < 30; ++cycle) {
+    // The leader frees all its credit each step, the lagging rank only every third step.
+    leader->set_completed_bytes(leader->launched_bytes());
+    record(leader->next_launches(), leader_units);
+    if (cycle % 3 == 0) lagging->set_completed_bytes(lagging->launched_bytes());
+    record(lagging->next_launches(), lagging_units);
+    // Agreement: both catch up to the larger count, then the same new tensor is queued.
+    const uint64_t agreed = std::max(leader->launch_count(), lagging->launch_count());
+    record(leader->catch_up(agreed), leader_units);
+    record(lagging->catch_up(agreed), lagging_units);
+    const TensorSpec urgent = spec("u" + std::to_string(cycle), 3000 + cycle * 100, -1);
+    leader->add(100 + cycle, urgent);
+    lagging->add(100 + cycle, urgent);
+  }
+  for (auto* scheduler : {leader.get(), lagging.get()}) {
+    record(scheduler->catch_up(~0ull), scheduler == leader.get() ? leader_units : lagging_units);
+  }
+  EXPECT(leader_units == lagging_units);
+  EXPECT_EQ(leader->queued_chunks(), 0u);
 }
 
