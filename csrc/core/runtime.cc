@@ -22,6 +22,11 @@ constexpr auto kPollInterval = std::chrono::microseconds(10);
 // While this rank waits for others to announce what it already has, it retries the
 // exchange at once and backs off up to a quarter cycle when nothing moves.
 constexpr auto kEagerBackoffStep = std::chrono::microseconds(10);
+// Rounds start as soon as a rank has news, so the cycle is only a heartbeat for what a
+// single rank knows (shutdown, settings, stalls). Each round that brings nothing new
+// doubles it up to this many cycles: an idle exchange costs every rank CPU (and the GIL
+// on Python transports) that the training needs.
+constexpr int kMaxQuietCycles = 32;
 constexpr double kStallCheckPeriodS = 1.0;
 
 std::string human_bytes(uint64_t bytes) {
@@ -133,6 +138,7 @@ void Runtime::loop() {
 #endif
   auto deadline = Clock::now() + cycle;
   Clock::duration eager_backoff{0};
+  Clock::duration heartbeat = cycle;
   while (true) {
     CycleOutcome outcome;
     try {
@@ -164,7 +170,10 @@ void Runtime::loop() {
       eager_backoff = progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff + kEagerBackoffStep, cycle / 4);
       deadline = Clock::now() + eager_backoff;
     } else {
-      deadline = Clock::now() + cycle;
+      const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
+                         outcome.min_settings_epoch == outcome.root_settings_epoch;
+      heartbeat = quiet ? std::min<Clock::duration>(2 * heartbeat, kMaxQuietCycles * cycle) : cycle;
+      deadline = Clock::now() + heartbeat;
     }
     // Units a faster rank took since the last agreement come first, before settings
     // change or new tensors are queued, so every rank launches the same sequence.
