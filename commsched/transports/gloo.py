@@ -19,6 +19,10 @@ _TORCH_DTYPES = {
     "int8": "int8",
 }
 
+# Agreement reports are usually a few dozen bytes: one fixed slot per rank carries them.
+_SLOT_BYTES = 1024
+_LENGTH_BYTES = 8
+
 
 class _Pending:
     """A torch.distributed Work seen through the core's PendingOp interface."""
@@ -64,6 +68,8 @@ class GlooTransport:
         self._global_ranks = ranks
         self.rank = dist.get_rank(self._data)
         self.size = dist.get_world_size(self._data)
+        self._slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
+        self._slots = [torch.zeros(_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
 
     def _tensor_at(self, address: int, count: int, dtype: str) -> Any:
         torch_dtype = getattr(self._torch, _TORCH_DTYPES[dtype])
@@ -74,20 +80,30 @@ class GlooTransport:
         return self._torch.frombuffer(memory, dtype=torch_dtype)
 
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
-        """Allgathers one byte string per rank (lengths first, then the padded bytes)."""
+        """Allgathers one byte string per rank: one round trip when every report fits a slot."""
         torch, dist = self._torch, self._dist
         timeout = datetime.timedelta(seconds=timeout_s)
-        length = torch.tensor([len(report)], dtype=torch.int64)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(lengths, length, group=self._control, async_op=True).wait(timeout)
-        sizes = [int(t.item()) for t in lengths]
-        width = max(max(sizes), 1)
+        # A slot holds the length and, when it fits, the report itself; only a long report
+        # costs a second allgather, sized by the longest one.
+        slot = self._slot
+        slot[:_LENGTH_BYTES] = torch.tensor([len(report)], dtype=torch.int64).view(torch.uint8)
+        if len(report) <= _SLOT_BYTES - _LENGTH_BYTES and report:
+            slot[_LENGTH_BYTES : _LENGTH_BYTES + len(report)] = torch.frombuffer(
+                bytearray(report), dtype=torch.uint8
+            )
+        dist.all_gather(self._slots, slot, group=self._control, async_op=True).wait(timeout)
+        sizes = [int(s[:_LENGTH_BYTES].view(torch.int64).item()) for s in self._slots]
+        width = max(sizes)
+        if width <= _SLOT_BYTES - _LENGTH_BYTES:
+            return [
+                s[_LENGTH_BYTES : _LENGTH_BYTES + n].numpy().tobytes() for s, n in zip(self._slots, sizes)
+            ]
         mine = torch.zeros(width, dtype=torch.uint8)
         if report:
             mine[: len(report)] = torch.frombuffer(bytearray(report), dtype=torch.uint8)
         gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         dist.all_gather(gathered, mine, group=self._control, async_op=True).wait(timeout)
-        return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
+        return [t[:n].numpy().tobytes() for t, n in zip(gathered, sizes)]
 
     def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Pending:
         """Starts an in-place allreduce (sum) or broadcast on raw memory."""
