@@ -104,12 +104,21 @@ def test_real_scheduler_approaches_the_ideal_with_fine_partitions():
 
 
 def test_submission_during_an_idle_exchange_waits_for_it():
-    # Cycles every 4.7 ms with 3 ms exchanges: idle rounds run 4.7-7.7, 12.4-15.4, ...; the gradient
-    # ready at t=15 arrives mid-round and is agreed only in the round that starts when that one ends.
-    layers = [("l0", 0.005, 0.010, [1_000_000])]
+    # A 4.7 ms cycle with 3 ms exchanges; quiet rounds double the heartbeat, so idle rounds run
+    # 4.7-7.7 and then 17.1-20.1. The gradient ready at t=18 arrives mid-round and is agreed only
+    # in the round that starts when that one ends.
+    layers = [("l0", 0.008, 0.010, [1_000_000])]
     result = sim(layers, exchange=3e-3, cycle=4.7e-3)
     first_period = result["iteration_starts_s"][1]
-    assert first_period == pytest.approx(0.0154 + 3e-3 + ring_s(1_000_000, 2, 1e8, 1e-4), rel=1e-9)
+    assert first_period == pytest.approx(0.0201 + 3e-3 + ring_s(1_000_000, 2, 1e8, 1e-4), rel=1e-9)
+
+
+def test_quiet_rounds_stretch_the_heartbeat():
+    # Six simulated seconds (4 warm-up and 2 timed iterations of 1 s) with one tensor each:
+    # after the ramp 1, 2, 4, ... 32 ms, a round every 32 ms (~190), not one per ms (~6000).
+    layers = [("l0", 0.5, 0.5, [4])]
+    cycles = sim(layers, exchange=1e-5, cycle=1e-3)["cycles"]
+    assert 150 < cycles < 260
 
 
 def test_no_gradients_means_compute_only():

@@ -22,11 +22,6 @@ constexpr auto kPollInterval = std::chrono::microseconds(10);
 // While this rank waits for others to announce what it already has, it retries the
 // exchange at once and backs off up to a quarter cycle when nothing moves.
 constexpr auto kEagerBackoffStep = std::chrono::microseconds(10);
-// Rounds start as soon as a rank has news, so the cycle is only a heartbeat for what a
-// single rank knows (shutdown, settings, stalls). Each round that brings nothing new
-// doubles it up to this many cycles: an idle exchange costs every rank CPU (and the GIL
-// on Python transports) that the training needs.
-constexpr int kMaxQuietCycles = 32;
 constexpr double kStallCheckPeriodS = 1.0;
 
 std::string human_bytes(uint64_t bytes) {

@@ -18,6 +18,12 @@ struct SchedulingSettings {
   uint64_t fusion_bytes = 1ull << 20;
 };
 
+// Rounds start as soon as a rank has news, so the cycle is only a heartbeat for what a
+// single rank knows (shutdown, settings, stalls). Each round that brings nothing new
+// doubles it, up to this many cycles: an idle exchange costs every rank CPU (and the
+// GIL on Python transports) that the training needs.
+inline constexpr int kMaxQuietCycles = 32;
+
 struct RuntimeSettings {
   SchedulingSettings scheduling;
   double cycle_time_s = 0.001;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "core/scheduler.h"
+#include "core/settings.h"
 
 namespace commsched::sim {
 
@@ -193,6 +194,8 @@ class RuntimeComm : public Comm {
 
   void end_exchange(double now_s, std::vector<uint64_t>& done) {
     exchanging_ = false;
+    // As in the core: a round that brought nothing new doubles the heartbeat.
+    heartbeat_s_ = announced_.empty() ? std::min(2 * heartbeat_s_, kMaxQuietCycles * cycle_s_) : cycle_s_;
     for (uint64_t id : announced_) {
       const Param& param = params_[id % params_.size()];
       TensorSpec spec;
@@ -206,7 +209,7 @@ class RuntimeComm : public Comm {
     // Completions seen during the exchange are polled after the launches, without waking the next cycle.
     done.insert(done.end(), deferred_.begin(), deferred_.end());
     deferred_.clear();
-    deadline_s_ = now_s + cycle_s_;
+    deadline_s_ = now_s + heartbeat_s_;
     if (!inbox_.empty()) news_s_ = now_s;
   }
 
@@ -244,6 +247,7 @@ class RuntimeComm : public Comm {
   Scheduler scheduler_;
   SharedLink link_;
   bool exchanging_ = false;
+  double heartbeat_s_ = cycle_s_;
   double deadline_s_;
   double news_s_ = kNever;
   double exchange_end_s_ = 0;
