@@ -29,19 +29,28 @@ class _Pending:
 
     def __init__(self, work: Any) -> None:
         self._work = work
+        # The future is marked done before its callbacks run, while Work.is_completed() may
+        # turn true only after them: asking the future keeps the doorbell's wake-up useful.
+        self._future = work.get_future()
 
     def test(self) -> bool:
         """True once the collective finished; raises if it failed."""
-        if not self._work.is_completed():
+        if not self._future.done():
             return False
         self._work.wait()  # surfaces the error of a failed collective
         return True
+
+    def on_done(self, callback: Any) -> None:
+        """Calls callback() once the collective completes (or fails), from Gloo's thread."""
+        self._future.add_done_callback(lambda _future: callback())
 
 
 class GlooTransport:
     """Runs agreement and data collectives on Gloo process groups (CPU memory)."""
 
     name = "gloo"
+    # Completions ring the core's doorbell (see _Pending.on_done): polling is only a fallback.
+    poll_interval_us = 5000
 
     def __init__(self, launch: LaunchInfo, process_group: Any = None) -> None:
         try:

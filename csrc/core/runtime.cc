@@ -58,11 +58,22 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       requested_settings_(settings.scheduling),
       applied_settings_(settings.scheduling) {
   timeline_.open(settings_.timeline_path, rank_);
+  doorbell_->connect([this] {
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      doorbell_rang_ = true;
+    }
+    inbox_cv_.notify_one();
+  });
+  transport_->set_doorbell(doorbell_);
   logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
   thread_ = std::thread([this] { loop(); });
 }
 
-Runtime::~Runtime() { shutdown(); }
+Runtime::~Runtime() {
+  shutdown();
+  doorbell_->disconnect();
+}
 
 double Runtime::now_s() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
 
@@ -202,6 +213,10 @@ void Runtime::wait_for_news(Clock::time_point deadline) {
     if (!in_flight_.empty() && poll_in_flight()) launch_ready();
     std::unique_lock<std::mutex> lock(inbox_mutex_);
     if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
+    if (doorbell_rang_) {  // a completion: poll again before sleeping
+      doorbell_rang_ = false;
+      continue;
+    }
     const auto now = Clock::now();
     if (now >= deadline) return;
     if (in_flight_.empty()) {

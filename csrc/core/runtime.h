@@ -112,6 +112,7 @@ class Runtime {
   const int size_;
   const std::string transport_name_;
   const std::chrono::microseconds poll_interval_;
+  const std::shared_ptr<Doorbell> doorbell_ = std::make_shared<Doorbell>();
   Logger logger_;
   Timeline timeline_;
   Agreement agreement_;
@@ -126,6 +127,7 @@ class Runtime {
   std::string stop_reason_;
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
+  bool doorbell_rang_ = false;  // guarded by inbox_mutex_
   uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
   SchedulingSettings requested_settings_;
 

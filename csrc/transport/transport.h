@@ -3,7 +3,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,25 @@ class PendingOp {
   virtual bool test() = 0;
 };
 
+// Lets a transport wake the core the moment a collective completes, instead of the core
+// polling for it. Any thread may ring it, also after the core has gone (it then does nothing).
+class Doorbell {
+ public:
+  void ring() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (target_) target_();
+  }
+  void connect(std::function<void()> target) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    target_ = std::move(target);
+  }
+  void disconnect() { connect(nullptr); }
+
+ private:
+  std::mutex mutex_;
+  std::function<void()> target_;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -48,6 +69,10 @@ class Transport {
   // library moves data only while polled (MPI's progress engine), so the core keeps
   // polling and only yields the CPU; transports with their own threads get a real sleep.
   virtual std::chrono::microseconds poll_interval() const { return std::chrono::microseconds(0); }
+
+  // Transports that can tell when a collective completes ring this; their poll interval
+  // is then only a fallback.
+  virtual void set_doorbell(std::shared_ptr<Doorbell> doorbell) { (void)doorbell; }
 };
 
 }  // namespace commsched

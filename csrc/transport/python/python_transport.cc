@@ -60,6 +60,14 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
   try {
     py::object pending = impl_.attr("start")(reinterpret_cast<uintptr_t>(op.data), op.count, dtype_name(op.dtype),
                                              kind_name(op.kind), op.root);
+    if (doorbell_ && py::hasattr(pending, "on_done")) {
+      // The callback may run on the library's own thread holding the GIL: let go of it
+      // before taking the core's lock, which the core may hold while waiting for the GIL.
+      pending.attr("on_done")(py::cpp_function([bell = doorbell_]() {
+        py::gil_scoped_release released;
+        bell->ring();
+      }));
+    }
     return std::make_unique<PythonOp>(std::move(pending));
   } catch (const py::error_already_set& error) {
     throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error.what());

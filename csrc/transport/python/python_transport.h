@@ -6,6 +6,8 @@
 //   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
 //   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
+// An op may also provide on_done(callback): it calls callback() once, from any thread,
+// when the op completes, so the core wakes at once rather than at its next poll.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -28,6 +30,7 @@ class PythonTransport : public Transport {
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   // Every poll takes the GIL from the training thread, so poll sparingly.
   std::chrono::microseconds poll_interval() const override { return poll_interval_; }
+  void set_doorbell(std::shared_ptr<Doorbell> doorbell) override { doorbell_ = std::move(doorbell); }
 
  private:
   pybind11::object impl_;
@@ -35,6 +38,7 @@ class PythonTransport : public Transport {
   int size_;
   std::string name_;
   std::chrono::microseconds poll_interval_;
+  std::shared_ptr<Doorbell> doorbell_;
 };
 
 }  // namespace commsched
