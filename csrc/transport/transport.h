@@ -3,15 +3,17 @@
 #pragma once
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/elementwise.h"
 #include "core/types.h"
 
 namespace commsched {
 
-// One collective on the wire. Allreduce always sums; the core applies "average" itself.
+// One collective on the wire. Allreduce always sums; the core applies "average" with scale().
 struct WireOp {
   CollectiveKind kind = CollectiveKind::kAllreduce;
   DType dtype = DType::kFloat32;
@@ -48,6 +50,17 @@ class Transport {
   // library moves data only while polled (MPI's progress engine), so the core keeps
   // polling and only yields the CPU; transports with their own threads get a real sleep.
   virtual std::chrono::microseconds poll_interval() const { return std::chrono::microseconds(0); }
+
+  // The only places the core touches buffer memory itself go through these two hooks, so a
+  // transport whose buffers live on a device (NCCL) can do them there, or refuse them.
+  // Fusion: copies a chunk into the core's fusion buffer before start(), and back after test().
+  // The copy must be complete when copy() returns: the core reads or hands out the bytes next.
+  virtual void copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+  // op="average": divides the summed `data` by the number of ranks once test() returned true.
+  // The result must be final when scale() returns: the core completes the handle next.
+  virtual void scale(void* data, uint64_t count, DType dtype, double divisor) {
+    divide_by(data, count, dtype, divisor);
+  }
 };
 
 }  // namespace commsched

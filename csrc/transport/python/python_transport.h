@@ -6,6 +6,9 @@
 //   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
 //   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
+//   copy(dst: int, src: int, nbytes: int) (optional): the fusion copies; default: memcpy on the host
+//   scale(address: int, count: int, dtype: str, divisor: float) (optional): op="average" after the
+//     sum; default: divides on the host. Both must be complete when they return.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -28,6 +31,9 @@ class PythonTransport : public Transport {
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   // Every poll takes the GIL from the training thread, so poll sparingly.
   std::chrono::microseconds poll_interval() const override { return poll_interval_; }
+  // Host transports (Gloo, gRPC) leave these to the defaults; device ones (NCCL) provide them.
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void scale(void* data, uint64_t count, DType dtype, double divisor) override;
 
  private:
   pybind11::object impl_;
@@ -35,6 +41,8 @@ class PythonTransport : public Transport {
   int size_;
   std::string name_;
   std::chrono::microseconds poll_interval_;
+  bool has_copy_;
+  bool has_scale_;
 };
 
 }  // namespace commsched
