@@ -242,6 +242,11 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
     if op not in ("sum", "average"):
         raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
     view = buffers.view(array, name)
+    if view.on_gpu:
+        raise TypeError(
+            f"tensor '{name}' lives on a GPU, but commsched runs the {_state.transport} transport, which moves "
+            "host memory only; move this one to the CPU (.cpu())"
+        )
     core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
     tuner = _state.tuner
     if tuner is not None and tuner.recording:
