@@ -8,6 +8,7 @@ same collectives in the same order.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import threading
@@ -54,6 +55,9 @@ class _State:
         self.unnamed = itertools.count()
         self.user_given: frozenset[str] = frozenset()  # settings the auto-tuner must leave alone
         self.tuner: Any = None  # commsched.autotune.Tuner while tuning
+        # The transport of GPU tensors (NCCL), told about each one as it is submitted; None while
+        # the transport takes host memory.
+        self.device_transport: Any = None
 
 
 _state = _State()
@@ -105,32 +109,52 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         logging.basicConfig()
         log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
         info = _launch.detect()
-        kind = transports.choose(resolved.transport, info, comm, process_group)
-        core_kind, argument = transports.build(kind, info, comm, process_group, resolved)
-        rank, size = _probe_rank_size(core_kind, argument, info)
-        _core.start(
-            policy=resolved.policy,
-            partition_bytes=resolved.partition_bytes,
-            credit_bytes=resolved.credit_bytes,
-            fusion_bytes=resolved.fusion_bytes,
-            cycle_time_s=resolved.cycle_time,
-            stall_timeout_s=resolved.stall_timeout,
-            stall_shutdown_s=resolved.stall_shutdown,
-            timeline_path=_config.timeline_path_for(resolved.timeline, rank, size),
-            log_level=resolved.log_level,
-            transport_kind=core_kind,
-            transport_argument=argument,
-        )
         _state.settings = resolved
-        _state.transport = kind
         _state.launcher = info.launcher
-        _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
         _state.unnamed = itertools.count()
         _state.user_given = _config.user_given(settings)
+        cuda = resolved.transport == "nccl"
+        try:
+            _start(info, comm, process_group, cuda, None)
+        except BaseException:
+            _state.settings = None  # not initialised: config() must say so
+            raise
     if resolved.autotune:
         from commsched import autotune
 
         autotune.start()
+
+
+def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, device: int | None) -> None:
+    """Chooses and builds the transport and starts the core; the caller holds _state.lock."""
+    resolved = _state.settings
+    assert resolved is not None
+    kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
+    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device)
+    if kind == "nccl" and resolved.fusion_bytes:
+        # The core's fusion buffer is host memory and NCCL needs device memory: device tensors go
+        # unfused, each collective straight on the tensor's own memory.
+        if "fusion_bytes" in _state.user_given:
+            log.warning("COMMSCHED_FUSION_BYTES is ignored: the NCCL transport does not fuse GPU tensors")
+        resolved = dataclasses.replace(resolved, fusion_bytes=0)
+    rank, size = _probe_rank_size(core_kind, argument, info)
+    _core.start(
+        policy=resolved.policy,
+        partition_bytes=resolved.partition_bytes,
+        credit_bytes=resolved.credit_bytes,
+        fusion_bytes=resolved.fusion_bytes,
+        cycle_time_s=resolved.cycle_time,
+        stall_timeout_s=resolved.stall_timeout,
+        stall_shutdown_s=resolved.stall_shutdown,
+        timeline_path=_config.timeline_path_for(resolved.timeline, rank, size),
+        log_level=resolved.log_level,
+        transport_kind=core_kind,
+        transport_argument=argument,
+    )
+    _state.settings = resolved
+    _state.transport = kind
+    _state.device_transport = argument if kind == "nccl" else None
+    _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
 
 
 def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:
@@ -158,6 +182,7 @@ def shutdown() -> None:
             _state.tuner = None
         _core.stop()
         _state.settings = None
+        _state.device_transport = None
 
 
 atexit.register(shutdown)
@@ -215,6 +240,8 @@ def reconfigure(**settings: Any) -> None:
     current = config()
     merged = {name: current[name] for name in allowed}
     merged.update({name: value for name, value in settings.items() if value is not None})
+    if _state.device_transport is not None:
+        merged["fusion_bytes"] = 0  # GPU tensors are never fused (see init)
     resolved = _config.resolve(merged, environ={})
     _core.reconfigure(resolved.policy, resolved.partition_bytes, resolved.credit_bytes, resolved.fusion_bytes)
 
@@ -242,16 +269,39 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
     if op not in ("sum", "average"):
         raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
     view = buffers.view(array, name)
-    if view.on_gpu:
-        raise TypeError(
-            f"tensor '{name}' lives on a GPU, but commsched runs the {_state.transport} transport, which moves "
-            "host memory only; move this one to the CPU (.cpu())"
-        )
-    core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    device_transport = _state.device_transport
+    if _state.settings is not None:  # else the core's enqueue says to call init() first
+        _check_memory(view, name, device_transport is not None)
+    announce = device_transport if view.on_gpu else None
+    if announce is not None:
+        # Here, on the caller's thread: the event goes on the stream that produced the bytes.
+        announce.submitted(view, name, op)
+    try:
+        core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    except BaseException:
+        if announce is not None:
+            announce.forget(view)
+        raise
     tuner = _state.tuner
     if tuner is not None and tuner.recording:
         tuner.observe(name, view.count, view.dtype, priority, core_handle)
     return Handle(core_handle, array, view)
+
+
+def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -> None:
+    """Refuses a tensor whose memory (host or GPU) the running transport cannot move."""
+    if view.on_gpu and not device_transport:
+        raise TypeError(
+            f"tensor '{name}' lives on a GPU, but commsched runs the {_state.transport} transport, which moves "
+            "host memory only; start commsched with init(transport='nccl') (COMMSCHED_TRANSPORT=nccl) to "
+            "send GPU tensors through NCCL, or move this one to the CPU (.cpu())"
+        )
+    if not view.on_gpu and device_transport:
+        raise TypeError(
+            f"tensor '{name}' is in host memory, but commsched runs the nccl transport, which moves GPU "
+            "memory only; move it to the GPU (tensor.cuda(), cupy.asarray), or use a host transport in a "
+            "job whose tensors all stay on the CPU"
+        )
 
 
 def allreduce_async(array: Any, name: str | None = None, priority: int = 0, op: str = "sum") -> Handle:

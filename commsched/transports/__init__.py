@@ -59,9 +59,17 @@ def choose(
 
 
 def build(
-    kind: str, launch: LaunchInfo, comm: Any, process_group: Any, settings: Any = None
+    kind: str,
+    launch: LaunchInfo,
+    comm: Any,
+    process_group: Any,
+    settings: Any = None,
+    device: int | None = None,
 ) -> tuple[str, Any]:
-    """Returns the (transport kind, argument) pair that commsched._core.start() takes."""
+    """Returns the (transport kind, argument) pair that commsched._core.start() takes.
+
+    `device`: the CUDA device for NCCL (None or -1: the local rank).
+    """
     if kind == "loopback":
         return "loopback", None
     if kind == "mpi":
@@ -77,7 +85,7 @@ def build(
     if kind == "nccl":
         from commsched.transports.nccl import NcclTransport
 
-        return "python", NcclTransport.from_launch(launch, comm, process_group, settings)
+        return "python", NcclTransport.from_launch(launch, comm, process_group, settings, device)
     raise ValueError(f"unknown transport {kind!r}")
 
 
