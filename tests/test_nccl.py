@@ -49,14 +49,14 @@ def test_nccl_on_the_real_gpu_or_skip() -> None:
 
 
 def test_commsched_on_the_real_gpu_or_skip() -> None:
-    """With a GPU: a partitioned CUDA tensor written on a side stream goes through init(transport="nccl")
+    """With a GPU: a partitioned CUDA tensor written on a side stream goes through init(device="cuda")
     and comes back averaged (one rank: unchanged). Not run so far: no GPU was available."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: commsched's GPU path is only checked against the fake library")
     import commsched
 
-    commsched.init(transport="nccl", partition_bytes="64KiB")
+    commsched.init(device="cuda", partition_bytes="64KiB")
     try:
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):

@@ -1,7 +1,7 @@
 """GPU tensors through the core and the NCCL transport, checked against the fake libnccl/libcudart of
 tests/fake_cuda.py (host memory stands in for device memory): the ordering event is recorded at
 submit on the caller's stream, average runs as ncclAvg through the core's scale hook, copies go
-through cudaMemcpyAsync on commsched's stream, and fusion stays off."""
+through cudaMemcpyAsync on commsched's stream, fusion stays off, and auto picks NCCL for GPU tensors."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from fake_cuda import FakeCudaArray, calls
 
 import commsched
+from commsched.config import SettingError, resolve
 from commsched.transports import nccl
 
 
@@ -170,7 +171,59 @@ def test_mixing_host_and_device_tensors_fails_clearly(nccl_env: ctypes.CDLL) -> 
         commsched.shutdown()
     commsched.init(transport="loopback")
     try:
-        with pytest.raises(TypeError, match=r"tensor 'gpu_grad' lives on a GPU.*init\(transport='nccl'\)"):
+        with pytest.raises(TypeError, match=r"tensor 'gpu_grad' lives on a GPU.*init\(device='cuda'\)"):
             commsched.allreduce(FakeCudaArray(np.ones(4, np.float32)), name="gpu_grad")
     finally:
         commsched.shutdown()
+
+
+def test_device_cuda_makes_auto_choose_nccl(
+    nccl_runtime: ctypes.CDLL, caplog: pytest.LogCaptureFixture
+) -> None:
+    """init(device="cuda") with COMMSCHED_TRANSPORT=auto picks NCCL and says so at info level."""
+    with caplog.at_level(logging.INFO, logger="commsched"):
+        commsched.init(device="cuda", log_level="info")
+    assert "COMMSCHED_TRANSPORT=auto chose nccl (the buffers live on a GPU" in caplog.text
+    assert commsched.config()["transport"] == "nccl"
+
+
+def test_first_gpu_tensor_makes_auto_choose_nccl(
+    nccl_runtime: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a GPU visible and device/transport left to auto, the first submitted tensor decides: on a GPU,
+    NCCL. Until then rank, size and config answer without starting a transport."""
+    monkeypatch.setattr(commsched, "_gpu_visible", lambda: True)
+    with caplog.at_level(logging.INFO, logger="commsched"):
+        commsched.init(log_level="info")
+        assert commsched.is_initialized()
+        assert (commsched.rank(), commsched.size(), commsched.local_rank()) == (0, 1, 0)
+        assert commsched.config()["transport"].startswith("auto")
+        assert commsched.stats() == {}
+        assert not [c for c in calls(nccl_runtime) if c.startswith("init")]
+        data = FakeCudaArray(np.ones(8, np.float32))
+        commsched.allreduce(data, name="first", timeout=30)
+    assert "COMMSCHED_TRANSPORT=auto chose nccl" in caplog.text
+    assert commsched.config()["transport"] == "nccl"
+    assert np.array_equal(data.host, np.full(8, 2, np.float32))
+
+
+def test_first_host_tensor_makes_auto_choose_a_host_transport(
+    nccl_runtime: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host tensor first: a host transport, and a later GPU tensor is refused with the fix."""
+    monkeypatch.setattr(commsched, "_gpu_visible", lambda: True)
+    commsched.init()
+    commsched.allreduce(np.ones(4, np.float32), name="host_first", timeout=30)
+    assert commsched.config()["transport"] == "loopback"
+    with pytest.raises(TypeError, match=r"tensor 'later' lives on a GPU.*device='cuda'"):
+        commsched.allreduce(FakeCudaArray(np.ones(4, np.float32)), name="later")
+
+
+def test_device_and_transport_must_agree() -> None:
+    """device="cuda" needs NCCL (or auto); NCCL needs GPU tensors."""
+    with pytest.raises(SettingError, match="COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl or auto"):
+        resolve({"device": "cuda", "transport": "gloo"}, {})
+    with pytest.raises(SettingError, match="COMMSCHED_TRANSPORT=nccl moves GPU memory only"):
+        resolve({}, {"COMMSCHED_DEVICE": "cpu", "COMMSCHED_TRANSPORT": "nccl"})
+    with pytest.raises(SettingError, match=r"COMMSCHED_DEVICE: 'tpu'.*auto, cpu, cuda"):
+        resolve({}, {"COMMSCHED_DEVICE": "tpu"})

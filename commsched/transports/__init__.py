@@ -23,8 +23,8 @@ def choose(
     """Resolves COMMSCHED_TRANSPORT=auto into a concrete transport and checks explicit choices.
 
     auto: NCCL for CUDA buffers, MPI under mpiexec, otherwise Gloo if PyTorch is installed,
-    otherwise gRPC; a lone rank uses loopback. `cuda_buffers` stays False until the core
-    accepts device memory (see csrc/transport/nccl/README.md).
+    otherwise gRPC; a lone rank uses loopback. init() sets `cuda_buffers` for device="cuda" or
+    when the first submitted tensor is on a GPU.
     """
     if comm is not None and process_group is not None:
         raise ValueError("commsched.init() takes comm= (MPI) or process_group= (torch.distributed), not both")
