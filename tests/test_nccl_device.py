@@ -156,6 +156,10 @@ def test_calls_keep_the_callers_current_device(nccl_env: ctypes.CDLL) -> None:
     assert nccl_env.fake_current_device() == 1
     log = calls(nccl_env)
     assert "init on device 0" in log and "record ev1 on 0xabc main device 0" in log, log
+    nccl_env.fake_reset()
+    del comm  # destroyed on its own device, then the caller's is back
+    assert calls(nccl_env) == ["setdevice 0", "destroy", "setdevice 1"]
+    assert nccl_env.fake_current_device() == 1
     nccl_env.cudaSetDevice(0)
 
 

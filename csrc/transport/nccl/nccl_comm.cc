@@ -114,8 +114,14 @@ Communicator::Communicator(std::shared_ptr<const Api> api, const std::string& id
 }
 
 Communicator::~Communicator() {
+  // The last reference may go on any thread: destroy on our device, as DeviceGuard would, but
+  // without throwing from a destructor.
+  int previous = -1;
+  const bool switched =
+      api_->cudaGetDevice(&previous) == 0 && previous != device_ && api_->cudaSetDevice(device_) == 0;
   if (comm_ != nullptr) aborted_ ? api_->ncclCommAbort(comm_) : api_->ncclCommDestroy(comm_);
   if (stream_ != nullptr) api_->cudaStreamDestroy(stream_);
+  if (switched) api_->cudaSetDevice(previous);
 }
 
 void Communicator::abort() {
