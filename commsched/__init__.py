@@ -8,8 +8,10 @@ same collectives in the same order.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -54,6 +56,11 @@ class _State:
         self.unnamed = itertools.count()
         self.user_given: frozenset[str] = frozenset()  # settings the auto-tuner must leave alone
         self.tuner: Any = None  # commsched.autotune.Tuner while tuning
+        # The transport of GPU tensors (NCCL), told about each one as it is submitted; None while
+        # the transport takes host memory.
+        self.device_transport: Any = None
+        # init() whose transport waits for the first tensor: (launch info, rank, size).
+        self.pending: tuple[_launch.LaunchInfo, int, int] | None = None
 
 
 _state = _State()
@@ -95,9 +102,14 @@ class Handle:
 
 
 def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
-    """Starts commsched on this process; settings override COMMSCHED_* variables."""
+    """Starts commsched on this process; settings override COMMSCHED_* variables.
+
+    device="cuda" (COMMSCHED_DEVICE) sends GPU tensors through NCCL; with the default "auto" and
+    COMMSCHED_TRANSPORT=auto, a process where PyTorch or CuPy sees a GPU picks its transport when
+    the first tensor is submitted (NCCL if it is on a GPU).
+    """
     with _state.lock:
-        if _core.running():
+        if _core.running() or _state.pending is not None:
             raise RuntimeError(
                 "commsched is already initialised; call commsched.shutdown() before init() again"
             )
@@ -105,32 +117,82 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         logging.basicConfig()
         log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
         info = _launch.detect()
-        kind = transports.choose(resolved.transport, info, comm, process_group)
-        core_kind, argument = transports.build(kind, info, comm, process_group, resolved)
-        rank, size = _probe_rank_size(core_kind, argument, info)
-        _core.start(
-            policy=resolved.policy,
-            partition_bytes=resolved.partition_bytes,
-            credit_bytes=resolved.credit_bytes,
-            fusion_bytes=resolved.fusion_bytes,
-            cycle_time_s=resolved.cycle_time,
-            stall_timeout_s=resolved.stall_timeout,
-            stall_shutdown_s=resolved.stall_shutdown,
-            timeline_path=_config.timeline_path_for(resolved.timeline, rank, size),
-            log_level=resolved.log_level,
-            transport_kind=core_kind,
-            transport_argument=argument,
-        )
         _state.settings = resolved
-        _state.transport = kind
         _state.launcher = info.launcher
-        _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
         _state.unnamed = itertools.count()
         _state.user_given = _config.user_given(settings)
+        defer = resolved.device == "auto" and resolved.transport == "auto" and comm is None
+        if defer and process_group is None and info.size > 0 and _gpu_visible():
+            # Every rank submits the same first tensor, so every rank makes the same choice.
+            _state.pending = (info, info.rank, info.size)
+            _state.local_rank = info.local_rank
+            log.info(
+                "COMMSCHED_TRANSPORT=auto with a GPU visible: the transport is chosen when the first tensor "
+                "is submitted (init(device='cuda' or 'cpu') chooses now)"
+            )
+        else:
+            cuda = resolved.device == "cuda" or resolved.transport == "nccl"
+            try:
+                _start(info, comm, process_group, cuda, None)
+            except BaseException:
+                _state.settings = None  # not initialised: config() must say so
+                raise
     if resolved.autotune:
         from commsched import autotune
 
         autotune.start()
+
+
+def _gpu_visible() -> bool:
+    """True when PyTorch or CuPy, already imported by the caller, sees a CUDA device (imports neither)."""
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return True
+        cupy = sys.modules.get("cupy")
+        return cupy is not None and cupy.cuda.runtime.getDeviceCount() > 0
+    except (RuntimeError, AttributeError, OSError):  # a broken or driverless CUDA install: no GPU
+        return False
+
+
+def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, device: int | None) -> None:
+    """Chooses and builds the transport and starts the core; the caller holds _state.lock."""
+    resolved = _state.settings
+    assert resolved is not None
+    kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
+    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device)
+    if kind == "nccl" and resolved.fusion_bytes:
+        # The core's fusion buffer is host memory and NCCL needs device memory: device tensors go
+        # unfused, each collective straight on the tensor's own memory.
+        if "fusion_bytes" in _state.user_given:
+            log.warning("COMMSCHED_FUSION_BYTES is ignored: the NCCL transport does not fuse GPU tensors")
+        resolved = dataclasses.replace(resolved, fusion_bytes=0)
+    rank, size = _probe_rank_size(core_kind, argument, info)
+    _core.start(
+        policy=resolved.policy,
+        partition_bytes=resolved.partition_bytes,
+        credit_bytes=resolved.credit_bytes,
+        fusion_bytes=resolved.fusion_bytes,
+        cycle_time_s=resolved.cycle_time,
+        stall_timeout_s=resolved.stall_timeout,
+        stall_shutdown_s=resolved.stall_shutdown,
+        timeline_path=_config.timeline_path_for(resolved.timeline, rank, size),
+        log_level=resolved.log_level,
+        transport_kind=core_kind,
+        transport_argument=argument,
+    )
+    _state.settings = resolved
+    _state.transport = kind
+    _state.device_transport = argument if kind == "nccl" else None
+    _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
+    _state.pending = None
+
+
+def _start_pending(cuda: bool, device: int | None = None) -> None:
+    """Starts a core that init() left waiting for the first tensor (no-op otherwise)."""
+    with _state.lock:
+        if _state.pending is not None:
+            _start(_state.pending[0], None, None, cuda, device)
 
 
 def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:
@@ -158,6 +220,8 @@ def shutdown() -> None:
             _state.tuner = None
         _core.stop()
         _state.settings = None
+        _state.pending = None
+        _state.device_transport = None
 
 
 atexit.register(shutdown)
@@ -165,22 +229,25 @@ atexit.register(shutdown)
 
 def is_initialized() -> bool:
     """True between init() and shutdown()."""
-    return bool(_core.running())
+    return bool(_core.running()) or _state.pending is not None
 
 
 def rank() -> int:
     """This process's rank."""
-    return int(_core.rank())
+    pending = _state.pending
+    return pending[1] if pending is not None else int(_core.rank())
 
 
 def size() -> int:
     """The number of ranks."""
-    return int(_core.size())
+    pending = _state.pending
+    return pending[2] if pending is not None else int(_core.size())
 
 
 def local_rank() -> int:
     """This process's rank among the ranks on its host."""
-    _core.rank()  # raises the not-initialised error
+    if _state.pending is None:
+        _core.rank()  # raises the not-initialised error
     return _state.local_rank
 
 
@@ -189,6 +256,10 @@ def config() -> dict[str, Any]:
     if _state.settings is None:
         raise ValueError("commsched.config() needs commsched.init() first")
     result = _state.settings.as_dict()
+    if _state.pending is not None:
+        result.update(transport="auto (chosen at the first tensor)", launcher=_state.launcher)
+        result.update(rank=rank(), size=size(), local_rank=_state.local_rank)
+        return result
     result.update(_core.scheduling_settings())  # reconfigure() may have changed these
     result.update(
         transport=_state.transport,
@@ -215,7 +286,16 @@ def reconfigure(**settings: Any) -> None:
     current = config()
     merged = {name: current[name] for name in allowed}
     merged.update({name: value for name, value in settings.items() if value is not None})
+    if _state.device_transport is not None:
+        merged["fusion_bytes"] = 0  # GPU tensors are never fused (see init)
     resolved = _config.resolve(merged, environ={})
+    with _state.lock:
+        if _state.pending is not None and _state.settings is not None:
+            # No core yet: it starts with these settings at the first tensor.
+            _state.settings = dataclasses.replace(
+                _state.settings, **{name: getattr(resolved, name) for name in allowed}
+            )
+            return
     _core.reconfigure(resolved.policy, resolved.partition_bytes, resolved.credit_bytes, resolved.fusion_bytes)
 
 
@@ -227,7 +307,12 @@ def autotune_step() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counters of the running core: cycles, launches, fused launches, bytes, peak bytes in flight."""
+    """Counters of the running core: cycles, launches, fused launches, bytes, peak bytes in flight.
+
+    Empty while init() waits for the first tensor to choose the transport.
+    """
+    if _state.pending is not None:
+        return {}
     return dict(_core.stats())
 
 
@@ -242,11 +327,41 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
     if op not in ("sum", "average"):
         raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
     view = buffers.view(array, name)
-    core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    if _state.pending is not None:
+        _start_pending(view.on_gpu, view.device)
+    device_transport = _state.device_transport
+    if _state.settings is not None:  # else the core's enqueue says to call init() first
+        _check_memory(view, name, device_transport is not None)
+    announce = device_transport if view.on_gpu else None
+    if announce is not None:
+        # Here, on the caller's thread: the event goes on the stream that produced the bytes.
+        announce.submitted(view, name, op)
+    try:
+        core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+    except BaseException:
+        if announce is not None:
+            announce.forget(view)
+        raise
     tuner = _state.tuner
     if tuner is not None and tuner.recording:
         tuner.observe(name, view.count, view.dtype, priority, core_handle)
     return Handle(core_handle, array, view)
+
+
+def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -> None:
+    """Refuses a tensor whose memory (host or GPU) the running transport cannot move."""
+    if view.on_gpu and not device_transport:
+        raise TypeError(
+            f"tensor '{name}' lives on a GPU, but commsched runs the {_state.transport} transport, which moves "
+            "host memory only; start commsched with init(device='cuda') (or COMMSCHED_DEVICE=cuda, "
+            "COMMSCHED_TRANSPORT=nccl) to send GPU tensors through NCCL, or move this one to the CPU (.cpu())"
+        )
+    if not view.on_gpu and device_transport:
+        raise TypeError(
+            f"tensor '{name}' is in host memory, but commsched runs the nccl transport, which moves GPU "
+            "memory only; move it to the GPU (tensor.cuda(), cupy.asarray), or use init(device='cpu') in a "
+            "job whose tensors all stay on the CPU"
+        )
 
 
 def allreduce_async(array: Any, name: str | None = None, priority: int = 0, op: str = "sum") -> Handle:

@@ -24,6 +24,7 @@ _SIZE_UNITS = {
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
 POLICIES = ("priority", "fifo")
 TRANSPORTS = ("auto", "mpi", "gloo", "grpc", "nccl", "loopback")
+DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 
 
@@ -91,6 +92,7 @@ class Settings:
     credit_bytes: int = 16 * 1024**2
     fusion_bytes: int = 1024**2
     transport: str = "auto"
+    device: str = "auto"  # where the tensors live: cpu, cuda, or auto (the first submitted tensor decides)
     timeline: str = ""
     stall_timeout: float = 60.0
     stall_shutdown: float = 300.0
@@ -114,6 +116,7 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "credit_bytes": ("COMMSCHED_CREDIT_BYTES", parse_size, _SIZE_FORM),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
     "transport": ("COMMSCHED_TRANSPORT", _choice(TRANSPORTS), "one of " + ", ".join(TRANSPORTS)),
+    "device": ("COMMSCHED_DEVICE", _choice(DEVICES), "one of " + ", ".join(DEVICES)),
     "timeline": ("COMMSCHED_TIMELINE", _path, "a file path for the Chrome trace"),
     "stall_timeout": ("COMMSCHED_STALL_TIMEOUT", parse_duration, _DURATION_FORM),
     "stall_shutdown": (
@@ -184,6 +187,15 @@ def _check_consistency(settings: Settings) -> None:
         raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
     if settings.cycle_time <= 0 or settings.cycle_time > 1.0:
         raise SettingError("COMMSCHED_CYCLE_TIME must be above 0 and at most 1s; use e.g. 1ms")
+    if settings.device == "cuda" and settings.transport not in ("auto", "nccl"):
+        raise SettingError(
+            f"COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl or auto, not {settings.transport} "
+            "(which moves host memory only)"
+        )
+    if settings.device == "cpu" and settings.transport == "nccl":
+        raise SettingError(
+            "COMMSCHED_TRANSPORT=nccl moves GPU memory only; use COMMSCHED_DEVICE=cuda or auto"
+        )
     if settings.stall_shutdown and settings.stall_shutdown < settings.stall_timeout:
         raise SettingError(
             "COMMSCHED_STALL_SHUTDOWN must be 0 or at least COMMSCHED_STALL_TIMEOUT "

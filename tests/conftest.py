@@ -1,6 +1,36 @@
-"""Makes the tests' helper modules (mpirun.py) importable."""
+"""Makes the tests' helper modules (mpirun.py, fake_cuda.py) importable; fixtures for the fake NCCL."""
 
+import ctypes
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def fake_nccl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ctypes.CDLL]:
+    """The fake libnccl/libcudart of tests/fake_cuda.py, built once; its handle keeps it (and its log) loaded."""
+    import fake_cuda
+
+    library = fake_cuda.build(tmp_path_factory.mktemp("fake_nccl"))
+    if library is None:
+        pytest.skip("needs a C compiler")
+    return library, ctypes.CDLL(str(library))
+
+
+@pytest.fixture
+def nccl_env(fake_nccl: tuple[Path, ctypes.CDLL], monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    """A single-rank process whose NCCL and CUDA runtime are the fake, with an empty call log."""
+    library, handle = fake_nccl
+    for name in list(os.environ):
+        if name.startswith(("COMMSCHED_", "PMI_", "OMPI_", "PMIX_")) or name in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("FAKE_NCCL_VERSION", raising=False)
+    monkeypatch.setenv("COMMSCHED_NCCL_LIBRARY", str(library))
+    monkeypatch.setenv("COMMSCHED_CUDART_LIBRARY", str(library))
+    handle.fake_reset()
+    handle.fake_set_main_thread()
+    return handle

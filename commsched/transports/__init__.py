@@ -23,8 +23,8 @@ def choose(
     """Resolves COMMSCHED_TRANSPORT=auto into a concrete transport and checks explicit choices.
 
     auto: NCCL for CUDA buffers, MPI under mpiexec, otherwise Gloo if PyTorch is installed,
-    otherwise gRPC; a lone rank uses loopback. `cuda_buffers` stays False until the core
-    accepts device memory (see csrc/transport/nccl/README.md).
+    otherwise gRPC; a lone rank uses loopback. init() sets `cuda_buffers` for device="cuda" or
+    when the first submitted tensor is on a GPU.
     """
     if comm is not None and process_group is not None:
         raise ValueError("commsched.init() takes comm= (MPI) or process_group= (torch.distributed), not both")
@@ -59,9 +59,17 @@ def choose(
 
 
 def build(
-    kind: str, launch: LaunchInfo, comm: Any, process_group: Any, settings: Any = None
+    kind: str,
+    launch: LaunchInfo,
+    comm: Any,
+    process_group: Any,
+    settings: Any = None,
+    device: int | None = None,
 ) -> tuple[str, Any]:
-    """Returns the (transport kind, argument) pair that commsched._core.start() takes."""
+    """Returns the (transport kind, argument) pair that commsched._core.start() takes.
+
+    `device`: the CUDA device for NCCL (None or -1: the local rank).
+    """
     if kind == "loopback":
         return "loopback", None
     if kind == "mpi":
@@ -77,7 +85,7 @@ def build(
     if kind == "nccl":
         from commsched.transports.nccl import NcclTransport
 
-        return "python", NcclTransport.from_launch(launch, comm, process_group, settings)
+        return "python", NcclTransport.from_launch(launch, comm, process_group, settings, device)
     raise ValueError(f"unknown transport {kind!r}")
 
 

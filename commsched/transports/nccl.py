@@ -10,41 +10,19 @@ Not yet verified on a GPU (no GPU was available while it was written); see csrc/
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from commsched.buffers import BufferView
 from commsched.launch import LaunchInfo
 
 log = logging.getLogger("commsched")
 
 _SYSTEM_NCCL = ["libnccl.so.2", "libnccl.so"]
 _SYSTEM_CUDART = ["libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
-# DLPack type codes (kDLInt, kDLUInt, kDLFloat, kDLBfloat) and bits -> commsched dtype
-_DLPACK_DTYPES = {
-    (0, 8): "int8",
-    (0, 32): "int32",
-    (0, 64): "int64",
-    (1, 8): "uint8",
-    (2, 16): "float16",
-    (2, 32): "float32",
-    (2, 64): "float64",
-    (4, 16): "bfloat16",
-}
-_TYPESTR_DTYPES = {
-    "<f2": "float16",
-    "<f4": "float32",
-    "<f8": "float64",
-    "<i4": "int32",
-    "<i8": "int64",
-    "|u1": "uint8",
-    "|i1": "int8",
-    "<V2": "bfloat16",
-}
-_KDL_CUDA = 2
 
 
 def _nvidia_package_libraries(package: str, pattern: str) -> list[str]:
@@ -86,109 +64,35 @@ def load_api() -> Any:
         ) from None
 
 
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-def dlpack_describe(capsule: Any) -> tuple[int, int, str, int, int]:
-    """(address, element count, dtype, DLPack device type, device id) of an unconsumed DLPack capsule.
-
-    DLManagedTensor starts with its DLTensor, so the capsule pointer reads as one; the capsule is
-    not consumed, and its owner keeps the memory alive.
-    """
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    tensor = _DLTensor.from_address(get_pointer(capsule, b"dltensor"))
-    dtype = _DLPACK_DTYPES.get((tensor.code, tensor.bits)) if tensor.lanes == 1 else None
-    if dtype is None:
-        raise TypeError(
-            f"DLPack dtype code {tensor.code}, {tensor.bits} bits, {tensor.lanes} lanes is not supported"
-        )
-    count, expected_stride = 1, 1
-    shape = [tensor.shape[i] for i in range(tensor.ndim)]
-    for extent in shape:
-        count *= extent
-    if tensor.strides and count:
-        for axis in reversed(range(tensor.ndim)):
-            if shape[axis] != 1 and tensor.strides[axis] != expected_stride:
-                raise TypeError("the DLPack tensor is not C-contiguous")
-            expected_stride *= shape[axis]
-    return int(tensor.data or 0) + int(tensor.byte_offset), count, dtype, tensor.device_type, tensor.device_id
-
-
-def cuda_view(array: Any, name: str) -> tuple[int, int, str, int]:
-    """(device address, element count, dtype, device id) of a CUDA array: a PyTorch CUDA tensor, any
-    __cuda_array_interface__ object (CuPy, Numba) or a DLPack producer on a CUDA device."""
-    if getattr(array, "is_cuda", False) and hasattr(array, "data_ptr"):
-        from commsched.buffers import _TORCH_DTYPES
-
-        dtype = _TORCH_DTYPES.get(str(array.dtype))
-        if dtype is None or not array.is_contiguous():
-            raise TypeError(
-                f"tensor '{name}': needs a contiguous tensor of a supported dtype, not {array.dtype}"
-            )
-        return int(array.data_ptr()), int(array.numel()), dtype, int(array.device.index or 0)
-    interface = getattr(array, "__cuda_array_interface__", None)
-    if interface is not None:
-        address, readonly = interface["data"]
-        if readonly:
-            raise TypeError(f"tensor '{name}': the CUDA array is read-only")
-        dtype = _TYPESTR_DTYPES.get(interface["typestr"])
-        if dtype is None:
-            raise TypeError(f"tensor '{name}': CUDA array typestr {interface['typestr']!r} is not supported")
-        count = 1
-        for extent in interface["shape"]:
-            count *= extent
-        if interface.get("strides") is not None:
-            expected = int(interface["typestr"][2:])
-            for extent, stride in zip(reversed(interface["shape"]), reversed(interface["strides"])):
-                if extent != 1 and stride != expected:
-                    raise TypeError(f"tensor '{name}': the CUDA array is not C-contiguous")
-                expected *= extent
-        # The interface carries no device id; -1 means "the current device", which NCCL then checks.
-        return int(address or 0), count, dtype, -1
-    if hasattr(array, "__dlpack_device__"):
-        device_type, device_id = array.__dlpack_device__()
-        if device_type != _KDL_CUDA:
-            raise TypeError(f"tensor '{name}' is a DLPack array on device type {device_type}, not CUDA")
-        address, count, dtype, _, _ = dlpack_describe(array.__dlpack__())
-        return address, count, dtype, int(device_id)
-    raise TypeError(f"tensor '{name}' is not a CUDA array (no is_cuda, __cuda_array_interface__ or DLPack)")
-
-
 class NcclTransport:
-    """Agreement over a host transport, data over NCCL on commsched's own stream."""
+    """Agreement over a host transport, data over NCCL on commsched's own stream.
+
+    Device tensors are never fused (the core's fusion buffer is host memory, and NCCL needs device
+    memory), so init() runs it with COMMSCHED_FUSION_BYTES=0; op="average" runs as ncclAvg.
+    """
 
     name = "nccl"
     poll_interval_us = 50  # test() is one cudaEventQuery: cheap, but keep the GIL mostly free
 
-    def __init__(self, control: Any, api: Any, device: int, framework_stream: Any = None) -> None:
+    def __init__(self, control: Any, api: Any, device: int) -> None:
         from commsched import _nccl
 
         self.rank, self.size = control.rank, control.size
+        self.device = device
         self._control = control
-        # 0 is CUDA's legacy default stream, which PyTorch and CuPy use unless told otherwise;
-        # a callable returning another stream handle can be passed instead.
-        self._framework_stream = framework_stream or (lambda: 0)
         # The unique id travels over the core's bootstrap: the host transport's exchange.
         mine = _nccl.unique_id(api) if self.rank == 0 else b""
         unique_id = control.exchange(mine, 300.0)[0]
         self._comm = _nccl.Communicator(api, unique_id, self.rank, self.size, device)
 
     @classmethod
-    def from_launch(cls, launch: LaunchInfo, comm: Any, process_group: Any, settings: Any) -> NcclTransport:
-        """Builds the host transport the launch allows (MPI under mpiexec, else Gloo or gRPC) and NCCL on it."""
+    def from_launch(
+        cls, launch: LaunchInfo, comm: Any, process_group: Any, settings: Any, device: int | None = None
+    ) -> NcclTransport:
+        """Builds the host transport the launch allows (MPI under mpiexec, else Gloo or gRPC) and NCCL on it.
+
+        `device` is the CUDA device of the tensors (default: the local rank).
+        """
         api = load_api()
         from commsched import _nccl
 
@@ -204,24 +108,50 @@ class NcclTransport:
             control = transports.build("gloo", launch, comm, process_group, settings)[1]
         else:
             control = transports.build("grpc", launch, comm, process_group, settings)[1]
-        log.info("nccl transport: agreement over %s, NCCL from %s", control.name, library_candidates()[0][0])
-        return cls(control, api, launch.local_rank)
+        device = launch.local_rank if device is None or device < 0 else device
+        log.info(
+            "nccl transport: agreement over %s, NCCL from %s on cuda:%d",
+            control.name,
+            library_candidates()[0][0],
+            device,
+        )
+        return cls(control, api, device)
+
+    def submitted(self, view: BufferView, name: str, op: str) -> None:
+        """Called on the submitting thread before the core sees the tensor: checks the device and records
+        the ordering event on the caller's stream, so the collective runs after what produced the bytes."""
+        if view.device is not None and view.device not in (-1, self.device):
+            raise ValueError(
+                f"tensor '{name}' is on cuda:{view.device}, but commsched's NCCL communicator is on "
+                f"cuda:{self.device}; move it there, or start one process per GPU with "
+                "torch.cuda.set_device(local_rank) and commsched.init(device='cuda') on each"
+            )
+        try:
+            self._comm.submitted(view.address, view.nbytes, op == "average", view.stream)
+        except ValueError as error:
+            raise ValueError(f"tensor '{name}': {error}") from None
+
+    def forget(self, view: BufferView) -> None:
+        """Drops what submitted() recorded, for a tensor the core refused."""
+        self._comm.forget(view.address)
 
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Agreement reports go over the host transport."""
         return list(self._control.exchange(report, timeout_s))
 
     def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> Any:
-        """Queues an NCCL allreduce (sum) or broadcast on commsched's stream, after the framework's stream.
-
-        The core calls this from its own thread, where PyTorch's current stream is the default one;
-        ordering after the stream that produced the gradient needs an event recorded at enqueue time
-        (see csrc/transport/nccl/README.md).
-        """
-        stream = int(self._framework_stream())
+        """Queues an NCCL allreduce or broadcast on commsched's stream, after the submit-time event."""
         if kind == "allreduce":
-            return self._comm.allreduce(address, count, dtype, stream)
-        return self._comm.broadcast(address, count, dtype, root, stream)
+            return self._comm.allreduce(address, count, dtype)
+        return self._comm.broadcast(address, count, dtype, root)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """The core's fusion copy: cudaMemcpyAsync on commsched's stream, complete on return."""
+        self._comm.copy(dst, src, nbytes)
+
+    def scale(self, address: int, count: int, dtype: str, divisor: float) -> None:
+        """The core's average step: NCCL already averaged (ncclAvg), so this only checks that it did."""
+        self._comm.scale(address, count, dtype, divisor)
 
 
 class _SingleControl:

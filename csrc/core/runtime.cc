@@ -324,8 +324,8 @@ void Runtime::launch(Launch next) {
     size_t offset = 0;
     for (const ChunkRef& chunk : plan.chunks) {
       const size_t bytes = chunk.elem_count * elem_size;
-      std::memcpy(flight.fusion_buffer.data() + offset,
-                  static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size, bytes);
+      transport_->copy(flight.fusion_buffer.data() + offset,
+                       static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size, bytes);
       offset += bytes;
     }
     op.data = flight.fusion_buffer.data();
@@ -374,7 +374,7 @@ void Runtime::finish(InFlight& done) {
   const Launch& plan = done.launch;
   const size_t elem_size = dtype_size(plan.dtype);
   if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage) {
-    divide_by(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+    transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
   }
   const uint64_t now_us = Timeline::now_us();
   std::string members;
@@ -383,8 +383,8 @@ void Runtime::finish(InFlight& done) {
     LocalTensor& tensor = tensors_.at(chunk.tensor_id);
     const size_t bytes = chunk.elem_count * elem_size;
     if (!done.fusion_buffer.empty()) {
-      std::memcpy(static_cast<char*>(tensor.data) + chunk.elem_offset * elem_size,
-                  done.fusion_buffer.data() + offset, bytes);
+      transport_->copy(static_cast<char*>(tensor.data) + chunk.elem_offset * elem_size,
+                       done.fusion_buffer.data() + offset, bytes);
     }
     offset += bytes;
     if (timeline_.enabled()) {

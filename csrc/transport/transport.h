@@ -3,17 +3,19 @@
 #pragma once
 
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "core/elementwise.h"
 #include "core/types.h"
 
 namespace commsched {
 
-// One collective on the wire. Allreduce always sums; the core applies "average" itself.
+// One collective on the wire. Allreduce always sums; the core applies "average" with scale().
 struct WireOp {
   CollectiveKind kind = CollectiveKind::kAllreduce;
   DType dtype = DType::kFloat32;
@@ -73,6 +75,16 @@ class Transport {
   // Transports that can tell when a collective completes ring this; their poll interval
   // is then only a fallback.
   virtual void set_doorbell(std::shared_ptr<Doorbell> doorbell) { (void)doorbell; }
+  // The only places the core touches buffer memory itself go through these two hooks, so a
+  // transport whose buffers live on a device (NCCL) can do them there, or refuse them.
+  // Fusion: copies a chunk into the core's fusion buffer before start(), and back after test().
+  // The copy must be complete when copy() returns: the core reads or hands out the bytes next.
+  virtual void copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+  // op="average": divides the summed `data` by the number of ranks once test() returned true.
+  // The result must be final when scale() returns: the core completes the handle next.
+  virtual void scale(void* data, uint64_t count, DType dtype, double divisor) {
+    divide_by(data, count, dtype, divisor);
+  }
 };
 
 }  // namespace commsched

@@ -32,6 +32,9 @@ def require_init(what: str) -> None:
             f"commsched.tensorflow.{what} needs commsched.init() first (commsched is not initialised "
             "in this process); call commsched.init() before building or training the model"
         )
+    # The ops reach the core through its C ABI with host memory, not through commsched's Python
+    # submit path, so a transport that init() left to the first tensor is chosen now, for the host.
+    commsched._start_pending(cuda=False)
 
 
 def _core_library() -> str:

@@ -54,9 +54,12 @@ Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector
   const SharedLibrary& c = *api.cuda_library;
   bind(c, api.cudaGetDeviceCount, "cudaGetDeviceCount");
   bind(c, api.cudaSetDevice, "cudaSetDevice");
+  bind(c, api.cudaGetDevice, "cudaGetDevice");
   bind(c, api.cudaStreamCreateWithFlags, "cudaStreamCreateWithFlags");
   bind(c, api.cudaStreamDestroy, "cudaStreamDestroy");
   bind(c, api.cudaStreamWaitEvent, "cudaStreamWaitEvent");
+  bind(c, api.cudaStreamSynchronize, "cudaStreamSynchronize");
+  bind(c, api.cudaMemcpyAsync, "cudaMemcpyAsync");
   bind(c, api.cudaEventCreateWithFlags, "cudaEventCreateWithFlags");
   bind(c, api.cudaEventRecord, "cudaEventRecord");
   bind(c, api.cudaEventQuery, "cudaEventQuery");

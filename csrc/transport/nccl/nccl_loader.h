@@ -29,9 +29,12 @@ enum NcclDataType : int {
   kNcclFloat16 = 6, kNcclFloat32 = 7, kNcclFloat64 = 8, kNcclBfloat16 = 9,
 };
 inline constexpr int kNcclSum = 0;
+inline constexpr int kNcclAvg = 4;  // NCCL 2.10 and newer
+inline constexpr int kNcclFirstVersionWithAvg = 21000;  // ncclGetVersion's code for 2.10.0
 inline constexpr cudaError_t kCudaErrorNotReady = 600;
 inline constexpr unsigned kCudaStreamNonBlocking = 0x01;
 inline constexpr unsigned kCudaEventDisableTiming = 0x02;
+inline constexpr int kCudaMemcpyDefault = 4;  // direction inferred from the pointers (unified addressing)
 
 // A dlopen handle, closed when the last user lets go.
 class SharedLibrary {
@@ -67,9 +70,12 @@ struct Api {
 
   cudaError_t (*cudaGetDeviceCount)(int*) = nullptr;
   cudaError_t (*cudaSetDevice)(int) = nullptr;
+  cudaError_t (*cudaGetDevice)(int*) = nullptr;
   cudaError_t (*cudaStreamCreateWithFlags)(cudaStream_t*, unsigned) = nullptr;
   cudaError_t (*cudaStreamDestroy)(cudaStream_t) = nullptr;
   cudaError_t (*cudaStreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
+  cudaError_t (*cudaStreamSynchronize)(cudaStream_t) = nullptr;
+  cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, int, cudaStream_t) = nullptr;
   cudaError_t (*cudaEventCreateWithFlags)(cudaEvent_t*, unsigned) = nullptr;
   cudaError_t (*cudaEventRecord)(cudaEvent_t, cudaStream_t) = nullptr;
   cudaError_t (*cudaEventQuery)(cudaEvent_t) = nullptr;

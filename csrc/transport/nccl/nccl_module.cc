@@ -43,11 +43,25 @@ PYBIND11_MODULE(_nccl, module) {
              return std::make_unique<Communicator>(std::move(api), raw, rank, size, device);
            }),
            py::arg("api"), py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"))
+      .def("submitted", &Communicator::submitted, py::arg("data"), py::arg("nbytes"), py::arg("average"),
+           py::arg("stream"),
+           "On the submitting thread: records an event on the caller's stream (None: no ordering needed) that "
+           "the collectives over this memory will wait on.")
+      .def("forget", &Communicator::forget, py::arg("data"), "Drops a submission the core refused.")
       .def("allreduce", &Communicator::allreduce, py::arg("data"), py::arg("count"), py::arg("dtype"),
-           py::arg("framework_stream") = 0, py::keep_alive<0, 1>(), "Starts an in-place SUM allreduce.")
+           py::keep_alive<0, 1>(), "Starts an in-place allreduce (ncclAvg if submitted with average, else sum).")
       .def("broadcast", &Communicator::broadcast, py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("root"),
-           py::arg("framework_stream") = 0, py::keep_alive<0, 1>(), "Starts an in-place broadcast from root.")
+           py::keep_alive<0, 1>(), "Starts an in-place broadcast from root.")
+      .def("copy", &Communicator::copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+           "Copies on commsched's stream and waits for it (the core's fusion copy hook).")
+      .def("scale", &Communicator::scale, py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("divisor"),
+           "The core's average hook: checks that NCCL already averaged this data.")
       .def("abort", &Communicator::abort, "Aborts the communicator (NCCL's ncclCommAbort).")
       .def_property_readonly("rank", &Communicator::rank)
-      .def_property_readonly("size", &Communicator::size);
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("device", &Communicator::device)
+      .def_property_readonly("version", &Communicator::version, "NCCL's version code.")
+      .def_property_readonly("supports_average", &Communicator::supports_average, "True with NCCL 2.10+ (ncclAvg).")
+      .def_property_readonly("submitted_count", &Communicator::submitted_count,
+                             "Tensors submitted and not yet wholly started.");
 }

@@ -35,7 +35,10 @@ PythonTransport::PythonTransport(py::object impl)
       rank_(impl_.attr("rank").cast<int>()),
       size_(impl_.attr("size").cast<int>()),
       name_(impl_.attr("name").cast<std::string>()),
-      poll_interval_(py::hasattr(impl_, "poll_interval_us") ? impl_.attr("poll_interval_us").cast<int64_t>() : 200) {}
+      poll_interval_(py::hasattr(impl_, "poll_interval_us") ? impl_.attr("poll_interval_us").cast<int64_t>() : 200),
+      // Looked up once: the hooks run per fused chunk and per averaged collective.
+      has_copy_(py::hasattr(impl_, "copy")),
+      has_scale_(py::hasattr(impl_, "scale")) {}
 
 PythonTransport::~PythonTransport() {
   py::gil_scoped_acquire gil;
@@ -71,6 +74,26 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     return std::make_unique<PythonOp>(std::move(pending));
   } catch (const py::error_already_set& error) {
     throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error.what());
+  }
+}
+
+void PythonTransport::copy(void* dst, const void* src, size_t bytes) {
+  if (!has_copy_) return Transport::copy(dst, src, bytes);
+  py::gil_scoped_acquire gil;
+  try {
+    impl_.attr("copy")(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), bytes);
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " failed to copy a fused chunk: " + error.what());
+  }
+}
+
+void PythonTransport::scale(void* data, uint64_t count, DType dtype, double divisor) {
+  if (!has_scale_) return Transport::scale(data, count, dtype, divisor);
+  py::gil_scoped_acquire gil;
+  try {
+    impl_.attr("scale")(reinterpret_cast<uintptr_t>(data), count, dtype_name(dtype), divisor);
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " failed to average: " + error.what());
   }
 }
 

@@ -8,6 +8,9 @@
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
 // An op may also provide on_done(callback): it calls callback() once, from any thread,
 // when the op completes, so the core wakes at once rather than at its next poll.
+//   copy(dst: int, src: int, nbytes: int) (optional): the fusion copies; default: memcpy on the host
+//   scale(address: int, count: int, dtype: str, divisor: float) (optional): op="average" after the
+//     sum; default: divides on the host. Both must be complete when they return.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -31,6 +34,9 @@ class PythonTransport : public Transport {
   // Every poll takes the GIL from the training thread, so poll sparingly.
   std::chrono::microseconds poll_interval() const override { return poll_interval_; }
   void set_doorbell(std::shared_ptr<Doorbell> doorbell) override { doorbell_ = std::move(doorbell); }
+  // Host transports (Gloo, gRPC) leave these to the defaults; device ones (NCCL) provide them.
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void scale(void* data, uint64_t count, DType dtype, double divisor) override;
 
  private:
   pybind11::object impl_;
@@ -39,6 +45,8 @@ class PythonTransport : public Transport {
   std::string name_;
   std::chrono::microseconds poll_interval_;
   std::shared_ptr<Doorbell> doorbell_;
+  bool has_copy_;
+  bool has_scale_;
 };
 
 }  // namespace commsched
