@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rate", default="auto", help='link rate ("1gbit"), or "auto": communication = compute'
     )
     parser.add_argument(
-        "--partition", default="1MiB", help="COMMSCHED_PARTITION_BYTES for the commsched runs"
+        "--partition", default="2MiB", help="COMMSCHED_PARTITION_BYTES for the commsched runs"
     )
-    parser.add_argument("--credit", default="2MiB", help="COMMSCHED_CREDIT_BYTES for the commsched runs")
+    parser.add_argument("--credit", default="4MiB", help="COMMSCHED_CREDIT_BYTES for the commsched runs")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="torch_vgg.json", help="where the results go")
     parser.add_argument("--timeout", type=float, default=300)

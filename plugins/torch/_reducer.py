@@ -147,6 +147,8 @@ class Reducer:
                 counts[slot.index] = 1
             slot.passes = 0
         self._hook_trainable()
+        # The previous iteration's counts are long done by now; their name is about to be reused.
+        self.finish_masks()
         name = f"{self.options.prefix}used"
         self._masks[self._iteration] = _Mask(counts, _wire.start_allreduce(counts, name, -1, "sum"))
         self._iteration += 1
@@ -211,24 +213,31 @@ class Reducer:
         else:
             for slot in pending:
                 self._settle_barrier(slot)
-        for iteration in [i for i in self._masks if i < self._iteration]:
-            mask = self._masks.pop(iteration)
+        # Counts are waited for only where a gradient was missing here (_used_anywhere): when every
+        # parameter had one, step() does not wait for the counts' round trip.
+
+    def finish_masks(self) -> None:
+        """Waits for the used counts of every closed iteration."""
+        for mask in self._masks.values():
             if not mask.done:
                 mask.out.finish(self.options.timeout)
+        self._masks.clear()
 
     def _settle_barrier(self, slot: Slot) -> None:
         grad, replace = self._finish(slot)
         if replace:
             slot.param.grad = grad
 
-    def synchronize(self) -> None:
-        """Closes the iteration if still open and finishes every reduction."""
+    def synchronize(self, counts_too: bool = True) -> None:
+        """Closes the iteration if still open and finishes every reduction (and the used counts)."""
         self.close()
         self.settle_previous()
+        if counts_too:
+            self.finish_masks()
 
     def pending(self) -> bool:
-        """True while any reduction is in flight or the iteration has unsubmitted gradients."""
-        return any(s.record is not None for s in self.slots) or bool(self._masks)
+        """True while any gradient reduction is in flight (used counts excepted: nothing reads them)."""
+        return any(s.record is not None for s in self.slots)
 
     def _on_touch(self, guard: _guard.InFlightGrad) -> None:
         if self.options.overlap:

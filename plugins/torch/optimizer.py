@@ -217,7 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reducer.close()
             commsched.autotune_step()  # an iteration boundary for COMMSCHED_AUTOTUNE; else a no-op
             return None
-        self._reducer.synchronize()
+        self._reducer.synchronize(counts_too=False)
         result = self._inner.step(closure) if closure is not None else self._inner.step()
         commsched.autotune_step()
         return result
