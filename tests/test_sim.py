@@ -104,13 +104,25 @@ def test_real_scheduler_approaches_the_ideal_with_fine_partitions():
 
 
 def test_submission_during_an_idle_exchange_waits_for_it():
-    # A 4.7 ms cycle with 3 ms exchanges; quiet rounds double the heartbeat, so idle rounds run
-    # 4.7-7.7 and then 17.1-20.1. The gradient ready at t=18 arrives mid-round and is agreed only
-    # in the round that starts when that one ends.
+    # A 4.7 ms cycle with 3 ms exchanges; quiet rounds of an idle rank double the heartbeat, so
+    # idle rounds run 4.7-7.7 and then 17.1-20.1. The gradient ready at t=18 arrives mid-round and
+    # is agreed in the round of 20.1-23.1; its bytes cross the link from 23.3 to 33.3. With data in
+    # flight the heartbeat is back to one cycle: the round at 27.8 queues behind the 0.55 MB still
+    # on the link and ends at 36.3, and only then is the completion seen.
     layers = [("l0", 0.008, 0.010, [1_000_000])]
     result = sim(layers, exchange=3e-3, cycle=4.7e-3)
     first_period = result["iteration_starts_s"][1]
-    assert first_period == pytest.approx(0.0201 + 3e-3 + ring_s(1_000_000, 2, 1e8, 1e-4), rel=1e-9)
+    assert first_period == pytest.approx(0.0278 + 3e-3 + 0.0055, rel=1e-9)
+
+
+def test_an_agreement_round_queues_behind_data_on_a_fifo_link():
+    # l1's 1 MB is agreed at 0.101 s and takes 1 s on the wire. l0's round starts at 0.6 s behind
+    # the 0.501 MB still queued, so it ends at 1.102 s, and l0's 4 bytes follow. Shared fairly,
+    # the round waits behind nothing and l0's bytes finish right after l1's.
+    layers = [("l0", 0.0, 0.5, [4]), ("l1", 0.0, 0.1, [1_000_000])]
+    kwargs = {"bw": 1e6, "latency": 0.0, "exchange": 1e-3, "fusion": 0}
+    assert sim(layers, **kwargs)["iteration_s"] == pytest.approx(0.6 + 1e-3 + 0.501 + 4e-6, rel=1e-9)
+    assert sim(layers, link="fair", **kwargs)["iteration_s"] == pytest.approx(1.101 + 4e-6, rel=1e-9)
 
 
 def test_quiet_rounds_stretch_the_heartbeat():

@@ -171,16 +171,6 @@ void Runtime::loop() {
       stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
       return;
     }
-    if (agreement_.waiting_on_others()) {
-      const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
-      eager_backoff = progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff + kEagerBackoffStep, cycle / 4);
-      deadline = Clock::now() + eager_backoff;
-    } else {
-      const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
-                         outcome.min_settings_epoch == outcome.root_settings_epoch;
-      heartbeat = quiet ? std::min<Clock::duration>(2 * heartbeat, kMaxQuietCycles * cycle) : cycle;
-      deadline = Clock::now() + heartbeat;
-    }
     // Units a faster rank took since the last agreement come first, before settings
     // change or new tensors are queued, so every rank launches the same sequence.
     for (Launch& unit : scheduler_.catch_up(outcome.max_launch_count)) committed_.push_back(std::move(unit));
@@ -201,6 +191,20 @@ void Runtime::loop() {
     if (outcome.shutdown_rank >= 0) {
       stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
       return;
+    }
+    if (agreement_.waiting_on_others()) {
+      const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
+      eager_backoff = progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff + kEagerBackoffStep, cycle / 4);
+      deadline = Clock::now() + eager_backoff;
+    } else {
+      // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
+      // may sit in an exchange, unable to launch the unit this rank's next completion needs
+      // until this rank joins: so this rank joins within a cycle.
+      const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
+                         outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
+                         committed_.empty() && scheduler_.queued_chunks() == 0;
+      heartbeat = quiet ? std::min<Clock::duration>(2 * heartbeat, kMaxQuietCycles * cycle) : cycle;
+      deadline = Clock::now() + heartbeat;
     }
     check_stalls();
   }

@@ -41,6 +41,16 @@ double SharedLink::next_event_s() const {
   return next;
 }
 
+double SharedLink::backlog_bytes(double at_s) const {
+  // Shared fairly, a small message gets its share at once and waits behind nothing.
+  if (sharing_ == LinkSharing::kFair) return 0;
+  double bytes = 0;
+  for (const Flow& flow : joining_) bytes += flow.remaining;
+  for (const Flow& flow : active_) bytes += flow.remaining;
+  if (served() > 0 && at_s > now_s_) bytes -= (at_s - now_s_) * rate_;
+  return std::max(0.0, bytes);
+}
+
 void SharedLink::drain(double until_s) {
   if (until_s <= now_s_) return;
   const size_t served_now = served();

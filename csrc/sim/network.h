@@ -44,6 +44,9 @@ class SharedLink {
   // Moves the clock to `t_s` (no later than next_event_s()) and returns the flows that finished.
   std::vector<uint64_t> advance(double t_s);
   bool idle() const { return joining_.empty() && active_.empty(); }
+  // Wire bytes still to cross the link at `at_s` (no earlier than the last advance and no
+  // later than next_event_s()): what a message sent then queues behind (nothing when fair).
+  double backlog_bytes(double at_s) const;
   size_t in_flight() const { return joining_.size() + active_.size(); }
 
  private:

@@ -187,15 +187,17 @@ class RuntimeComm : public Comm {
     announced_.swap(inbox_);
     inbox_.clear();
     exchanging_ = true;
-    exchange_end_s_ = now_s + exchange_s_;
+    // Agreement messages share the link with the data: they wait behind what is queued on it.
+    exchange_end_s_ = now_s + exchange_s_ + link_.backlog_bytes(now_s) / network_.bandwidth_bytes_per_s;
     news_s_ = kNever;
     ++cycles_;
   }
 
   void end_exchange(double now_s, std::vector<uint64_t>& done) {
     exchanging_ = false;
-    // As in the core: a round that brought nothing new doubles the heartbeat.
-    heartbeat_s_ = announced_.empty() ? std::min(2 * heartbeat_s_, kMaxQuietCycles * cycle_s_) : cycle_s_;
+    // As in the core: a round that brought nothing new to an idle rank doubles the heartbeat.
+    const bool quiet = announced_.empty() && in_flight_.empty() && scheduler_.queued_chunks() == 0;
+    heartbeat_s_ = quiet ? std::min(2 * heartbeat_s_, kMaxQuietCycles * cycle_s_) : cycle_s_;
     for (uint64_t id : announced_) {
       const Param& param = params_[id % params_.size()];
       TensorSpec spec;
