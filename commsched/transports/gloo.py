@@ -60,6 +60,7 @@ class GlooTransport:
             raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
         self._torch = torch
         self._dist = dist
+        self._owned: list[Any] = []  # subgroups this transport created
         if not dist.is_initialized():
             if process_group is not None:
                 raise ValueError("process_group= was given but torch.distributed is not initialised")
@@ -68,17 +69,31 @@ class GlooTransport:
                     "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
                     "or an initialised torch.distributed process group"
                 )
+            # Left in place at shutdown: a later init() finds it, and a new rendezvous on
+            # torchrun's store would meet the old one's keys.
             dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
         group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
         # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
         self._data = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        if self._data is not group:
+            self._owned.append(self._data)
         self._control = dist.new_group(ranks, backend="gloo")
+        self._owned.append(self._control)
         self._global_ranks = ranks
         self.rank = dist.get_rank(self._data)
         self.size = dist.get_world_size(self._data)
         self._slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
         self._slots = [torch.zeros(_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+
+    def close(self) -> None:
+        """Destroys the groups this transport created, so none outlives commsched.shutdown()."""
+        # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
+        # when their threads can no longer take the GIL.
+        for group in reversed(self._owned):
+            if self._dist.is_initialized():
+                self._dist.destroy_process_group(group)
+        self._owned.clear()
 
     def _tensor_at(self, address: int, count: int, dtype: str) -> Any:
         torch_dtype = getattr(self._torch, _TORCH_DTYPES[dtype])

@@ -42,6 +42,14 @@ PythonTransport::PythonTransport(py::object impl)
 
 PythonTransport::~PythonTransport() {
   py::gil_scoped_acquire gil;
+  if (py::hasattr(impl_, "close")) {
+    try {
+      impl_.attr("close")();
+    } catch (const py::error_already_set& error) {
+      // Nothing is left to fail: say so on stderr, as the interpreter does for errors in __del__.
+      PySys_WriteStderr("commsched: closing the %s transport failed: %s\n", name_.c_str(), error.what());
+    }
+  }
   impl_ = py::object();
 }
 

@@ -6,6 +6,7 @@
 //   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
 //   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
+//   close() (optional): called once when the core stops, to release what the transport created
 // An op may also provide on_done(callback): it calls callback() once, from any thread,
 // when the op completes, so the core wakes at once rather than at its next poll.
 //   copy(dst: int, src: int, nbytes: int) (optional): the fusion copies; default: memcpy on the host
