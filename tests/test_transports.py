@@ -47,7 +47,7 @@ def launch_command(transport: str, ranks: int, script: Path, arguments: list[str
         "-W",
         "ignore",
         "-m",
-        "commsched.launch",
+        "commsched.run",
         "-n",
         str(ranks),
         str(script),
@@ -130,7 +130,7 @@ def test_grpc_needs_rendezvous_variables(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_launcher_passes_one_fresh_token(tmp_path: Path) -> None:
-    """python -m commsched.launch gives every rank the same generated COMMSCHED_JOB_TOKEN and its RANK."""
+    """python -m commsched.run gives every rank the same generated COMMSCHED_JOB_TOKEN and its RANK."""
     script = tmp_path / "show.py"
     script.write_text(
         "import os, pathlib\n"
@@ -141,7 +141,7 @@ def test_launcher_passes_one_fresh_token(tmp_path: Path) -> None:
     for _ in range(2):
         env = dict(rank_environment(), OUT=str(tmp_path))
         subprocess.run(
-            [sys.executable, "-W", "ignore", "-m", "commsched.launch", "-n", "3", str(script)],
+            [sys.executable, "-W", "ignore", "-m", "commsched.run", "-n", "3", str(script)],
             env=env,
             check=True,
             timeout=60,
@@ -163,7 +163,7 @@ def test_launcher_keeps_a_given_token(tmp_path: Path) -> None:
     )
     env = dict(rank_environment(), OUT=str(tmp_path / "token"), COMMSCHED_JOB_TOKEN="given-token-123")
     subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "commsched.launch", "-n", "1", str(script)],
+        [sys.executable, "-W", "ignore", "-m", "commsched.run", "-n", "1", str(script)],
         env=env,
         check=True,
         timeout=60,

@@ -124,6 +124,6 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
             log.warning(
                 "COMMSCHED_JOB_TOKEN is not set: gRPC peers are checked against a token derived from the "
                 "rendezvous address, which keeps other jobs out but is no secret; launch with "
-                "`python -m commsched.launch` or set COMMSCHED_JOB_TOKEN on every rank"
+                "`commsched-run` (python -m commsched.run) or set COMMSCHED_JOB_TOKEN on every rank"
             )
     return GrpcTransport(endpoint, token, timeout_s=settings.stall_timeout)
