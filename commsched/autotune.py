@@ -45,6 +45,7 @@ from commsched.autotune_seed import (
     rank_grid,
     sim_layers,
 )
+from commsched.buffers import DTYPE_SIZES
 
 log = logging.getLogger("commsched.autotune")
 RESERVED_PREFIX = "commsched.autotune."
@@ -56,16 +57,6 @@ _ENV = {
     "partition_bytes": "COMMSCHED_PARTITION_BYTES",
     "credit_bytes": "COMMSCHED_CREDIT_BYTES",
     "fusion_bytes": "COMMSCHED_FUSION_BYTES",
-}
-_ITEMSIZE = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "int32": 4,
-    "int64": 8,
-    "uint8": 1,
-    "int8": 1,
 }
 LOG_COLUMNS = (
     "trial",
@@ -253,7 +244,7 @@ class Tuner:
         """Called for every submitted tensor until the search starts."""
         if not self.recording or name.startswith(RESERVED_PREFIX):
             return
-        nbytes = count * _ITEMSIZE.get(dtype, 4)
+        nbytes = count * DTYPE_SIZES.get(dtype, 4)
         self._submissions.append(Submission(name, nbytes, priority, self.clock() - self._iteration_start))
         if handle is not None:
             self._handles.append(handle)
