@@ -1,4 +1,4 @@
-"""`commsched-bench allreduce` on 2 MPI ranks: the table, its JSON and its arithmetic."""
+"""`commsched-bench allreduce` on 2 MPI ranks and on 2 gRPC ranks: the table, its JSON and its arithmetic."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-pytest.importorskip("mpi4py")
+from commsched.bench import allreduce
+
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 if not MPIEXEC.exists():
     MPIEXEC = Path(shutil.which("mpiexec") or "/nonexistent")
@@ -18,6 +20,7 @@ if not MPIEXEC.exists():
 
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec")
 def test_allreduce_table_on_two_ranks(tmp_path):
+    pytest.importorskip("mpi4py")
     out = tmp_path / "allreduce.json"
     argv = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "commsched.bench.cli", "allreduce"]
     argv += ["-b", "4", "-e", "64KiB", "-f", "64", "-n", "3", "-w", "1", "--repeats", "1", "--json", str(out)]
@@ -35,3 +38,61 @@ def test_allreduce_table_on_two_ranks(tmp_path):
         assert row["busbw"] == pytest.approx(row["algbw"])
         assert row["raw_busbw"] == pytest.approx(row["size"] / (row["raw_time_us"] * 1e-6) / 1e9, rel=1e-6)
         assert row["time_ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
+
+
+def test_grpc_allreduce_table_against_the_ring_without_the_core(tmp_path):
+    pytest.importorskip("grpc")
+    out = tmp_path / "allreduce.json"
+    argv = [sys.executable, "-m", "commsched.run", "-n", "2", "-m", "commsched.bench.cli", "allreduce"]
+    argv += ["--transport", "grpc", "-b", "4", "-e", "64KiB", "-f", "16", "-n", "3", "-w", "1"]
+    argv += ["--repeats", "1", "--json", str(out)]
+    # A hang at shutdown (a transport left open) ends in the timeout.
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+    # Each size's result was checked on both paths before timing (a wrong sum exits non-zero).
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(raw: commsched gRPC ring without the core)" in proc.stdout.splitlines()[0]
+    assert "raw us" in proc.stdout and "busbw/raw" in proc.stdout
+    # A stream that ended without goodbye logs "grpc: ..." at error level.
+    assert "grpc:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["ranks"] == 2 and data["transport"] == "grpc"
+    assert data["raw"] == "commsched gRPC ring without the core"
+    rows = data["results"]
+    assert [row["size"] for row in rows] == [4, 64, 1024, 16384]
+    for row in rows:
+        assert row["raw_time_us"] > 0 and row["time_us"] > 0
+        assert row["raw_busbw"] > 0 and row["busbw"] > 0
+        assert row["busbw_ratio"] == pytest.approx(row["busbw"] / row["raw_busbw"])
+        assert row["time_ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
+
+
+def test_sum_check_catches_a_missing_rank_or_segment():
+    parts = [np.empty(10, np.float32) for _ in range(2)]
+    for rank, part in enumerate(parts):
+        allreduce.fill(part, rank)
+    total = parts[0] + parts[1]
+    assert allreduce.check_sum(total, 2)
+    assert not allreduce.check_sum(parts[0] * 2, 2)  # one rank's values doubled: no exchange happened
+    half = total.copy()
+    half[5:] = parts[0][5:]  # the second segment never arrived
+    assert not allreduce.check_sum(half, 2)
+
+
+@pytest.mark.parametrize(
+    ("transport", "environ", "launcher"),
+    [
+        ("mpi", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "mpiexec -n 2"),
+        ("grpc", {"PMI_RANK": "0", "PMI_SIZE": "2"}, "python -m commsched.run -n 2"),
+        ("gloo", {"PMI_RANK": "0", "PMI_SIZE": "2"}, "torchrun"),
+    ],
+)
+def test_a_launcher_that_cannot_start_the_transport_names_the_command(transport, environ, launcher):
+    with pytest.raises(SystemExit, match=f"--transport {transport}: this process .*; run: {launcher}"):
+        allreduce.check_launch(transport, environ)
+
+
+def test_launchers_that_fit_pass_the_check():
+    allreduce.check_launch("grpc", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    allreduce.check_launch("grpc", {"PMI_RANK": "0", "PMI_SIZE": "2", "COMMSCHED_GRPC_PEERS": "h:1,h:2"})
+    allreduce.check_launch("mpi", {"PMI_RANK": "0", "PMI_SIZE": "2"})
+    allreduce.check_launch("mpi", {})  # a single rank

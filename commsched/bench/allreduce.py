@@ -1,10 +1,15 @@
 """`commsched-bench allreduce`: the nccl-tests table for commsched and, on the same sizes in the
-same run, for the raw library underneath (mpi4py Allreduce or torch.distributed.all_reduce)."""
+same run, for the raw library underneath (mpi4py Allreduce, torch.distributed.all_reduce, or for
+gRPC, which has no allreduce of its own, commsched's gRPC ring transport driven without the core)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import socket
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -101,6 +106,120 @@ class RawTorch:
         return float(cell.item())
 
 
+class RawGrpc:
+    """commsched's gRPC ring transport driven directly: no agreement, no scheduling, no core thread.
+
+    A second GrpcTransport, built after commsched.init(transport="grpc") in the same processes, on
+    a port rank 0 finds free and tells the others through commsched itself, so it never meets the
+    transport the core uses (whose rank 0 listens on MASTER_PORT, or MASTER_PORT + 1 under
+    torchrun's agent store, or on the ports COMMSCHED_GRPC_PEERS lists).
+    """
+
+    label = "commsched gRPC ring without the core"
+    poll_s = 50e-6  # between test() calls; the core polls the same transport every 200 us
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import commsched
+        from commsched.config import job_token
+        from commsched.launch import detect
+        from commsched.transports.grpc_net import (
+            endpoint_from,
+            fallback_token,
+            parse_peers,
+            resolve_bind,
+            split_host_port,
+        )
+        from commsched.transports.grpc_transport import GrpcTransport
+
+        launch = detect()
+        rank, size = commsched.rank(), commsched.size()
+        peers = parse_peers(os.environ.get("COMMSCHED_GRPC_PEERS", ""))
+        bind_setting = settings.get("grpc_bind") or ""
+        if peers:  # rendezvous at rank 0's host, each rank listening where its listed address is
+            host = split_host_port(peers[0], "COMMSCHED_GRPC_PEERS")[0]
+            bind_setting = bind_setting or split_host_port(peers[rank], "COMMSCHED_GRPC_PEERS")[0]
+        else:
+            host = launch.master_addr or os.environ.get("MASTER_ADDR", "") or "127.0.0.1"
+        cell = np.zeros(1, np.int64)
+        if rank == 0 and size > 1:
+            bind = resolve_bind(bind_setting, host, 1)[0]
+            with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as probe:
+                probe.bind((bind, 0))
+                cell[0] = probe.getsockname()[1]
+        commsched.broadcast(cell, root=0, name="bench.raw_grpc_port")
+        # A single rank gets port 0 here, which plans a lone local endpoint.
+        endpoint = endpoint_from(rank, size, host, int(cell[0]), [], bind_setting, False)
+        secret = job_token() or fallback_token(host, size, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+        # Its own token: should a raw rank ever reach the core's server, it is refused by name.
+        token = hashlib.sha256(f"{secret}|raw allreduce bench".encode()).hexdigest()
+        self.timeout_s = float(settings["stall_timeout"])
+        self.transport = GrpcTransport(endpoint, token, timeout_s=self.timeout_s)
+
+    def allreduce(self, buffer: np.ndarray) -> None:
+        """One raw allreduce: start() on the buffer's memory, then test() until it is done."""
+        op = self.transport.start(buffer.ctypes.data, buffer.size, "float32", "allreduce", 0)
+        while not op.test():
+            time.sleep(self.poll_s)
+
+    def barrier(self) -> None:
+        """Lines the ranks up before a timing (an empty exchange)."""
+        self.transport.exchange(b"", self.timeout_s)
+
+    def slowest(self, value: float) -> float:
+        """The largest value over ranks, gathered with exchange()."""
+        reports = self.transport.exchange(struct.pack("<d", value), self.timeout_s)
+        return max(struct.unpack("<d", report)[0] for report in reports)
+
+    def close(self) -> None:
+        """Closes the raw transport's streams, server and engine thread."""
+        self.transport.close()
+
+
+RAW_LABELS = {"mpi": "mpi4py Allreduce", "gloo": "torch.distributed gloo", "grpc": RawGrpc.label}
+LAUNCH_HINTS = {
+    "mpi": "mpiexec -n 2 python -m mpi4py -m commsched.bench.cli allreduce",
+    "gloo": "torchrun --nproc-per-node 2 -m commsched.bench.cli allreduce --transport gloo",
+    "grpc": "python -m commsched.run -n 2 -m commsched.bench.cli allreduce --transport grpc",
+}
+
+
+def check_launch(transport: str, environ: dict[str, str] | None = None) -> None:
+    """Stops with the command to use when the launcher cannot start `transport`'s ranks."""
+    from commsched.launch import detect
+
+    environ = dict(os.environ) if environ is None else environ
+    launcher = detect(environ).launcher
+    if transport == "mpi" and launcher == "torchrun":
+        problem = "was started with torchrun-style variables (RANK/WORLD_SIZE), not by mpiexec"
+    elif transport == "gloo" and launcher == "mpiexec" and not environ.get("MASTER_ADDR"):
+        problem = "was started by mpiexec, which sets no MASTER_ADDR/MASTER_PORT for torch.distributed"
+    elif (
+        transport == "grpc"
+        and launcher == "mpiexec"
+        and not environ.get("COMMSCHED_GRPC_PEERS")
+        and not environ.get("MASTER_ADDR")
+    ):
+        problem = (
+            "was started by mpiexec, which sets neither MASTER_ADDR/MASTER_PORT nor COMMSCHED_GRPC_PEERS"
+        )
+    else:
+        return
+    raise SystemExit(
+        f"allreduce --transport {transport}: this process {problem}; run: {LAUNCH_HINTS[transport]}"
+    )
+
+
+def fill(buffer: np.ndarray, rank: int) -> None:
+    """Rank- and position-dependent values, so a sum that skips a rank or a segment shows."""
+    buffer[:] = (rank + 1) + np.arange(buffer.size) % 7
+
+
+def check_sum(buffer: np.ndarray, ranks: int) -> bool:
+    """True if `buffer` holds the sum over ranks of what fill() put there."""
+    expected = ranks * (ranks + 1) // 2 + ranks * (np.arange(buffer.size) % 7)
+    return bool(np.array_equal(buffer, expected.astype(buffer.dtype)))
+
+
 def _time(raw: Any, operation: Callable[[], None], iterations: int, repeats: int) -> float:
     """Seconds per operation on the slowest rank, best of `repeats` back-to-back loops."""
     samples = []
@@ -117,7 +236,10 @@ def run(args: argparse.Namespace) -> int:
     """Times every size through commsched and the raw library; rank 0 prints the table."""
     import commsched
 
-    raw: Any = RawTorch() if args.transport == "gloo" else RawMPI()
+    check_launch(args.transport)
+    # The raw MPI and Gloo libraries come up first (commsched's transports use what they set up);
+    # the raw gRPC transport comes up after commsched's, which tells it where to meet.
+    raw: Any = {"gloo": RawTorch, "mpi": RawMPI}.get(args.transport, lambda: None)()
     commsched.init(
         transport=args.transport,
         policy=args.policy,
@@ -126,6 +248,49 @@ def run(args: argparse.Namespace) -> int:
         credit_bytes=args.credit_bytes,
         cycle_time=args.cycle_time,
     )
+    if raw is None:
+        raw = RawGrpc(commsched.config())
+    try:
+        rows, settings = _measure(args, raw)
+        if hasattr(raw, "close"):
+            # No rank closes the raw transport before every rank is past its last raw exchange:
+            # a closing peer's goodbye on the data stream can overtake its last report on the
+            # control stream, and the rank still waiting for that report would fail.
+            commsched.allreduce(np.zeros(1, np.float32), name="bench.raw_done")
+    finally:
+        if hasattr(raw, "close"):
+            raw.close()
+        commsched.shutdown()
+    ranks = settings["size"]
+    if settings["rank"] != 0:
+        return 0
+    print(
+        f"# commsched allreduce on {ranks} ranks over {settings['transport']} (raw: "
+        f"{RAW_LABELS[args.transport]}); policy {args.policy}; "
+        "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
+        f"{args.repeats} loops per size"
+    )
+    print(report.format_table(COLUMNS, rows))
+    if args.json:
+        report.dump_json(
+            {
+                "ranks": ranks,
+                "transport": settings["transport"],
+                "raw": RAW_LABELS[args.transport],
+                "settings": settings,
+                "results": rows,
+            },
+            args.json,
+        )
+    if args.plot:
+        report.plot_allreduce(rows, args.plot, f"allreduce on {ranks} ranks ({settings['transport']})")
+    return 0
+
+
+def _measure(args: argparse.Namespace, raw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Checks and times every size through commsched and `raw`; returns the rows and the settings."""
+    import commsched
+
     ranks, rank = commsched.size(), commsched.rank()
     rows = []
     plan = sizes(
@@ -137,13 +302,17 @@ def run(args: argparse.Namespace) -> int:
     progress = report.Progress(len(plan), "allreduce", enabled=None if rank == 0 else False)
     for size in plan:
         count = size // 4
-        buffer = np.ones(count, np.float32)
+        buffer, raw_buffer = np.empty(count, np.float32), np.empty(count, np.float32)
+        fill(buffer, rank)
+        fill(raw_buffer, rank)
         # Correctness first: both paths must sum, so the timing compares like with like.
         commsched.allreduce(buffer, name="check")
-        raw_buffer = np.ones(count, np.float32)
         raw.allreduce(raw_buffer)
-        if count and not (np.all(buffer == ranks) and np.all(raw_buffer == ranks)):
-            raise SystemExit(f"rank {rank}: allreduce of {size} bytes returned a wrong sum")
+        for what, result in (("commsched", buffer), (RAW_LABELS[args.transport], raw_buffer)):
+            if not check_sum(result, ranks):
+                raise SystemExit(
+                    f"rank {rank}: allreduce of {size} bytes through {what} returned a wrong sum"
+                )
         buffer[:] = 0  # zeros stay finite however often they are summed
         iterations = iterations_for(size, args.iters, parse_size(args.budget_bytes))
         name = f"allreduce{size}"
@@ -181,25 +350,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         progress.step(report.human_size(size))
-    settings = commsched.config()
-    commsched.shutdown()
-    if rank != 0:
-        return 0
-    print(
-        f"# commsched allreduce on {ranks} ranks over {settings['transport']} (raw: "
-        f"{'torch.distributed gloo' if args.transport == 'gloo' else 'mpi4py Allreduce'}); policy {args.policy}; "
-        "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
-        f"{args.repeats} loops per size"
-    )
-    print(report.format_table(COLUMNS, rows))
-    if args.json:
-        report.dump_json(
-            {"ranks": ranks, "transport": settings["transport"], "settings": settings, "results": rows},
-            args.json,
-        )
-    if args.plot:
-        report.plot_allreduce(rows, args.plot, f"allreduce on {ranks} ranks ({settings['transport']})")
-    return 0
+    return rows, commsched.config()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,7 +367,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-w", "--warmup", type=int, default=3, help="untimed operations per size")
     parser.add_argument("--repeats", type=int, default=3, help="timed loops per size; the best counts")
     parser.add_argument("--budget-bytes", default="1GiB", help="cap on bytes moved per timed loop")
-    parser.add_argument("--transport", choices=("mpi", "gloo"), default="mpi")
+    parser.add_argument(
+        "--transport",
+        choices=("mpi", "gloo", "grpc"),
+        default="mpi",
+        help="mpi (raw: mpi4py Allreduce; launch with mpiexec), gloo (raw: torch.distributed.all_reduce; "
+        "torchrun) or grpc (raw: commsched's gRPC ring without the core; python -m commsched.run)",
+    )
     parser.add_argument("--policy", choices=("priority", "fifo"), default="priority")
     parser.add_argument("--partition-bytes", default=None)
     parser.add_argument("--credit-bytes", default=None)
@@ -227,4 +384,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit("run it as: mpiexec -n 2 commsched-bench allreduce")
+    sys.exit("run it as: mpiexec -n 2 commsched-bench allreduce (see --transport for gloo and grpc)")
