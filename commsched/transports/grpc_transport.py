@@ -74,6 +74,9 @@ class _Node:
         self.failure = ""
         self.closing = False
         self.departed: set[int] = set()  # ranks that closed their streams on purpose
+        # Ranks whose control stream ended on purpose: their last report came before that
+        # CLOSE on the same stream, whereas a CLOSE on a data stream may overtake it.
+        self.control_departed: set[int] = set()
         self._lock = threading.Condition()
         self._joined: dict[int, str] = {}
         self._reports: dict[int, dict[int, bytes]] = {}
@@ -87,8 +90,9 @@ class _Node:
         self._streams_in: set[tuple[int, str]] = set()
         self._outboxes: dict[tuple[int, str], _Outbox] = {}
         limit = max(max_frame_bytes, piece_bytes + 64 * 1024)
+        self._pool = DaemonExecutor(4 * self.size + 16, "commsched-grpc")
         self._server = grpc.server(
-            DaemonExecutor(4 * self.size + 16, "commsched-grpc"),
+            self._pool,
             handlers=[self._handlers()],
             options=_CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
             maximum_concurrent_rpcs=4 * self.size + 16,
@@ -273,6 +277,8 @@ class _Node:
                     closed = True
                     with self._lock:
                         self.departed.add(peer)  # it shuts down: our streams to it may end now
+                        if kind == "control":
+                            self.control_departed.add(peer)
                         self._lock.notify_all()
                     break
                 self._check_frame(frame, peer, kind)
@@ -345,12 +351,16 @@ class _Node:
         with self._lock:
             slot = self._reports.setdefault(seq, {})
             ready = self._lock.wait_for(
-                lambda: len(slot) == self.size - 1 or bool(self.failure) or bool(self.departed - set(slot)),
+                lambda: (
+                    len(slot) == self.size - 1
+                    or bool(self.failure)
+                    or bool(self.control_departed - set(slot))
+                ),
                 timeout_s,
             )
             if self.failure:
                 raise GrpcError(self.failure)
-            gone = sorted(self.departed - set(slot))
+            gone = sorted(self.control_departed - set(slot))
             if gone and len(slot) < self.size - 1:
                 raise GrpcError(f"rank {self.rank}: ranks {gone} shut down while this rank still exchanges")
             if not ready:
@@ -486,6 +496,7 @@ class _Node:
             channel.close()
         self._events.put(("stop",))
         self._server.stop(grace=0.5).wait(5.0)
+        self._pool.shutdown(wait=False)
         if self._engine.is_alive():
             self._engine.join(5.0)
 
