@@ -55,15 +55,14 @@ def test_collectives_in_flight_share_the_link_equally_when_fair():
     assert result["iteration_s"] == pytest.approx(expected, rel=1e-9)
 
 
-def test_credit_comes_back_at_the_local_completion():
-    # Credit of one tensor: both are agreed in one exchange; the second launches the moment the first
-    # completes, with no agreement round in between.
+def test_credit_waits_for_the_agreed_completion():
+    # Credit of one tensor: the second launches only after the round that reports the first done.
     nbytes = 2_000_000
     result = sim(
         [("l0", 0.01, 0.02, [nbytes, nbytes])], policy="priority", partition=0, credit=nbytes, fusion=0
     )
     one = ring_s(nbytes, 2, 1e8, 1e-4)
-    assert result["iteration_s"] == pytest.approx(0.03 + 3e-4 + 2 * one, rel=1e-9)
+    assert result["iteration_s"] == pytest.approx(0.03 + 2 * (3e-4 + one), rel=1e-9)
     assert result["max_bytes_in_flight"] == nbytes
 
 

@@ -171,8 +171,9 @@ void Runtime::loop() {
       stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
       return;
     }
-    // Units a faster rank took since the last agreement come first, before settings
-    // change or new tensors are queued, so every rank launches the same sequence.
+    // Ranks pop the same units at the same round, so this takes nothing; should a rank ever
+    // have popped more, the others take exactly those units first, before settings change or
+    // new tensors are queued, so every rank still launches the same sequence.
     for (Launch& unit : scheduler_.catch_up(outcome.max_launch_count)) committed_.push_back(std::move(unit));
     if (outcome.abort_rank >= 0) {
       stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
@@ -212,9 +213,12 @@ void Runtime::loop() {
 
 void Runtime::wait_for_news(Clock::time_point deadline) {
   while (true) {
-    // A completion frees credit here and now: the next units go on the wire without an
-    // agreement round; ranks that launch fewer catch up at the next agreement.
-    if (!in_flight_.empty() && poll_in_flight()) launch_ready();
+    // A completion is news only when queued chunks wait for the credit it frees: credit comes
+    // back through the next round, as the least any rank has completed, so every rank pops the
+    // same units at the same round. (Releasing it at the local completion instead let ranks pop
+    // at different times; with catch-up that was meant to be safe, but it hung the rig's grid
+    // of reconfigure() switches.)
+    if (!in_flight_.empty() && poll_in_flight() && scheduler_.queued_chunks() > 0) return;
     std::unique_lock<std::mutex> lock(inbox_mutex_);
     if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
     if (doorbell_rang_) {  // a completion: poll again before sleeping
@@ -255,6 +259,7 @@ void Runtime::take_submissions() {
 }
 
 void Runtime::apply_outcome(const CycleOutcome& outcome) {
+  agreed_completed_bytes_ = outcome.min_completed_bytes;
   if (outcome.min_settings_epoch > applied_epoch_) {
     // Every rank sees the same reports, so every rank switches in this same cycle.
     applied_epoch_ = outcome.root_settings_epoch;
@@ -303,9 +308,8 @@ void Runtime::launch_ready() {
     launch(std::move(unit));
   }
   if (!committed_.empty()) return;
-  // With nothing committed, everything popped is on the wire or done: the scheduler's
-  // credit is this rank's own bytes in flight.
-  scheduler_.set_completed_bytes(completed_bytes_);
+  // The credit is what every rank has completed, so every rank pops the same units here.
+  scheduler_.set_completed_bytes(agreed_completed_bytes_);
   for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
 }
 

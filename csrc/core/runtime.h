@@ -136,6 +136,7 @@ class Runtime {
   std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;
+  uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round
   // Units another rank launched before this one: they go on the wire before anything else.
   std::deque<Launch> committed_;
   std::vector<std::vector<uint8_t>> buffer_pool_;

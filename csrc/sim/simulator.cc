@@ -186,6 +186,7 @@ class RuntimeComm : public Comm {
   void start_exchange(double now_s) {
     announced_.swap(inbox_);
     inbox_.clear();
+    reported_bytes_ = completed_bytes_;
     exchanging_ = true;
     // Agreement messages share the link with the data: they wait behind what is queued on it.
     exchange_end_s_ = now_s + exchange_s_ + link_.backlog_bytes(now_s) / network_.bandwidth_bytes_per_s;
@@ -212,13 +213,15 @@ class RuntimeComm : public Comm {
     done.insert(done.end(), deferred_.begin(), deferred_.end());
     deferred_.clear();
     deadline_s_ = now_s + heartbeat_s_;
-    if (!inbox_.empty()) news_s_ = now_s;
+    // As in the core, a completion seen after the round is news if chunks wait for its credit.
+    const bool credit_news = completed_mid_exchange_ && scheduler_.queued_chunks() > 0;
+    completed_mid_exchange_ = false;
+    if (!inbox_.empty() || credit_news) news_s_ = now_s;
   }
 
-  // As in the real core, credit comes back as this rank's collectives complete; the ranks
-  // are identical here, so none ever has to catch up with another.
+  // As in the real core, credit comes back through a round: what was completed when it began.
   void launch_ready(double now_s) {
-    scheduler_.set_completed_bytes(completed_bytes_);
+    scheduler_.set_completed_bytes(reported_bytes_);
     for (Launch& launch : scheduler_.next_launches()) {
       ++launches_;
       fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
@@ -239,7 +242,11 @@ class RuntimeComm : public Comm {
       chunks_left_.erase(left);
       (exchanging_ ? deferred_ : done).push_back(chunk.tensor_id);
     }
-    if (!exchanging_) launch_ready(now_s);
+    if (exchanging_) {
+      completed_mid_exchange_ = true;
+    } else if (scheduler_.queued_chunks() > 0) {
+      news_s_ = std::min(news_s_, now_s);  // chunks wait for this credit: a round now
+    }
   }
 
   const std::vector<Param>& params_;
@@ -257,6 +264,8 @@ class RuntimeComm : public Comm {
   std::vector<uint64_t> announced_;
   std::vector<uint64_t> deferred_;
   uint64_t completed_bytes_ = 0;
+  uint64_t reported_bytes_ = 0;  // completed bytes as of the last round's start
+  bool completed_mid_exchange_ = false;
   std::unordered_map<uint64_t, uint32_t> chunks_left_;
   std::unordered_map<uint64_t, Launch> in_flight_;
   uint64_t launches_ = 0;
