@@ -158,3 +158,15 @@ def test_cleanup_stale_removes_orphans() -> None:
         assert orphan not in netrig.list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", orphan], check=False, capture_output=True)
+
+
+@needs_rig
+@pytest.mark.skipif(not _has("mpi4py"), reason="needs mpi4py")
+def test_reconfigure_switches_over_a_shaped_link_never_hang() -> None:
+    """A run of reconfigure() switches mid-training over the rig: it hung once credit was local."""
+    script = Path(__file__).resolve().parent / "ranks" / "reconfigure_grid.py"
+    env = dict(os.environ, COMMSCHED_STALL_TIMEOUT="5", COMMSCHED_STALL_SHUTDOWN="20")
+    argv = [sys.executable, str(NETRIG_PATH), "--ranks", "2", "--rate", "1gbit", "--"]
+    argv += [sys.executable, "-m", "mpi4py", str(script), "9"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0 and "PASS" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
