@@ -43,7 +43,7 @@ class Scheduler {
   // Returns the number of chunks it was cut into.
   uint32_t add(uint64_t tensor_id, const TensorSpec& spec);
 
-  // Releases credit: `cumulative_bytes` is the total of launched bytes completed so far.
+  // Releases credit: `cumulative_bytes` is the total of launched bytes completed on every rank.
   void set_completed_bytes(uint64_t cumulative_bytes);
 
   // Pops what may launch now, in launch order, while the credit allows. A unit (one chunk,
