@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at `host` right now (IPv4 or IPv6 address)."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
     base.update(
         MASTER_ADDR=base.get("MASTER_ADDR", "127.0.0.1"),
-        MASTER_PORT=str(args.master_port or _free_port()),
+        MASTER_PORT=str(args.master_port or free_port()),
         WORLD_SIZE=str(args.nproc),
     )
     command = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.arguments

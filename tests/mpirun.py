@@ -52,6 +52,14 @@ def run_ranks(
     )
 
 
+def local_launch(ranks: int, program: str, *args: str, master_port: int = 0) -> list[str]:
+    """Argv that starts `program` on `ranks` local ranks with commsched's launcher (`commsched.run`)."""
+    argv = [sys.executable, "-W", "ignore", "-m", "commsched.run", "-n", str(ranks)]
+    if master_port:
+        argv += ["--master-port", str(master_port)]
+    return [*argv, program, *args]
+
+
 def unglue(output: str, *markers: str) -> str:
     """Puts each marker (e.g. "PASS ") at the start of a line: mpiexec may glue two ranks' lines together."""
     for marker in markers:

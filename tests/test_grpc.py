@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,9 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
+from mpirun import local_launch  # tests/ is on sys.path (conftest.py)
+
+from commsched.run import free_port
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_net import endpoint_from, parse_peers, resolve_bind
 from commsched.transports.grpc_ring import FrameError, RingOp, segments
@@ -26,13 +28,6 @@ from commsched.transports.grpc_transport import JOIN_METHOD, STREAM_METHOD, Grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # ------------------------------------------------------------------ ring logic, in memory
@@ -390,20 +385,8 @@ def test_intruder_without_token_is_refused_while_the_job_goes_on(tmp_path: Path)
     """During a 2-rank job, a connection with a wrong token is refused and logged; the job finishes."""
     port = free_port()
     pause = tmp_path / "intruded"
-    command = [
-        sys.executable,
-        "-W",
-        "ignore",
-        "-m",
-        "commsched.run",
-        "-n",
-        "2",
-        "--master-port",
-        str(port),
-        str(ROOT / "tests" / "transport_ranks" / "grpc_job.py"),
-        "--pause-file",
-        str(pause),
-    ]
+    script = str(ROOT / "tests" / "transport_ranks" / "grpc_job.py")
+    command = local_launch(2, script, "--pause-file", str(pause), master_port=port)
     job = subprocess.Popen(
         command, env=job_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -438,22 +421,8 @@ def test_intruder_without_token_is_refused_while_the_job_goes_on(tmp_path: Path)
 
 def test_killed_rank_fails_the_others_within_the_stall_timeout() -> None:
     """SIGKILL of rank 2 of 3: ranks 0 and 1 stop with an error naming rank 2, well before 10 s."""
-    command = [
-        sys.executable,
-        "-W",
-        "ignore",
-        "-m",
-        "commsched.run",
-        "-n",
-        "3",
-        str(ROOT / "tests" / "transport_ranks" / "grpc_job.py"),
-        "--kill-rank",
-        "2",
-        "--kill-after",
-        "1",
-        "--rounds",
-        "100",
-    ]
+    script = str(ROOT / "tests" / "transport_ranks" / "grpc_job.py")
+    command = local_launch(3, script, "--kill-rank", "2", "--kill-after", "1", "--rounds", "100")
     done = subprocess.run(
         command, env=job_environment("10"), capture_output=True, text=True, timeout=90, check=False
     )

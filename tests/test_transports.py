@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpirun import local_launch  # tests/ is on sys.path (conftest.py)
 
 from commsched import transports
 from commsched.launch import LaunchInfo
@@ -42,17 +43,7 @@ def launch_command(transport: str, ranks: int, script: Path, arguments: list[str
     """How a transport's ranks are started: mpiexec for MPI, commsched's launcher (torchrun-style) otherwise."""
     if transport == "mpi":
         return [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script), *arguments]
-    return [
-        sys.executable,
-        "-W",
-        "ignore",
-        "-m",
-        "commsched.run",
-        "-n",
-        str(ranks),
-        str(script),
-        *arguments,
-    ]
+    return local_launch(ranks, str(script), *arguments)
 
 
 def rank_environment() -> dict[str, str]:
@@ -141,7 +132,7 @@ def test_launcher_passes_one_fresh_token(tmp_path: Path) -> None:
     for _ in range(2):
         env = dict(rank_environment(), OUT=str(tmp_path))
         subprocess.run(
-            [sys.executable, "-W", "ignore", "-m", "commsched.run", "-n", "3", str(script)],
+            local_launch(3, str(script)),
             env=env,
             check=True,
             timeout=60,
@@ -163,7 +154,7 @@ def test_launcher_keeps_a_given_token(tmp_path: Path) -> None:
     )
     env = dict(rank_environment(), OUT=str(tmp_path / "token"), COMMSCHED_JOB_TOKEN="given-token-123")
     subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "commsched.run", "-n", "1", str(script)],
+        local_launch(1, str(script)),
         env=env,
         check=True,
         timeout=60,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import socket
 import statistics
 import struct
 import sys
@@ -122,6 +121,7 @@ class RawGrpc:
         import commsched
         from commsched.config import job_token
         from commsched.launch import detect
+        from commsched.run import free_port
         from commsched.transports.grpc_net import (
             endpoint_from,
             fallback_token,
@@ -142,10 +142,7 @@ class RawGrpc:
             host = launch.master_addr or os.environ.get("MASTER_ADDR", "") or "127.0.0.1"
         cell = np.zeros(1, np.int64)
         if rank == 0 and size > 1:
-            bind = resolve_bind(bind_setting, host, 1)[0]
-            with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as probe:
-                probe.bind((bind, 0))
-                cell[0] = probe.getsockname()[1]
+            cell[0] = free_port(resolve_bind(bind_setting, host, 1)[0])
         commsched.broadcast(cell, root=0, name="bench.raw_grpc_port")
         # A single rank gets port 0 here, which plans a lone local endpoint.
         endpoint = endpoint_from(rank, size, host, int(cell[0]), [], bind_setting, False)

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from mpirun import clean_rank_env, mpiexec  # tests/ is on sys.path (conftest.py)
 
+from commsched.run import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
 def _clean_env() -> dict[str, str]:
     return clean_rank_env(HERE)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(
@@ -39,7 +34,7 @@ def launch(
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             path,
             *args,
         ]
