@@ -85,7 +85,6 @@ std::string Agreement::build_report(const ReportStatus& status) {
   writer.put<uint32_t>(kReportMagic);
   writer.put<uint8_t>(status.shutdown ? 1 : 0);
   writer.put<uint64_t>(status.completed_bytes);
-  writer.put<uint64_t>(status.launch_count);
   writer.put_string(status.abort_message);
   writer.put<uint32_t>(status.settings_epoch);
   writer.put<uint8_t>(static_cast<uint8_t>(status.settings.policy));
@@ -126,7 +125,6 @@ CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double no
     if (reader.get<uint32_t>() != kReportMagic) reader.fail("bad magic");
     const bool shutdown = reader.get<uint8_t>() != 0;
     outcome.min_completed_bytes = std::min(outcome.min_completed_bytes, reader.get<uint64_t>());
-    outcome.max_launch_count = std::max(outcome.max_launch_count, reader.get<uint64_t>());
     std::string abort_message = reader.get_string(kMaxNameBytes);
     const auto settings_epoch = reader.get<uint32_t>();
     SchedulingSettings settings;

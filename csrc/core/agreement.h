@@ -21,7 +21,6 @@ namespace commsched {
 
 struct ReportStatus {
   uint64_t completed_bytes = 0;
-  uint64_t launch_count = 0;  // units this rank has taken off its scheduler queue
   bool shutdown = false;
   std::string abort_message;  // non-empty: this rank has failed and asks everyone to stop
   // Scheduling settings this rank asks for, numbered; they switch once every rank asked.
@@ -38,7 +37,6 @@ struct CycleOutcome {
   std::vector<TensorSpec> agreed;  // launch-eligible, in readiness order
   std::vector<TensorFailure> failures;
   uint64_t min_completed_bytes = 0;
-  uint64_t max_launch_count = 0;  // every rank catches up to this before queueing what is new
   int shutdown_rank = -1;  // lowest rank that asked to shut down, -1 if none
   int abort_rank = -1;
   std::string abort_message;

@@ -149,7 +149,7 @@ void Runtime::loop() {
     CycleOutcome outcome;
     try {
       wait_for_news(deadline);
-      ReportStatus status{completed_bytes_, scheduler_.launch_count(), shutdown_requested_.load(), abort_message_};
+      ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
       {
         std::lock_guard<std::mutex> lock(inbox_mutex_);
         status.settings_epoch = requested_epoch_;
@@ -171,17 +171,13 @@ void Runtime::loop() {
       stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
       return;
     }
-    // Ranks pop the same units at the same round, so this takes nothing; should a rank ever
-    // have popped more, the others take exactly those units first, before settings change or
-    // new tensors are queued, so every rank still launches the same sequence.
-    for (Launch& unit : scheduler_.catch_up(outcome.max_launch_count)) committed_.push_back(std::move(unit));
     if (outcome.abort_rank >= 0) {
       stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
       return;
     }
     try {
       apply_outcome(outcome);
-      // When stopping, pop nothing new: ranks would pop different amounts with nobody left to catch up.
+      // When stopping, pop nothing new: what is in flight finishes, what is queued fails on every rank alike.
       if (outcome.shutdown_rank < 0) launch_ready();
       poll_in_flight();
     } catch (const std::exception& error) {
@@ -203,7 +199,7 @@ void Runtime::loop() {
       // until this rank joins: so this rank joins within a cycle.
       const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
                          outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
-                         committed_.empty() && scheduler_.queued_chunks() == 0;
+                         scheduler_.queued_chunks() == 0;
       heartbeat = quiet ? std::min<Clock::duration>(2 * heartbeat, kMaxQuietCycles * cycle) : cycle;
       deadline = Clock::now() + heartbeat;
     }
@@ -296,18 +292,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
   }
 }
 
-bool Runtime::credit_allows(uint64_t bytes) const {
-  if (scheduler_.settings().policy == Policy::kFifo) return true;
-  return bytes_in_flight_ == 0 || bytes_in_flight_ + bytes <= scheduler_.settings().credit_bytes;
-}
-
 void Runtime::launch_ready() {
-  while (!committed_.empty() && credit_allows(committed_.front().bytes)) {
-    Launch unit = std::move(committed_.front());
-    committed_.pop_front();
-    launch(std::move(unit));
-  }
-  if (!committed_.empty()) return;
   // The credit is what every rank has completed, so every rank pops the same units here.
   scheduler_.set_completed_bytes(agreed_completed_bytes_);
   for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
@@ -488,17 +473,6 @@ void Runtime::drain_in_flight(double timeout_s) {
 }
 
 void Runtime::stop_everything(const std::string& reason) {
-  // Other ranks may already have launched the committed units: match them, or their
-  // collectives never finish.
-  try {
-    while (!committed_.empty()) {
-      launch(std::move(committed_.front()));
-      committed_.pop_front();
-    }
-  } catch (const std::exception& error) {
-    logger_.log(LogLevel::kError, std::string("could not launch a collective while stopping: ") + error.what());
-    committed_.clear();
-  }
   // Buffers must be out of the transport's hands before their handles fail.
   drain_in_flight(settings_.stall_timeout_s);
   std::vector<Submission> unclaimed;

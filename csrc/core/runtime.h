@@ -6,7 +6,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,9 +93,8 @@ class Runtime {
   void wait_for_news(std::chrono::steady_clock::time_point deadline);
   void take_submissions();
   void apply_outcome(const CycleOutcome& outcome);
-  // Launches caught-up units first, then whatever the scheduler's credit admits.
+  // Launches whatever the agreed credit admits.
   void launch_ready();
-  bool credit_allows(uint64_t bytes) const;
   void launch(Launch launch);
   bool poll_in_flight();
   void finish(InFlight& done);
@@ -137,8 +135,6 @@ class Runtime {
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;
   uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round
-  // Units another rank launched before this one: they go on the wire before anything else.
-  std::deque<Launch> committed_;
   std::vector<std::vector<uint8_t>> buffer_pool_;
   uint64_t next_tensor_id_ = 0;
   uint64_t completed_bytes_ = 0;

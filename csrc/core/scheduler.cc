@@ -99,10 +99,4 @@ std::vector<Launch> Scheduler::next_launches() {
   return launches;
 }
 
-std::vector<Launch> Scheduler::catch_up(uint64_t launch_count) {
-  std::vector<Launch> launches;
-  while (next_launch_seq_ < launch_count && !queue_.empty()) launches.push_back(pop_unit());
-  return launches;
-}
-
 }  // namespace commsched

@@ -51,12 +51,6 @@ class Scheduler {
   // rank cuts the queue into the same units whenever it pops them.
   std::vector<Launch> next_launches();
 
-  // Pops units regardless of credit until `launch_count` units have been popped in all:
-  // a rank that launched fewer than another between two agreements catches up with
-  // exactly the units the other took, before anything newly agreed is queued.
-  std::vector<Launch> catch_up(uint64_t launch_count);
-  uint64_t launch_count() const { return next_launch_seq_; }
-
   // Applies new sizes or policy; takes effect for tensors added afterwards.
   void reconfigure(const SchedulingSettings& settings);
 

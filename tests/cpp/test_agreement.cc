@@ -146,13 +146,10 @@ TEST_CASE(completed_bytes_shutdown_and_abort_are_shared) {
   statuses[1].completed_bytes = 300;
   statuses[2].completed_bytes = 900;
   statuses[2].shutdown = true;
-  statuses[0].launch_count = 7;
-  statuses[2].launch_count = 9;
   statuses[1].abort_message = "disk on fire";
   const std::vector<CycleOutcome> outcomes = world.cycle(0, statuses);
   for (const CycleOutcome& outcome : outcomes) {
     EXPECT_EQ(outcome.min_completed_bytes, 300u);
-    EXPECT_EQ(outcome.max_launch_count, 9u);
     EXPECT_EQ(outcome.shutdown_rank, 2);
     EXPECT_EQ(outcome.abort_rank, 1);
     EXPECT_EQ(outcome.abort_message, std::string("disk on fire"));
