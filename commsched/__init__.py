@@ -173,6 +173,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         partition_bytes=resolved.partition_bytes,
         credit_bytes=resolved.credit_bytes,
         fusion_bytes=resolved.fusion_bytes,
+        inline_bytes=resolved.inline_bytes,
         cycle_time_s=resolved.cycle_time,
         stall_timeout_s=resolved.stall_timeout,
         stall_shutdown_s=resolved.stall_shutdown,
@@ -316,12 +317,16 @@ def stats() -> dict[str, int]:
     return dict(_core.stats())
 
 
-def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priority: int) -> Handle:
+def _submit(
+    array: Any, name: str | None, kind: str, op: str, root: int, priority: int, waits_next: bool = False
+) -> Handle:
     if name is None:
         # Like Horovod: unnamed tensors are numbered in call order, which must then match across ranks.
         name = f"{kind}.unnamed.{next(_state.unnamed)}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"tensor name must be a non-empty string, not {name!r}")
+    if not isinstance(root, int):
+        raise TypeError(f"root must be a rank number, not {root!r}")
     if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
     if op not in ("sum", "average"):
@@ -337,7 +342,11 @@ def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priorit
         # Here, on the caller's thread: the event goes on the stream that produced the bytes.
         announce.submitted(view, name, op)
     try:
-        core_handle = _core.enqueue(name, view.address, view.count, view.dtype, op, kind, root, priority)
+        # A caller that waits next runs the core itself: waking the core's thread would only
+        # take a CPU from it.
+        core_handle = _core.enqueue(
+            name, view.address, view.count, view.dtype, op, kind, root, priority, wake_core=not waits_next
+        )
     except BaseException:
         if announce is not None:
             announce.forget(view)
@@ -373,13 +382,11 @@ def allreduce(
     array: Any, name: str | None = None, priority: int = 0, op: str = "sum", timeout: float | None = None
 ) -> Any:
     """Allreduces in place and returns the array."""
-    return allreduce_async(array, name, priority, op).wait(timeout)
+    return _submit(array, name, "allreduce", op, 0, priority, waits_next=True).wait(timeout)
 
 
 def broadcast_async(array: Any, root: int = 0, name: str | None = None, priority: int = 0) -> Handle:
     """Starts an in-place broadcast from `root`."""
-    if not isinstance(root, int):
-        raise TypeError(f"root must be a rank number, not {root!r}")
     return _submit(array, name, "broadcast", "sum", root, priority)
 
 
@@ -387,4 +394,4 @@ def broadcast(
     array: Any, root: int = 0, name: str | None = None, priority: int = 0, timeout: float | None = None
 ) -> Any:
     """Broadcasts in place from `root` and returns the array."""
-    return broadcast_async(array, root, name, priority).wait(timeout)
+    return _submit(array, name, "broadcast", "sum", root, priority, waits_next=True).wait(timeout)

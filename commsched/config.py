@@ -91,6 +91,7 @@ class Settings:
     partition_bytes: int = 4 * 1024**2
     credit_bytes: int = 16 * 1024**2
     fusion_bytes: int = 1024**2
+    inline_bytes: int = 4096  # tensors up to this size ride in the agreement round (host memory)
     transport: str = "auto"
     device: str = "auto"  # where the tensors live: cpu, cuda, or auto (the first submitted tensor decides)
     timeline: str = ""
@@ -115,6 +116,11 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "partition_bytes": ("COMMSCHED_PARTITION_BYTES", parse_size, _SIZE_FORM + " (0 turns partitioning off)"),
     "credit_bytes": ("COMMSCHED_CREDIT_BYTES", parse_size, _SIZE_FORM),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
+    "inline_bytes": (
+        "COMMSCHED_INLINE_BYTES",
+        parse_size,
+        _SIZE_FORM + " up to 64KiB (0 sends every tensor as a collective of its own)",
+    ),
     "transport": ("COMMSCHED_TRANSPORT", _choice(TRANSPORTS), "one of " + ", ".join(TRANSPORTS)),
     "device": ("COMMSCHED_DEVICE", _choice(DEVICES), "one of " + ", ".join(DEVICES)),
     "timeline": ("COMMSCHED_TIMELINE", _path, "a file path for the Chrome trace"),
@@ -183,6 +189,11 @@ def user_given(arguments: dict[str, Any], environ: dict[str, str] | None = None)
 def _check_consistency(settings: Settings) -> None:
     if settings.credit_bytes == 0:
         raise SettingError("COMMSCHED_CREDIT_BYTES must be above 0; use a size such as 8MiB")
+    if settings.inline_bytes > 64 * 1024:
+        raise SettingError(
+            f"COMMSCHED_INLINE_BYTES must be at most 64KiB, not {settings.inline_bytes}: every rank receives "
+            "every rank's inline bytes; bigger tensors belong in a collective"
+        )
     if settings.stall_timeout <= 0:
         raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
     if settings.cycle_time <= 0 or settings.cycle_time > 1.0:

@@ -26,6 +26,8 @@ class _HookedTransport:
 
     name, rank, size = "hooked", 0, 1
     poll_interval_us = 100
+    # Like NCCL: the core must not touch the tensors itself, so none rides inline in a report.
+    host_memory = False
 
     def __init__(self) -> None:
         self.copies: list[tuple[int, int, int]] = []

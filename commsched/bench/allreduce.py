@@ -315,7 +315,7 @@ def _measure(args: argparse.Namespace, raw: Any) -> tuple[list[dict[str, Any]], 
         name = f"allreduce{size}"
 
         def through_commsched(buffer: np.ndarray = buffer, name: str = name) -> None:
-            commsched.allreduce_async(buffer, name=name).wait()
+            commsched.allreduce(buffer, name=name)
 
         def through_raw(buffer: np.ndarray = buffer) -> None:
             raw.allreduce(buffer)

@@ -72,6 +72,7 @@ class NcclTransport:
     """
 
     name = "nccl"
+    host_memory = False  # the core must not read the tensors itself (no payloads in reports)
     poll_interval_us = 50  # test() is one cudaEventQuery: cheap, but keep the GIL mostly free
 
     def __init__(self, control: Any, api: Any, device: int) -> None:

@@ -91,6 +91,7 @@ py::dict stats_dict(const RuntimeStats& stats) {
   out["max_launch_bytes"] = stats.max_launch_bytes;
   out["completed_tensors"] = stats.completed_tensors;
   out["failed_tensors"] = stats.failed_tensors;
+  out["inline_tensors"] = stats.inline_tensors;
   return out;
 }
 
@@ -110,7 +111,10 @@ PYBIND11_MODULE(_core, module) {
             bool finished;
             {
               py::gil_scoped_release release;
-              finished = handle.wait(timeout_s ? *timeout_s : -1.0);
+              const double timeout = timeout_s ? *timeout_s : -1.0;
+              // Through the runtime, so this thread may run the core while it waits.
+              const std::shared_ptr<Runtime> runtime = runtime_slot().get();
+              finished = runtime ? runtime->wait(handle, timeout) : handle.wait(timeout);
             }
             if (finished && handle.failed()) {
               PyErr_SetString(comm_error.ptr(), handle.error().c_str());
@@ -129,12 +133,14 @@ PYBIND11_MODULE(_core, module) {
       "start",
       [](const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          double cycle_time_s, double stall_timeout_s, double stall_shutdown_s, const std::string& timeline_path,
-         const std::string& log_level, const std::string& transport_kind, py::object transport_argument) {
+         const std::string& log_level, const std::string& transport_kind, py::object transport_argument,
+         uint64_t inline_bytes) {
         RuntimeSettings settings;
         settings.scheduling.policy = policy == "fifo" ? Policy::kFifo : Policy::kPriority;
         settings.scheduling.partition_bytes = partition_bytes;
         settings.scheduling.credit_bytes = credit_bytes;
         settings.scheduling.fusion_bytes = fusion_bytes;
+        settings.inline_bytes = inline_bytes;
         settings.cycle_time_s = cycle_time_s;
         settings.stall_timeout_s = stall_timeout_s;
         settings.stall_shutdown_s = stall_shutdown_s;
@@ -146,7 +152,7 @@ PYBIND11_MODULE(_core, module) {
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
       py::arg("log_level"), py::arg("transport_kind"), py::arg("transport_argument") = py::none(),
-      "Starts the runtime (called by commsched.init()).");
+      py::arg("inline_bytes") = RuntimeSettings{}.inline_bytes, "Starts the runtime (called by commsched.init()).");
 
   module.def(
       "stop",
@@ -162,7 +168,7 @@ PYBIND11_MODULE(_core, module) {
   module.def(
       "enqueue",
       [](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
-         const std::string& op, const std::string& kind, int root, int priority) {
+         const std::string& op, const std::string& kind, int root, int priority, bool wake_core) {
         TensorSpec spec;
         spec.name = name;
         spec.dtype = dtype_from_name(dtype);
@@ -171,10 +177,10 @@ PYBIND11_MODULE(_core, module) {
         spec.root = root;
         spec.count = count;
         spec.priority = priority;
-        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address));
+        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address), wake_core);
       },
       py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
-      py::arg("root"), py::arg("priority"), "Submits a collective on raw memory that the caller keeps alive.");
+      py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, "Submits a collective on raw memory that the caller keeps alive.");
 
   module.def(
       "reconfigure",

@@ -8,7 +8,7 @@ namespace commsched {
 
 namespace {
 
-constexpr uint32_t kReportMagic = 0x31525343;  // "CSR1"
+constexpr uint32_t kReportMagic = 0x32525343;  // "CSR2"
 constexpr uint8_t kEntryCached = 0;
 constexpr uint8_t kEntryFull = 1;
 constexpr size_t kMaxCachedNames = 1u << 20;
@@ -41,6 +41,12 @@ class Reader {
     std::memcpy(&value, data_.data() + pos_, sizeof(T));
     pos_ += sizeof(T);
     return value;
+  }
+  std::string get_bytes(size_t length) {
+    need(length);
+    std::string bytes = data_.substr(pos_, length);
+    pos_ += length;
+    return bytes;
   }
   std::string get_string(size_t max_bytes) {
     const auto length = get<uint32_t>();
@@ -78,7 +84,9 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 Agreement::Agreement(int rank, int size) : rank_(rank), size_(size) {}
 
-void Agreement::announce(const TensorSpec& spec) { outbox_.push_back(spec); }
+void Agreement::announce(const TensorSpec& spec, std::string payload) {
+  outbox_.emplace_back(spec, std::move(payload));
+}
 
 std::string Agreement::build_report(const ReportStatus& status) {
   Writer writer;
@@ -92,12 +100,13 @@ std::string Agreement::build_report(const ReportStatus& status) {
   writer.put<uint64_t>(status.settings.credit_bytes);
   writer.put<uint64_t>(status.settings.fusion_bytes);
   writer.put<uint32_t>(static_cast<uint32_t>(outbox_.size()));
-  for (const TensorSpec& spec : outbox_) {
+  for (const auto& [spec, payload] : outbox_) {
     auto cached = cache_ids_.find(spec.name);
     if (cached != cache_ids_.end() && cache_[cached->second].same_shape_as(spec)) {
       writer.put<uint8_t>(kEntryCached);
       writer.put<uint32_t>(cached->second);
       writer.put<int32_t>(spec.priority);
+      writer.put_string(payload);
       continue;
     }
     writer.put<uint8_t>(kEntryFull);
@@ -108,6 +117,7 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put<int32_t>(spec.root);
     writer.put<uint64_t>(spec.count);
     writer.put<int32_t>(spec.priority);
+    writer.put_string(payload);
   }
   outbox_.clear();
   return writer.take();
@@ -169,19 +179,25 @@ CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double no
       } else {
         reader.fail("bad entry tag " + std::to_string(tag));
       }
-      record(from, std::move(spec), now_s, outcome);
+      const auto payload_bytes = reader.get<uint32_t>();
+      if (payload_bytes != 0 && payload_bytes != spec.bytes()) {
+        reader.fail("inline payload of " + std::to_string(payload_bytes) + " bytes for '" + spec.name + "' of " +
+                    std::to_string(spec.bytes()));
+      }
+      record(from, std::move(spec), reader.get_bytes(payload_bytes), now_s, outcome);
     }
     if (!reader.at_end()) reader.fail("trailing bytes");
   }
   return outcome;
 }
 
-void Agreement::record(int from_rank, TensorSpec spec, double now_s, CycleOutcome& outcome) {
+void Agreement::record(int from_rank, TensorSpec spec, std::string payload, double now_s, CycleOutcome& outcome) {
   const std::string name = spec.name;
   auto [it, inserted] = pending_.try_emplace(name);
   Pending& entry = it->second;
   if (inserted) {
     entry.by_rank.resize(size_);
+    entry.payloads.resize(size_);
     entry.first_seen_s = now_s;
   }
   if (entry.by_rank[from_rank]) {
@@ -189,6 +205,7 @@ void Agreement::record(int from_rank, TensorSpec spec, double now_s, CycleOutcom
                     "' twice before it was agreed");
   }
   entry.by_rank[from_rank] = std::move(spec);
+  entry.payloads[from_rank] = std::move(payload);
   if (from_rank == rank_) ++own_pending_;
   if (++entry.reported == size_) {
     --own_pending_;
@@ -230,6 +247,12 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
     cache_ids_.emplace(name, static_cast<uint32_t>(cache_.size()));
     cache_.push_back(agreed);
   }
+  // Inline only when the result follows from the payloads alone; else every rank launches it.
+  const bool complete =
+      agreed.kind == CollectiveKind::kBroadcast
+          ? !entry.payloads[agreed.root].empty()
+          : std::all_of(entry.payloads.begin(), entry.payloads.end(), [](const std::string& p) { return !p.empty(); });
+  outcome.inline_payloads.push_back(complete ? std::move(entry.payloads) : std::vector<std::string>{});
   outcome.agreed.push_back(std::move(agreed));
 }
 

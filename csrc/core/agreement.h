@@ -35,6 +35,10 @@ struct TensorFailure {
 
 struct CycleOutcome {
   std::vector<TensorSpec> agreed;  // launch-eligible, in readiness order
+  // Per agreed tensor, by rank: the bytes its ranks sent inline with their reports. Non-empty
+  // only when the result is complete from them (every rank's for an allreduce, the root's for a
+  // broadcast): then no collective is launched for it.
+  std::vector<std::vector<std::string>> inline_payloads;
   std::vector<TensorFailure> failures;
   uint64_t min_completed_bytes = 0;
   int shutdown_rank = -1;  // lowest rank that asked to shut down, -1 if none
@@ -57,8 +61,9 @@ class Agreement {
  public:
   Agreement(int rank, int size);
 
-  // Records that a tensor became ready on this rank; it goes out with the next report.
-  void announce(const TensorSpec& spec);
+  // Records that a tensor became ready on this rank; it goes out with the next report, with
+  // `payload` (the tensor's bytes, or empty) inline.
+  void announce(const TensorSpec& spec, std::string payload = {});
   bool has_announcements() const { return !outbox_.empty(); }
 
   // Serialises this rank's report and clears the announcements it carries.
@@ -77,16 +82,17 @@ class Agreement {
  private:
   struct Pending {
     std::vector<std::optional<TensorSpec>> by_rank;
+    std::vector<std::string> payloads;
     int reported = 0;
     double first_seen_s = 0;
   };
 
-  void record(int from_rank, TensorSpec spec, double now_s, CycleOutcome& outcome);
+  void record(int from_rank, TensorSpec spec, std::string payload, double now_s, CycleOutcome& outcome);
   void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
 
   int rank_;
   int size_;
-  std::vector<TensorSpec> outbox_;
+  std::vector<std::pair<TensorSpec, std::string>> outbox_;
   std::unordered_map<std::string, uint32_t> cache_ids_;
   std::vector<TensorSpec> cache_;
   std::map<std::string, Pending> pending_;

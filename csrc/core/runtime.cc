@@ -23,6 +23,8 @@ constexpr auto kPollInterval = std::chrono::microseconds(10);
 // exchange at once and backs off up to a quarter cycle when nothing moves.
 constexpr auto kEagerBackoffStep = std::chrono::microseconds(10);
 constexpr double kStallCheckPeriodS = 1.0;
+// A waiting caller looks at its handle and the core at least this often.
+constexpr auto kCallerSlice = std::chrono::milliseconds(50);
 
 std::string human_bytes(uint64_t bytes) {
   char text[32];
@@ -51,11 +53,19 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       size_(transport_->size()),
       transport_name_(transport_->name()),
       poll_interval_(transport_->poll_interval()),
+      callers_drive_(transport_->any_thread()),
+      inline_limit_bytes_(transport_->host_memory()
+                              ? std::min<uint64_t>(settings.inline_bytes, kInlineRoundBudgetBytes / size_)
+                              : 0),
+      cycle_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settings.cycle_time_s))),
+      exchange_timeout_s_(settings.stall_shutdown_s > 0 ? settings.stall_shutdown_s : 10 * settings.stall_timeout_s),
       logger_(settings.log_level, rank_),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
       started_(Clock::now()),
       requested_settings_(settings.scheduling),
+      next_round_(Clock::now() + cycle_),
+      heartbeat_(cycle_),
       applied_settings_(settings.scheduling) {
   timeline_.open(settings_.timeline_path, rank_);
   doorbell_->connect([this] {
@@ -63,7 +73,8 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       std::lock_guard<std::mutex> lock(inbox_mutex_);
       doorbell_rang_ = true;
     }
-    inbox_cv_.notify_one();
+    loop_cv_.notify_all();
+    callers_cv_.notify_all();
   });
   transport_->set_doorbell(doorbell_);
   logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
@@ -77,7 +88,7 @@ Runtime::~Runtime() {
 
 double Runtime::now_s() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
 
-std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data) {
+std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core) {
   if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
     throw UsageError("broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
                      " is not a rank; use a root between 0 and " + std::to_string(size_ - 1));
@@ -100,13 +111,17 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
     }
     inbox_.push_back(Submission{spec, data, handle, Timeline::now_us()});
   }
-  inbox_cv_.notify_one();
+  if (wake_core || !callers_drive_) {
+    loop_cv_.notify_all();
+    callers_cv_.notify_all();
+  }
   return handle;
 }
 
 void Runtime::shutdown() {
   shutdown_requested_ = true;
-  inbox_cv_.notify_all();
+  loop_cv_.notify_all();
+  callers_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -135,105 +150,203 @@ std::string Runtime::describe(const std::string& name) const {
 }
 
 void Runtime::loop() {
-  const double exchange_timeout_s =
-      settings_.stall_shutdown_s > 0 ? settings_.stall_shutdown_s : 10 * settings_.stall_timeout_s;
-  const auto cycle = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settings_.cycle_time_s));
 #ifdef __linux__
   // Short polling sleeps are only cheap if the kernel wakes us on time (default slack: 50us).
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 #endif
-  auto deadline = Clock::now() + cycle;
-  Clock::duration eager_backoff{0};
-  Clock::duration heartbeat = cycle;
-  while (true) {
-    CycleOutcome outcome;
-    try {
-      wait_for_news(deadline);
-      ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
-      {
-        std::lock_guard<std::mutex> lock(inbox_mutex_);
-        status.settings_epoch = requested_epoch_;
-        status.settings = requested_settings_;
-      }
-      take_submissions();
-      const bool had_news = agreement_.has_announcements();
-      const uint64_t exchange_start_us = Timeline::now_us();
-      const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s);
-      outcome = agreement_.apply(reports, now_s());
-      if (had_news || !outcome.agreed.empty()) {
-        timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
-                           "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
-      }
-      std::lock_guard<std::mutex> lock(stats_mutex_);
-      ++stats_.cycles;
-    } catch (const std::exception& error) {
-      // The control path itself failed: nobody can be told, so stop here.
-      stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
-      return;
-    }
-    if (outcome.abort_rank >= 0) {
-      stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
-      return;
-    }
-    try {
-      apply_outcome(outcome);
-      // When stopping, pop nothing new: what is in flight finishes, what is queued fails on every rank alike.
-      if (outcome.shutdown_rank < 0) launch_ready();
-      poll_in_flight();
-    } catch (const std::exception& error) {
-      // Tell every rank with the next report, so all stop in the same cycle.
-      if (abort_message_.empty()) abort_message_ = error.what();
-      logger_.log(LogLevel::kError, abort_message_);
-    }
-    if (outcome.shutdown_rank >= 0) {
-      stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
-      return;
-    }
-    if (agreement_.waiting_on_others()) {
-      const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
-      eager_backoff = progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff + kEagerBackoffStep, cycle / 4);
-      deadline = Clock::now() + eager_backoff;
-    } else {
-      // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
-      // may sit in an exchange, unable to launch the unit this rank's next completion needs
-      // until this rank joins: so this rank joins within a cycle.
-      const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
-                         outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
-                         scheduler_.queued_chunks() == 0;
-      heartbeat = quiet ? std::min<Clock::duration>(2 * heartbeat, kMaxQuietCycles * cycle) : cycle;
-      deadline = Clock::now() + heartbeat;
-    }
-    check_stalls();
+  while (wait_for_news()) {
+    const bool running = run_round();
+    std::unique_lock<std::mutex> lock(inbox_mutex_);
+    release_driver(lock);
+    if (!running) return;
   }
 }
 
-void Runtime::wait_for_news(Clock::time_point deadline) {
+bool Runtime::round_due_locked(Clock::time_point now) const {
+  return !inbox_.empty() || shutdown_requested_ || !abort_message_.empty() || now >= next_round_;
+}
+
+bool Runtime::poll_for_news() {
+  // A completion is news only when queued chunks wait for the credit it frees: credit comes
+  // back through the next round, as the least any rank has completed, so every rank pops the
+  // same units at the same round. (Releasing it at the local completion instead let ranks pop
+  // at different times; with catch-up that was meant to be safe, but it hung the rig's grid
+  // of reconfigure() switches.)
+  if (in_flight_.empty()) return false;
+  try {
+    return poll_in_flight() && scheduler_.queued_chunks() > 0;
+  } catch (const std::exception& error) {
+    // Tell every rank with the next report, so all stop in the same cycle.
+    if (abort_message_.empty()) abort_message_ = error.what();
+    logger_.log(LogLevel::kError, abort_message_);
+    return true;
+  }
+}
+
+bool Runtime::wait_for_news() {
+  std::unique_lock<std::mutex> lock(inbox_mutex_);
   while (true) {
-    // A completion is news only when queued chunks wait for the credit it frees: credit comes
-    // back through the next round, as the least any rank has completed, so every rank pops the
-    // same units at the same round. (Releasing it at the local completion instead let ranks pop
-    // at different times; with catch-up that was meant to be safe, but it hung the rig's grid
-    // of reconfigure() switches.)
-    if (!in_flight_.empty() && poll_in_flight() && scheduler_.queued_chunks() > 0) return;
-    std::unique_lock<std::mutex> lock(inbox_mutex_);
-    if (!inbox_.empty() || shutdown_requested_ || !abort_message_.empty()) return;
+    if (stopped_) return false;
+    if (driving_ || (callers_drive_ && callers_waiting_ > 0)) {
+      // A waiting caller runs the core; it wakes this thread when it leaves work behind.
+      loop_parked_ = true;
+      loop_cv_.wait(lock);
+      loop_parked_ = false;
+      continue;
+    }
+    driving_ = true;
+    lock.unlock();
+    const bool completion_news = poll_for_news();
+    lock.lock();
+    const auto now = Clock::now();
+    if (completion_news || round_due_locked(now)) return true;
+    driving_ = false;
+    if (callers_waiting_ > 0) callers_cv_.notify_all();  // one may take the role now
     if (doorbell_rang_) {  // a completion: poll again before sleeping
       doorbell_rang_ = false;
       continue;
     }
-    const auto now = Clock::now();
-    if (now >= deadline) return;
+    // Sleep without the driver role, so a caller that starts waiting may drive.
     if (in_flight_.empty()) {
-      inbox_cv_.wait_until(lock, deadline);
+      loop_wakes_at_ = next_round_;
     } else if (poll_interval_.count() > 0) {
-      inbox_cv_.wait_until(lock, std::min(deadline, now + poll_interval_));
+      loop_wakes_at_ = std::min(next_round_, now + poll_interval_);
     } else {
       // The transport moves data only while polled: keep polling, but give the core to
       // any other runnable thread between polls.
+      loop_wakes_at_ = now;
       lock.unlock();
       std::this_thread::yield();
+      lock.lock();
+      continue;
     }
+    loop_cv_.wait_until(lock, loop_wakes_at_);
   }
+}
+
+void Runtime::release_driver(std::unique_lock<std::mutex>& inbox_lock) {
+  (void)inbox_lock;  // held by the caller
+  driving_ = false;
+  callers_cv_.notify_all();
+}
+
+bool Runtime::wait(const HandleState& handle, double timeout_s) {
+  if (!callers_drive_) return handle.wait(timeout_s);
+  const auto give_up = timeout_s < 0 ? Clock::time_point::max()
+                                     : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(timeout_s));
+  std::unique_lock<std::mutex> lock(inbox_mutex_);
+  ++callers_waiting_;
+  bool leave_work = false;
+  while (!handle.done() && !stopped_) {
+    const auto now = Clock::now();
+    if (now >= give_up) break;
+    auto look_again = std::min(give_up, now + kCallerSlice);
+    if (!driving_) {
+      driving_ = true;
+      lock.unlock();
+      look_again = std::min(look_again, drive_for_caller());
+      // What this caller leaves behind needs the core's thread once no caller waits.
+      leave_work = !in_flight_.empty() || scheduler_.queued_chunks() > 0 || agreement_.waiting_on_others();
+      lock.lock();
+      leave_work = leave_work || next_round_ < loop_wakes_at_;
+      driving_ = false;
+      if (handle.done()) break;
+      if (look_again <= Clock::now()) {
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
+        continue;
+      }
+    }
+    callers_cv_.wait_until(lock, look_again);
+  }
+  --callers_waiting_;
+  if (callers_waiting_ == 0 && !driving_ && (loop_parked_ || leave_work)) loop_cv_.notify_all();
+  const bool stopped = stopped_;
+  lock.unlock();
+  if (handle.done()) return true;
+  if (!stopped) return false;
+  // Stopping fails every handle; wait for that on the handle itself.
+  return handle.wait(timeout_s < 0 ? -1.0 : std::chrono::duration<double>(give_up - Clock::now()).count());
+}
+
+Runtime::Clock::time_point Runtime::drive_for_caller() {
+  const bool completion_news = poll_for_news();
+  bool due;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    doorbell_rang_ = false;
+    due = completion_news || round_due_locked(Clock::now());
+  }
+  if (due) {
+    run_round();
+    return Clock::now();
+  }
+  if (!in_flight_.empty()) return Clock::now() + poll_interval_;
+  return next_round_;
+}
+
+bool Runtime::run_round() {
+  CycleOutcome outcome;
+  try {
+    ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      status.settings_epoch = requested_epoch_;
+      status.settings = requested_settings_;
+    }
+    take_submissions();
+    const bool had_news = agreement_.has_announcements();
+    const uint64_t exchange_start_us = Timeline::now_us();
+    const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
+    outcome = agreement_.apply(reports, now_s());
+    if (had_news || !outcome.agreed.empty()) {
+      timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
+                         "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
+    }
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    ++stats_.cycles;
+  } catch (const std::exception& error) {
+    // The control path itself failed: nobody can be told, so stop here.
+    stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
+    return false;
+  }
+  if (outcome.abort_rank >= 0) {
+    stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
+    return false;
+  }
+  try {
+    apply_outcome(outcome);
+    // When stopping, pop nothing new: what is in flight finishes, what is queued fails on every rank alike.
+    if (outcome.shutdown_rank < 0) launch_ready();
+    poll_in_flight();
+  } catch (const std::exception& error) {
+    // Tell every rank with the next report, so all stop in the same cycle.
+    if (abort_message_.empty()) abort_message_ = error.what();
+    logger_.log(LogLevel::kError, abort_message_);
+  }
+  if (outcome.shutdown_rank >= 0) {
+    stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
+    return false;
+  }
+  if (agreement_.waiting_on_others()) {
+    const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
+    eager_backoff_ =
+        progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff_ + kEagerBackoffStep, cycle_ / 4);
+    next_round_ = Clock::now() + eager_backoff_;
+  } else {
+    // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
+    // may sit in an exchange, unable to launch the unit this rank's next completion needs
+    // until this rank joins: so this rank joins within a cycle.
+    const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
+                       outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
+                       scheduler_.queued_chunks() == 0;
+    heartbeat_ = quiet ? std::min<Clock::duration>(2 * heartbeat_, kMaxQuietCycles * cycle_) : cycle_;
+    next_round_ = Clock::now() + heartbeat_;
+  }
+  check_stalls();
+  return true;
 }
 
 void Runtime::take_submissions() {
@@ -248,7 +361,16 @@ void Runtime::take_submissions() {
     const uint64_t id = next_tensor_id_++;
     timeline_.async_begin(submission.spec.name, "negotiate", id, submission.enqueued_us);
     timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us);
-    agreement_.announce(submission.spec);
+    const uint64_t bytes = submission.spec.bytes();
+    const bool sends_bytes =
+        submission.spec.kind == CollectiveKind::kAllreduce || submission.spec.root == rank_;
+    std::string payload;
+    // A tensor the partition size would cut is not small: it goes on the wire in chunks.
+    const uint64_t partition = scheduler_.settings().partition_bytes;
+    if (bytes > 0 && bytes <= inline_limit_bytes_ && (partition == 0 || bytes <= partition) && sends_bytes) {
+      payload.assign(static_cast<const char*>(submission.data), bytes);
+    }
+    agreement_.announce(submission.spec, std::move(payload));
     waiting_ids_[submission.spec.name] = id;
     tensors_.emplace(id, LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
   }
@@ -272,7 +394,9 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     finish_tensor(id, failure.message);
   }
   const uint64_t now_us = Timeline::now_us();
-  for (const TensorSpec& agreed : outcome.agreed) {
+  std::vector<std::string> queued_names;
+  for (size_t i = 0; i < outcome.agreed.size(); ++i) {
+    const TensorSpec& agreed = outcome.agreed[i];
     auto found = waiting_ids_.find(agreed.name);
     if (found == waiting_ids_.end()) {
       throw CommError("rank " + std::to_string(rank_) + " has no pending tensor '" + agreed.name +
@@ -280,16 +404,45 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     }
     const uint64_t id = found->second;
     waiting_ids_.erase(found);
+    timeline_.async_end(agreed.name, "negotiate", id, now_us);
+    if (!outcome.inline_payloads[i].empty()) {
+      complete_inline(id, agreed, outcome.inline_payloads[i]);
+      continue;
+    }
     LocalTensor& tensor = tensors_.at(id);
     tensor.agreed = true;
     tensor.chunks_left = scheduler_.add(id, agreed);
-    timeline_.async_end(agreed.name, "negotiate", id, now_us);
     timeline_.async_begin(agreed.name, "queued", id, now_us);
+    queued_names.push_back(agreed.name);
   }
-  if (!outcome.agreed.empty()) {
+  if (!queued_names.empty()) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    for (const TensorSpec& agreed : outcome.agreed) active_names_[agreed.name] = "agreed, queued for the wire";
+    for (const std::string& name : queued_names) active_names_[name] = "agreed, queued for the wire";
   }
+}
+
+void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads) {
+  const uint64_t bytes = spec.bytes();
+  void* data = tensors_.at(id).data;
+  if (spec.kind == CollectiveKind::kBroadcast) {
+    std::memcpy(data, payloads[spec.root].data(), bytes);
+  } else {
+    // Summed in rank order from the same bytes, so every rank gets a bit-identical result.
+    std::vector<uint64_t> sum((bytes + 7) / 8);
+    std::vector<uint64_t> addend(sum.size());
+    std::memcpy(sum.data(), payloads[0].data(), bytes);
+    for (int r = 1; r < size_; ++r) {
+      std::memcpy(addend.data(), payloads[r].data(), bytes);
+      sum_into(sum.data(), addend.data(), spec.count, spec.dtype);
+    }
+    if (spec.op == ReduceOp::kAverage) divide_by(sum.data(), spec.count, spec.dtype, static_cast<double>(size_));
+    std::memcpy(data, sum.data(), bytes);
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    ++stats_.inline_tensors;
+  }
+  finish_tensor(id, "");
 }
 
 void Runtime::launch_ready() {
@@ -420,6 +573,10 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   } else {
     tensor.handle->fail(error);
   }
+  // A caller waiting on the core's condition (not the handle's) sees its handle done; under the
+  // lock, so a caller between its check and its sleep cannot miss it.
+  std::lock_guard<std::mutex> lock(inbox_mutex_);
+  if (callers_waiting_ > 0) callers_cv_.notify_all();
 }
 
 void Runtime::check_stalls() {
@@ -482,6 +639,8 @@ void Runtime::stop_everything(const std::string& reason) {
     stopped_ = true;
     unclaimed.swap(inbox_);
   }
+  loop_cv_.notify_all();  // a parked core thread and waiting callers see the stop
+  callers_cv_.notify_all();
   const bool clean = reason.rfind("commsched.shutdown()", 0) == 0;
   if (!clean) logger_.log(LogLevel::kError, "stopping: " + reason);
   for (Submission& submission : unclaimed) {

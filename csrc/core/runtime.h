@@ -35,6 +35,7 @@ struct RuntimeStats {
   uint64_t max_launch_bytes = 0;
   uint64_t completed_tensors = 0;
   uint64_t failed_tensors = 0;
+  uint64_t inline_tensors = 0;  // completed from the agreement reports, without a collective
 };
 
 class Runtime {
@@ -45,13 +46,19 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   // Submits a collective on `data` (in place). Thread-safe. Throws UsageError when the
-  // name is already in flight or the runtime has stopped.
-  std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data);
+  // name is already in flight or the runtime has stopped. `wake_core` false leaves the core's
+  // thread asleep: for a caller that waits for the handle next and so runs the core itself.
+  std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data, bool wake_core = true);
 
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
   void request_settings(const SchedulingSettings& settings);
   SchedulingSettings applied_settings() const;
+
+  // Waits until `handle` is done; false on timeout (a negative timeout waits without limit).
+  // While the core's thread sleeps, the waiting thread runs the core itself: on a transport
+  // callable from any thread that saves two thread hand-offs per collective.
+  bool wait(const HandleState& handle, double timeout_s);
 
   // Asks every rank to stop, waits for in-flight collectives, fails what is left.
   void shutdown();
@@ -88,11 +95,25 @@ class Runtime {
     uint64_t started_us = 0;
   };
 
+  using Clock = std::chrono::steady_clock;
+
   void loop();
-  void run_cycle();
-  void wait_for_news(std::chrono::steady_clock::time_point deadline);
+  // Runs one agreement round and what it admits; false once the runtime has stopped.
+  bool run_round();
+  // Background thread: returns holding the driver role once a round is due, false once stopped.
+  bool wait_for_news();
+  // A waiting caller's turn at the core, driver role held: a round if one is due, else a poll.
+  // Returns when the caller should look again without the role.
+  Clock::time_point drive_for_caller();
+  // Gives the driver role back; wakes whoever waits for it or for the core's news.
+  void release_driver(std::unique_lock<std::mutex>& inbox_lock);
+  bool round_due_locked(Clock::time_point now) const;
+  // Polls collectives in flight; true when one finished and queued chunks wait for its credit.
+  bool poll_for_news();
   void take_submissions();
   void apply_outcome(const CycleOutcome& outcome);
+  // Reduces (or takes the root's) bytes that every rank sent inline, and completes the tensor.
+  void complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads);
   // Launches whatever the agreed credit admits.
   void launch_ready();
   void launch(Launch launch);
@@ -110,6 +131,10 @@ class Runtime {
   const int size_;
   const std::string transport_name_;
   const std::chrono::microseconds poll_interval_;
+  const bool callers_drive_;
+  const uint64_t inline_limit_bytes_;  // tensors up to this size ride in the agreement report
+  const Clock::duration cycle_;
+  const double exchange_timeout_s_;
   const std::shared_ptr<Doorbell> doorbell_ = std::make_shared<Doorbell>();
   Logger logger_;
   Timeline timeline_;
@@ -119,17 +144,27 @@ class Runtime {
 
   // Shared with submitting threads.
   mutable std::mutex inbox_mutex_;
-  std::condition_variable inbox_cv_;
+  std::condition_variable loop_cv_;  // wakes the core's thread
+  std::condition_variable callers_cv_;  // wakes callers waiting in wait()
   std::vector<Submission> inbox_;
   std::unordered_map<std::string, std::string> active_names_;  // name -> phase
   std::string stop_reason_;
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
   bool doorbell_rang_ = false;  // guarded by inbox_mutex_
+  // Whoever holds the driver role (the core's thread or one waiting caller) alone touches
+  // the state below "owned by the driver" and calls the transport.
+  bool driving_ = false;  // guarded by inbox_mutex_
+  int callers_waiting_ = 0;  // guarded by inbox_mutex_
+  bool loop_parked_ = false;  // guarded by inbox_mutex_: the core's thread waits for callers to leave
+  Clock::time_point loop_wakes_at_;  // guarded by inbox_mutex_: when the core's thread looks again
   uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
   SchedulingSettings requested_settings_;
 
-  // Owned by the background thread.
+  // Owned by the driver.
+  Clock::time_point next_round_;
+  Clock::duration eager_backoff_{0};
+  Clock::duration heartbeat_;
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
   std::vector<InFlight> in_flight_;

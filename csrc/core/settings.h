@@ -24,8 +24,14 @@ struct SchedulingSettings {
 // GIL on Python transports) that the training needs.
 inline constexpr int kMaxQuietCycles = 32;
 
+// Every rank receives every rank's inline payload, so the payloads one tensor puts in a round
+// (its size times the ranks) stay under this budget: at scale only the smallest go inline.
+inline constexpr uint64_t kInlineRoundBudgetBytes = 64 * 1024;
+
 struct RuntimeSettings {
   SchedulingSettings scheduling;
+  // Tensors up to this size ride in the agreement report and are reduced there (host memory only).
+  uint64_t inline_bytes = 4096;
   double cycle_time_s = 0.001;
   double stall_timeout_s = 60.0;
   double stall_shutdown_s = 300.0;  // 0 disables failing stalled tensors

@@ -72,6 +72,15 @@ class Transport {
   // polling and only yields the CPU; transports with their own threads get a real sleep.
   virtual std::chrono::microseconds poll_interval() const { return std::chrono::microseconds(0); }
 
+  // True when exchange(), start() and test() may be called from any thread (one at a time):
+  // a caller waiting for its collective then runs the core itself instead of handing the
+  // work to the core's thread and back. Python-side transports need their own thread.
+  virtual bool any_thread() const { return false; }
+
+  // True when tensors live in host memory the core may read and write directly: small ones then
+  // travel inside the agreement reports and are reduced there, without a collective of their own.
+  virtual bool host_memory() const { return true; }
+
   // Transports that can tell when a collective completes ring this; their poll interval
   // is then only a fallback.
   virtual void set_doorbell(std::shared_ptr<Doorbell> doorbell) { (void)doorbell; }

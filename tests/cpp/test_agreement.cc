@@ -191,3 +191,47 @@ TEST_CASE(announcing_a_name_twice_before_agreement_is_an_error) {
   EXPECT_THROWS(world.cycle(), CommError, "twice");
 }
 
+
+TEST_CASE(inline_payloads_reach_every_rank_only_when_complete) {
+  World world(3);
+  const std::string bytes[3] = {std::string(8, 'a'), std::string(8, 'b'), std::string(8, 'c')};
+  // Arriving in different rounds, the payloads are kept until the last rank announces.
+  world.ranks[0].announce(spec("small", 2), bytes[0]);
+  world.ranks[1].announce(spec("small", 2), bytes[1]);
+  world.cycle();
+  world.ranks[2].announce(spec("small", 2), bytes[2]);
+  for (const CycleOutcome& outcome : world.cycle()) {
+    EXPECT(names(outcome) == std::vector<std::string>{"small"});
+    EXPECT(outcome.inline_payloads.size() == 1);
+    EXPECT(outcome.inline_payloads[0] == std::vector<std::string>(bytes, bytes + 3));
+  }
+  // One rank without its payload (it turned inline off): every rank launches a collective instead.
+  world.ranks[0].announce(spec("small", 2), bytes[0]);
+  world.ranks[1].announce(spec("small", 2));
+  world.ranks[2].announce(spec("small", 2), bytes[2]);
+  for (const CycleOutcome& outcome : world.cycle()) {
+    EXPECT(names(outcome) == std::vector<std::string>{"small"});
+    EXPECT(outcome.inline_payloads[0].empty());
+  }
+}
+
+TEST_CASE(inline_broadcast_needs_only_the_roots_payload) {
+  World world(2);
+  TensorSpec broadcast = spec("b", 4, 0, DType::kUInt8);
+  broadcast.kind = CollectiveKind::kBroadcast;
+  broadcast.root = 1;
+  world.ranks[0].announce(broadcast);
+  world.ranks[1].announce(broadcast, "root");
+  for (const CycleOutcome& outcome : world.cycle()) {
+    EXPECT(outcome.inline_payloads.size() == 1);
+    EXPECT(outcome.inline_payloads[0].size() == 2);
+    EXPECT(outcome.inline_payloads[0][1] == "root");
+  }
+}
+
+TEST_CASE(inline_payload_of_the_wrong_size_is_rejected) {
+  World world(2);
+  world.ranks[0].announce(spec("small", 2), "seven b");
+  world.ranks[1].announce(spec("small", 2), std::string(8, 'x'));
+  EXPECT_THROWS(world.cycle(), CommError, "inline payload of 7 bytes for 'small'");
+}

@@ -23,6 +23,7 @@ CONFIGS = [
     {"policy": "priority", "partition_bytes": "16KiB", "credit_bytes": "8KiB", "fusion_bytes": "4KiB"},
     {"policy": "fifo"},
     {"policy": "fifo", "fusion_bytes": 0},
+    {"policy": "priority", "inline_bytes": 0},  # small tensors as collectives, not inline in the round
 ]
 
 

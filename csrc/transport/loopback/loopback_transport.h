@@ -12,6 +12,7 @@ class LoopbackTransport : public Transport {
   std::string name() const override { return "loopback"; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
+  bool any_thread() const override { return true; }
 };
 
 }  // namespace commsched

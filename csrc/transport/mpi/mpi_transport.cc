@@ -31,21 +31,27 @@ void bfloat_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   sum_into(inout, in, static_cast<uint64_t>(*len), DType::kBFloat16);
 }
 
-// Polls a request with a short spin, then short sleeps, so waiting ranks leave
-// the CPU to others (ranks often outnumber cores on a test machine).
+// Polls a request, yielding between tests for a short while (the other ranks usually join
+// within microseconds, and a sleep costs the timer slack), then with short sleeps, so waiting
+// ranks leave the CPU to others (ranks often outnumber cores on a test machine).
 void wait_polling(MPI_Request& request, double timeout_s, const char* what) {
+  constexpr auto kYieldFor = std::chrono::microseconds(200);
   const auto start = std::chrono::steady_clock::now();
-  int spins = 0;
+  int sleeps = 0;
   while (true) {
     int flag = 0;
     check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), what);
     if (flag) return;
-    if (++spins < 64) continue;
-    if (timeout_s >= 0 && std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s)) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited < kYieldFor) {
+      std::this_thread::yield();
+      continue;
+    }
+    if (timeout_s >= 0 && waited > std::chrono::duration<double>(timeout_s)) {
       throw CommError(std::string("MPI ") + what + " did not complete within " + std::to_string(timeout_s) +
                       "s: another rank stopped taking part (crashed, hung, or never called commsched.init())");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 10 : 200));
+    std::this_thread::sleep_for(std::chrono::microseconds(++sleeps < 1024 ? 10 : 200));
   }
 }
 
@@ -121,43 +127,59 @@ MPI_Op MpiTransport::sum_op(DType dtype) const {
 }
 
 std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
-  // One allgather of fixed slots carries every report in the common case; only
+  // One allgather of equal slots carries every report in the common case; only
   // reports longer than a slot need a second allgatherv for their tails.
-  constexpr size_t kSlot = 512;
-  constexpr size_t kInline = kSlot - sizeof(uint32_t);
+  const size_t slot_size = slot_bytes_;
+  const size_t in_slot = slot_size - sizeof(uint32_t);
   if (mine.size() > static_cast<size_t>(INT_MAX)) throw CommError("agreement report exceeds 2 GiB");
-  std::string slot(kSlot, '\0');
+  std::string slot(slot_size, '\0');
   const auto length = static_cast<uint32_t>(mine.size());
   std::memcpy(slot.data(), &length, sizeof(length));
-  std::memcpy(slot.data() + sizeof(length), mine.data(), std::min(mine.size(), kInline));
-  std::string slots(kSlot * static_cast<size_t>(size_), '\0');
+  std::memcpy(slot.data() + sizeof(length), mine.data(), std::min(mine.size(), in_slot));
+  std::string slots(slot_size * static_cast<size_t>(size_), '\0');
   MPI_Request request;
-  check(MPI_Iallgather(slot.data(), kSlot, MPI_BYTE, slots.data(), kSlot, MPI_BYTE, control_, &request), "Iallgather");
+  check(MPI_Iallgather(slot.data(), static_cast<int>(slot_size), MPI_BYTE, slots.data(), static_cast<int>(slot_size), MPI_BYTE, control_, &request), "Iallgather");
   wait_polling(request, timeout_s, "agreement exchange");
 
   std::vector<std::string> reports(static_cast<size_t>(size_));
   std::vector<int> tail_counts(static_cast<size_t>(size_));
   std::vector<int> tail_offsets(static_cast<size_t>(size_));
   uint64_t tail_total = 0;
+  uint64_t longest = 0;
   for (int r = 0; r < size_; ++r) {
     uint32_t their_length;
-    std::memcpy(&their_length, slots.data() + r * kSlot, sizeof(their_length));
-    reports[r].assign(slots.data() + r * kSlot + sizeof(uint32_t), std::min<size_t>(their_length, kInline));
-    const uint64_t tail = their_length > kInline ? their_length - kInline : 0;
+    std::memcpy(&their_length, slots.data() + r * slot_size, sizeof(their_length));
+    reports[r].assign(slots.data() + r * slot_size + sizeof(uint32_t), std::min<size_t>(their_length, in_slot));
+    const uint64_t tail = their_length > in_slot ? their_length - in_slot : 0;
     if (tail_total + tail > static_cast<uint64_t>(INT_MAX)) throw CommError("agreement reports exceed 2 GiB");
     tail_counts[r] = static_cast<int>(tail);
     tail_offsets[r] = static_cast<int>(tail_total);
     tail_total += tail;
+    longest = std::max<uint64_t>(longest, their_length);
   }
+  resize_slot(longest + sizeof(uint32_t));
   if (tail_total == 0) return reports;
   std::string tails(tail_total, '\0');
   const int my_tail = tail_counts[rank_];
-  check(MPI_Iallgatherv(mine.data() + std::min(mine.size(), kInline), my_tail, MPI_BYTE, tails.data(),
+  check(MPI_Iallgatherv(mine.data() + std::min(mine.size(), in_slot), my_tail, MPI_BYTE, tails.data(),
                         tail_counts.data(), tail_offsets.data(), MPI_BYTE, control_, &request),
         "Iallgatherv");
   wait_polling(request, timeout_s, "agreement exchange");
   for (int r = 0; r < size_; ++r) reports[r].append(tails, tail_offsets[r], tail_counts[r]);
   return reports;
+}
+
+void MpiTransport::resize_slot(uint64_t wanted) {
+  // Every rank sees the same reports, so every rank picks the same slot for the next round:
+  // it grows at once to fit the longest report (inline payloads make reports longer) and
+  // shrinks slowly, so a training loop's rounds settle into one allgather each.
+  uint64_t fit = kMinSlotBytes;
+  while (fit < wanted && fit < kMaxSlotBytes) fit *= 2;
+  if (fit > slot_bytes_) {
+    slot_bytes_ = fit;
+  } else if (fit * 4 <= slot_bytes_) {
+    slot_bytes_ /= 2;
+  }
 }
 
 std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {

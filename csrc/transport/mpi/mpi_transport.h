@@ -21,13 +21,19 @@ class MpiTransport : public Transport {
   std::string name() const override { return "mpi"; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
+  bool any_thread() const override { return true; }
 
  private:
   MPI_Datatype datatype(DType dtype) const;
   MPI_Op sum_op(DType dtype) const;
+  void resize_slot(uint64_t wanted);
+
+  static constexpr uint64_t kMinSlotBytes = 512;
+  static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
   MPI_Comm data_ = MPI_COMM_NULL;
+  uint64_t slot_bytes_ = kMinSlotBytes;  // bytes per rank of the agreement allgather
   int rank_ = 0;
   int size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements

@@ -38,7 +38,8 @@ PythonTransport::PythonTransport(py::object impl)
       poll_interval_(py::hasattr(impl_, "poll_interval_us") ? impl_.attr("poll_interval_us").cast<int64_t>() : 200),
       // Looked up once: the hooks run per fused chunk and per averaged collective.
       has_copy_(py::hasattr(impl_, "copy")),
-      has_scale_(py::hasattr(impl_, "scale")) {}
+      has_scale_(py::hasattr(impl_, "scale")),
+      host_memory_(!py::hasattr(impl_, "host_memory") || impl_.attr("host_memory").cast<bool>()) {}
 
 PythonTransport::~PythonTransport() {
   py::gil_scoped_acquire gil;

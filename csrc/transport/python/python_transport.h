@@ -6,6 +6,7 @@
 //   exchange(report: bytes, timeout_s: float) -> list[bytes]   (allgather, blocking)
 //   start(address: int, count: int, dtype: str, kind: str, root: int) -> op with test() -> bool
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
+//   host_memory: bool (optional, default True): False for a transport of device memory (NCCL)
 //   close() (optional): called once when the core stops, to release what the transport created
 // An op may also provide on_done(callback): it calls callback() once, from any thread,
 // when the op completes, so the core wakes at once rather than at its next poll.
@@ -38,6 +39,7 @@ class PythonTransport : public Transport {
   // Host transports (Gloo, gRPC) leave these to the defaults; device ones (NCCL) provide them.
   void copy(void* dst, const void* src, size_t bytes) override;
   void scale(void* data, uint64_t count, DType dtype, double divisor) override;
+  bool host_memory() const override { return host_memory_; }
 
  private:
   pybind11::object impl_;
@@ -48,6 +50,7 @@ class PythonTransport : public Transport {
   std::shared_ptr<Doorbell> doorbell_;
   bool has_copy_;
   bool has_scale_;
+  bool host_memory_;
 };
 
 }  // namespace commsched
