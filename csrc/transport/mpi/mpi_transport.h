@@ -28,7 +28,7 @@ class MpiTransport : public Transport {
   MPI_Op sum_op(DType dtype) const;
   void resize_slot(uint64_t wanted);
 
-  static constexpr uint64_t kMinSlotBytes = 512;
+  static constexpr uint64_t kMinSlotBytes = 128;
   static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
