@@ -73,8 +73,7 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       std::lock_guard<std::mutex> lock(inbox_mutex_);
       doorbell_rang_ = true;
     }
-    loop_cv_.notify_all();
-    callers_cv_.notify_all();
+    wake_all();
   });
   transport_->set_doorbell(doorbell_);
   logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
@@ -111,17 +110,13 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
     }
     inbox_.push_back(Submission{spec, data, handle, Timeline::now_us()});
   }
-  if (wake_core || !callers_drive_) {
-    loop_cv_.notify_all();
-    callers_cv_.notify_all();
-  }
+  if (wake_core || !callers_drive_) wake_all();
   return handle;
 }
 
 void Runtime::shutdown() {
   shutdown_requested_ = true;
-  loop_cv_.notify_all();
-  callers_cv_.notify_all();
+  wake_all();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -156,8 +151,11 @@ void Runtime::loop() {
 #endif
   while (wait_for_news()) {
     const bool running = run_round();
-    std::unique_lock<std::mutex> lock(inbox_mutex_);
-    release_driver(lock);
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      driving_ = false;
+    }
+    callers_cv_.notify_all();  // a caller waiting for the driver role may take it
     if (!running) return;
   }
 }
@@ -176,9 +174,7 @@ bool Runtime::poll_for_news() {
   try {
     return poll_in_flight() && scheduler_.queued_chunks() > 0;
   } catch (const std::exception& error) {
-    // Tell every rank with the next report, so all stop in the same cycle.
-    if (abort_message_.empty()) abort_message_ = error.what();
-    logger_.log(LogLevel::kError, abort_message_);
+    record_failure(error);
     return true;
   }
 }
@@ -224,10 +220,15 @@ bool Runtime::wait_for_news() {
   }
 }
 
-void Runtime::release_driver(std::unique_lock<std::mutex>& inbox_lock) {
-  (void)inbox_lock;  // held by the caller
-  driving_ = false;
+void Runtime::wake_all() {
+  loop_cv_.notify_all();
   callers_cv_.notify_all();
+}
+
+void Runtime::record_failure(const std::exception& error) {
+  // Told to every rank with the next report, so all stop in the same cycle.
+  if (abort_message_.empty()) abort_message_ = error.what();
+  logger_.log(LogLevel::kError, abort_message_);
 }
 
 bool Runtime::wait(const HandleState& handle, double timeout_s) {
@@ -322,9 +323,7 @@ bool Runtime::run_round() {
     if (outcome.shutdown_rank < 0) launch_ready();
     poll_in_flight();
   } catch (const std::exception& error) {
-    // Tell every rank with the next report, so all stop in the same cycle.
-    if (abort_message_.empty()) abort_message_ = error.what();
-    logger_.log(LogLevel::kError, abort_message_);
+    record_failure(error);
   }
   if (outcome.shutdown_rank >= 0) {
     stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
@@ -639,8 +638,7 @@ void Runtime::stop_everything(const std::string& reason) {
     stopped_ = true;
     unclaimed.swap(inbox_);
   }
-  loop_cv_.notify_all();  // a parked core thread and waiting callers see the stop
-  callers_cv_.notify_all();
+  wake_all();  // a parked core thread and waiting callers see the stop
   const bool clean = reason.rfind("commsched.shutdown()", 0) == 0;
   if (!clean) logger_.log(LogLevel::kError, "stopping: " + reason);
   for (Submission& submission : unclaimed) {

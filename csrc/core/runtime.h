@@ -105,8 +105,10 @@ class Runtime {
   // A waiting caller's turn at the core, driver role held: a round if one is due, else a poll.
   // Returns when the caller should look again without the role.
   Clock::time_point drive_for_caller();
-  // Gives the driver role back; wakes whoever waits for it or for the core's news.
-  void release_driver(std::unique_lock<std::mutex>& inbox_lock);
+  // Wakes the core's thread and every waiting caller: there is news for whoever drives.
+  void wake_all();
+  // Keeps the first failure, which the next report carries to every rank.
+  void record_failure(const std::exception& error);
   bool round_due_locked(Clock::time_point now) const;
   // Polls collectives in flight; true when one finished and queued chunks wait for its credit.
   bool poll_for_news();
