@@ -49,6 +49,7 @@ extensions = [
             "csrc/transport/python/python_transport.cc",
             "csrc/bindings/core_module.cc",
             "csrc/bindings/c_api.cc",
+            "csrc/bindings/run_buffer.cc",
         ]
         + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
         + ["csrc/bindings/sim_bindings.cc"],

@@ -42,6 +42,7 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("commsched")
 _WAIT_SLICE_S = 0.2
+_OPS = ("sum", "average")
 
 
 class _State:
@@ -93,12 +94,17 @@ class Handle:
                 return self._array
             if deadline is not None and time.monotonic() >= deadline:
                 break
-        where = _core.describe(self.name) if _core.running() else "commsched is not running"
-        raise TimeoutError(
-            f"collective on '{self.name}' did not finish within {timeout}s"
-            + (f" (it is {where})" if where else "")
-            + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
-        )
+        raise _timed_out(self.name, timeout)
+
+
+def _timed_out(name: str, timeout: float | None) -> TimeoutError:
+    """The error for a collective that did not finish in time, saying where it stands."""
+    where = _core.describe(name) if _core.running() else "commsched is not running"
+    return TimeoutError(
+        f"collective on '{name}' did not finish within {timeout}s"
+        + (f" (it is {where})" if where else "")
+        + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
+    )
 
 
 def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
@@ -317,6 +323,33 @@ def stats() -> dict[str, int]:
     return dict(_core.stats())
 
 
+def _run_now(
+    array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
+) -> Any:
+    """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
+    if name is None:
+        name = f"{kind}.unnamed.{next(_state.unnamed)}"
+    tuner = _state.tuner
+    if (
+        type(name) is str
+        and name
+        and op in _OPS
+        and type(priority) is int
+        and -(2**31) <= priority < 2**31
+        and type(root) is int
+        and _state.pending is None
+        and _state.device_transport is None
+        and (tuner is None or not tuner.recording)
+    ):
+        done = _core.run_buffer(array, name, op, kind, root, priority, -1.0 if timeout is None else timeout)
+        if done > 0:
+            return array
+        if done == 0:
+            raise _timed_out(name, timeout)
+    # Anything else (torch and GPU tensors, odd arguments) takes the path that checks and names it.
+    return _submit(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
+
+
 def _submit(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, waits_next: bool = False
 ) -> Handle:
@@ -329,7 +362,7 @@ def _submit(
         raise TypeError(f"root must be a rank number, not {root!r}")
     if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
-    if op not in ("sum", "average"):
+    if op not in _OPS:
         raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
     view = buffers.view(array, name)
     if _state.pending is not None:
@@ -382,7 +415,7 @@ def allreduce(
     array: Any, name: str | None = None, priority: int = 0, op: str = "sum", timeout: float | None = None
 ) -> Any:
     """Allreduces in place and returns the array."""
-    return _submit(array, name, "allreduce", op, 0, priority, waits_next=True).wait(timeout)
+    return _run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 
 def broadcast_async(array: Any, root: int = 0, name: str | None = None, priority: int = 0) -> Handle:
@@ -394,4 +427,4 @@ def broadcast(
     array: Any, root: int = 0, name: str | None = None, priority: int = 0, timeout: float | None = None
 ) -> Any:
     """Broadcasts in place from `root` and returns the array."""
-    return _submit(array, name, "broadcast", "sum", root, priority, waits_next=True).wait(timeout)
+    return _run_now(array, name, "broadcast", "sum", root, priority, timeout)

@@ -114,22 +114,59 @@ def test_buffer_protocol_objects_work(runtime: None) -> None:
     assert tensor.float().tolist() == [1.0, 1.0, 1.0]
 
 
-def test_misuse_gets_clear_errors(runtime: None) -> None:
-    """Read-only, non-contiguous, unsupported dtype, integer average, bad root, bad op."""
+def test_synchronous_calls_take_every_host_buffer(runtime: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-call path for host buffers reads each supported format right (a wrong dtype would change the bytes)."""
+    import array
+
+    def slow_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a host buffer went through the Python view")
+
+    monkeypatch.setattr(commsched, "_submit", slow_path)
+
+    for values in (
+        bytearray(b"\x01\x02"),
+        array.array("b", [-1, 2]),
+        array.array("i", [-3, 4]),
+        array.array("q", [2**40, -5]),
+        np.array([1.5, -2.25], np.float16),
+        np.array([[1, 2], [3, 4]], np.int64),
+        memoryview(np.arange(4, dtype=np.float32)),
+    ):
+        before = bytes(memoryview(values))
+        assert commsched.allreduce(values, f"sum.{type(values).__name__}") is values
+        assert commsched.broadcast(values, 0, f"bcast.{type(values).__name__}") is values
+        assert bytes(memoryview(values)) == before
+    commsched.allreduce(np.ones(3), priority=2**31 - 1)  # unnamed, the largest priority
+    assert commsched.stats()["completed_tensors"] == 15
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["async", "sync"])
+def test_misuse_gets_clear_errors(runtime: None, wait: bool) -> None:
+    """Read-only, non-contiguous, unsupported dtype, integer average, bad root, bad op, bad priority."""
+    allreduce = commsched.allreduce if wait else commsched.allreduce_async
+    broadcast = commsched.broadcast if wait else commsched.broadcast_async
     readonly = np.ones(3)
     readonly.flags.writeable = False
     with pytest.raises(TypeError, match="'ro'.*read-only"):
-        commsched.allreduce_async(readonly, "ro")
+        allreduce(readonly, "ro")
     with pytest.raises(TypeError, match="not C-contiguous"):
-        commsched.allreduce_async(np.ones((4, 4))[:, 1], "strided")
+        allreduce(np.ones((4, 4))[:, 1], "strided")
     with pytest.raises(TypeError, match="not supported"):
-        commsched.allreduce_async(np.ones(3, dtype=np.complex64), "complex")
+        allreduce(np.ones(3, dtype=np.complex64), "complex")
+    with pytest.raises(TypeError, match="not supported"):
+        allreduce(np.ones(3, dtype=np.int16), "int16")
+    with pytest.raises(TypeError, match="byte order"):
+        allreduce(np.ones(3, dtype=">f4"), "big_endian")
     with pytest.raises(ValueError, match="needs a floating dtype"):
-        commsched.allreduce_async(np.ones(3, dtype=np.int32), "ints", op="average")
+        allreduce(np.ones(3, dtype=np.int32), "ints", op="average")
     with pytest.raises(ValueError, match="root 3 is not a rank"):
-        commsched.broadcast_async(np.ones(3), root=3, name="root")
+        broadcast(np.ones(3), root=3, name="root")
     with pytest.raises(ValueError, match="op of 'x'"):
-        commsched.allreduce_async(np.ones(3), "x", op="max")
+        allreduce(np.ones(3), "x", op="max")
+    with pytest.raises(TypeError, match="priority of 'p'"):
+        allreduce(np.ones(3), "p", priority=2**31)
+    with pytest.raises(TypeError, match="tensor name must be"):
+        allreduce(np.ones(3), "")
     with pytest.raises(RuntimeError, match="already initialised"):
         commsched.init()
 
@@ -138,6 +175,8 @@ def test_calls_before_init_fail_clearly() -> None:
     """Using commsched before init() names the fix."""
     with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
         commsched.allreduce_async(np.ones(2), "early")
+    with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
+        commsched.allreduce(np.ones(2), "early")
     with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
         commsched.config()
 

@@ -184,10 +184,12 @@ bool Runtime::wait_for_news() {
   while (true) {
     if (stopped_) return false;
     if (driving_ || (callers_drive_ && callers_waiting_ > 0)) {
-      // A waiting caller runs the core; it wakes this thread when it leaves work behind.
-      loop_parked_ = true;
-      loop_cv_.wait(lock);
-      loop_parked_ = false;
+      // A waiting caller runs the core; it wakes this thread when it leaves work behind or a
+      // round due before this thread would look again. Otherwise this thread takes up the
+      // heartbeat by itself a cycle later: waking it after every short collective would cost a
+      // context switch, and a CPU, per collective.
+      loop_wakes_at_ = Clock::now() + cycle_;
+      loop_cv_.wait_until(lock, loop_wakes_at_);
       continue;
     }
     driving_ = true;
@@ -263,7 +265,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
     callers_cv_.wait_until(lock, look_again);
   }
   --callers_waiting_;
-  if (callers_waiting_ == 0 && !driving_ && (loop_parked_ || leave_work)) loop_cv_.notify_all();
+  if (callers_waiting_ == 0 && !driving_ && leave_work) loop_cv_.notify_all();
   const bool stopped = stopped_;
   lock.unlock();
   if (handle.done()) return true;
@@ -302,7 +304,7 @@ bool Runtime::run_round() {
     const uint64_t exchange_start_us = Timeline::now_us();
     const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
     outcome = agreement_.apply(reports, now_s());
-    if (had_news || !outcome.agreed.empty()) {
+    if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
       timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
     }

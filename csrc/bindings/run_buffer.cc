@@ -1,0 +1,122 @@
+// `commsched._core.run_buffer`: a synchronous allreduce or broadcast of a host buffer in one
+// call. It reads the array through Python's buffer protocol and waits with the GIL released,
+// so a small collective pays for no Python-level view or handle objects (they cost more than
+// the collective itself on shared memory).
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "bindings/runtime_slot.h"
+#include "core/runtime.h"
+
+namespace py = pybind11;
+
+namespace commsched {
+namespace {
+
+constexpr double kWaitSliceS = 0.2;  // between checks for Ctrl-C, as Handle.wait does
+
+// Releases a buffer taken with PyObject_GetBuffer when it leaves scope.
+class HeldBuffer {
+ public:
+  explicit HeldBuffer(PyObject* object) : held_(PyObject_GetBuffer(object, &view_, kFlags) == 0) {
+    if (!held_) PyErr_Clear();  // the caller falls back to the path that names the problem
+  }
+  ~HeldBuffer() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+
+  bool held() const { return held_; }
+  const Py_buffer& view() const { return view_; }
+
+ private:
+  static constexpr int kFlags = PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT;
+  Py_buffer view_{};
+  bool held_;
+};
+
+// The dtype of a native-order buffer format, as commsched.buffers maps it; none if unsupported.
+std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
+  if (format == nullptr) return DType::kUInt8;  // PyBUF_FORMAT unset means unsigned bytes
+  while (*format == '@' || *format == '=' || *format == '<') ++format;
+  if (format[0] == '\0' || format[1] != '\0') return std::nullopt;
+  switch (format[0]) {
+    case 'e': return itemsize == 2 ? std::optional<DType>(DType::kFloat16) : std::nullopt;
+    case 'f': return itemsize == 4 ? std::optional<DType>(DType::kFloat32) : std::nullopt;
+    case 'd': return itemsize == 8 ? std::optional<DType>(DType::kFloat64) : std::nullopt;
+    case 'B': return itemsize == 1 ? std::optional<DType>(DType::kUInt8) : std::nullopt;
+    case 'b':
+    case 'i':
+    case 'l':
+    case 'q':
+      if (itemsize == 1) return DType::kInt8;
+      if (itemsize == 4) return DType::kInt32;
+      if (itemsize == 8) return DType::kInt64;
+      return std::nullopt;
+    default: return std::nullopt;
+  }
+}
+
+// 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype
+// (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
+int run_buffer(py::handle array, const std::string& name, const std::string& op, const std::string& kind, int root,
+               int priority, double timeout_s, py::handle comm_error) {
+  HeldBuffer buffer(array.ptr());
+  if (!buffer.held() || buffer.view().len == 0) return -1;
+  const std::optional<DType> dtype = dtype_of(buffer.view().format, buffer.view().itemsize);
+  if (!dtype) return -1;
+  TensorSpec spec;
+  spec.name = name;
+  spec.dtype = *dtype;
+  spec.op = op_from_name(op);
+  spec.kind = kind == "broadcast" ? CollectiveKind::kBroadcast : CollectiveKind::kAllreduce;
+  spec.root = root;
+  spec.count = static_cast<uint64_t>(buffer.view().len / buffer.view().itemsize);
+  spec.priority = priority;
+  const std::shared_ptr<Runtime> runtime = runtime_slot().require(kind == "broadcast" ? "broadcast" : "allreduce");
+  // This thread waits next and runs the core itself: waking the core's thread would only take a CPU.
+  const std::shared_ptr<HandleState> handle = runtime->enqueue(spec, buffer.view().buf, /*wake_core=*/false);
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  while (true) {
+    double slice = kWaitSliceS;
+    if (timeout_s >= 0) {
+      slice = std::min(slice, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    bool finished;
+    {
+      py::gil_scoped_release release;
+      finished = runtime->wait(*handle, std::max(slice, 0.0));
+    }
+    if (finished) {
+      if (handle->failed()) {
+        PyErr_SetString(comm_error.ptr(), handle->error().c_str());
+        throw py::error_already_set();
+      }
+      return 1;
+    }
+    if (timeout_s >= 0 && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s) return 0;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+}  // namespace
+}  // namespace commsched
+
+void register_run_buffer(py::module_& module, py::handle comm_error) {
+  module.def(
+      "run_buffer",
+      [comm_error](py::handle array, const std::string& name, const std::string& op, const std::string& kind, int root,
+                   int priority, double timeout_s) {
+        return commsched::run_buffer(array, name, op, kind, root, priority, timeout_s, comm_error);
+      },
+      py::arg("array"), py::arg("name"), py::arg("op"), py::arg("kind"), py::arg("root"), py::arg("priority"),
+      py::arg("timeout_s"),
+      "Allreduces or broadcasts a host buffer in place and waits (timeout_s < 0: no limit); "
+      "1 done, 0 timed out, -1 not a host buffer this call takes.");
+}
