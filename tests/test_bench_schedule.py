@@ -52,6 +52,10 @@ def test_schedule_replay_on_two_ranks(tmp_path):
     run, rows = data["run"], data["results"]
     assert run["gradient_bytes"] == 3 * 4 * (256 * 100 + 256)
     assert run["compute_s"] == pytest.approx(3 * 10e9 / 1e12)
+    # The simulator's size costs: measured from 16 KiB up in steps of 4, ending at all gradients.
+    sizes = [size for size, _ in run["size_costs"]]
+    assert sizes == [16 << 10, 64 << 10, 256 << 10, run["gradient_bytes"]]
+    assert all(factor > 0 for _, factor in run["size_costs"])
     assert {(r["policy"], r["mode"]) for r in rows} == {
         (p, m) for p in ("priority", "fifo") for m in ("overlap", "barrier")
     }

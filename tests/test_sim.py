@@ -22,10 +22,25 @@ def sim(
     fusion=MiB,
     cycle=1.0,
     link="fifo",
+    size_costs=(),
 ):
     # A 1 s cycle keeps idle agreement rounds out of these short timelines unless a test asks for them.
     return _core.simulate(
-        layers, ranks, bw, latency, policy, partition, credit, fusion, mode, cycle, exchange, 4, 2, link
+        layers,
+        ranks,
+        bw,
+        latency,
+        policy,
+        partition,
+        credit,
+        fusion,
+        mode,
+        cycle,
+        exchange,
+        4,
+        2,
+        link,
+        list(size_costs),
     )
 
 
@@ -130,6 +145,41 @@ def test_quiet_rounds_stretch_the_heartbeat():
     layers = [("l0", 0.5, 0.5, [4])]
     cycles = sim(layers, exchange=1e-5, cycle=1e-3)["cycles"]
     assert 150 < cycles < 260
+
+
+def test_size_costs_scale_each_collective_by_its_size():
+    # Two 1 MB tensors partitioned into 250 kB chunks: a factor measured at that size applies.
+    # Factors are read linearly in log(size) between the measured sizes and flat outside them.
+    layers = [("l0", 0.01, 0.02, [1_000_000])]
+    chunked = {"policy": "priority", "partition": 250_000, "credit": 250_000 * 8}
+    plain = sim(layers, **chunked)
+    assert plain["launches"] == 4 * 6
+    wire = ring_s(1_000_000, 2, 1e8, 0)  # the bytes' share of the ring allreduces
+    cheap = sim(layers, **chunked, size_costs=[(1_000, 0.5), (250_000, 0.5)])
+    assert plain["iteration_s"] - cheap["iteration_s"] == pytest.approx(wire / 2, rel=1e-6)
+    between = sim(layers, **chunked, size_costs=[(25_000, 0.25), (2_500_000, 0.75)])
+    assert plain["iteration_s"] - between["iteration_s"] == pytest.approx(wire / 2, rel=1e-6)
+    above = sim(layers, **chunked, size_costs=[(1_000, 2.0), (2_000, 0.5)])
+    assert plain["iteration_s"] - above["iteration_s"] == pytest.approx(wire / 2, rel=1e-6)
+    # The whole-gradient figure takes its own size's factor.
+    assert between["communication_s"] > cheap["communication_s"]
+    assert cheap["communication_s"] == pytest.approx(ring_s(1_000_000, 2, 1e8, 1e-4) - wire / 2)
+
+
+@pytest.mark.parametrize("costs", [[(0, 1.0)], [(10, 0.0)], [(10, 1.0), (10, 2.0)], [(20, 1.0), (10, 1.0)]])
+def test_bad_size_costs_are_refused(costs):
+    with pytest.raises(ValueError, match="size costs"):
+        sim([("l0", 0.1, 0.1, [4])], size_costs=costs)
+
+
+def test_size_costs_parse_from_the_command_line():
+    from commsched.bench.sim_cli import parse_size_costs
+
+    assert parse_size_costs("1MiB:0.8, 64KiB:0.6") == [(65536, 0.6), (1 << 20, 0.8)]
+    assert parse_size_costs("") == []
+    for bad in ("64KiB", "64KiB:zero", "0:1", "1KiB:-1", "1KiB:1,1024:2"):
+        with pytest.raises(ValueError, match="size cost|twice"):
+            parse_size_costs(bad)
 
 
 def test_no_gradients_means_compute_only():

@@ -168,6 +168,53 @@ def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+_CALIBRATION_BYTES = 16 << 20  # moved per timing of one size (at least two messages)
+_SMALLEST_CALIBRATED = 16 << 10
+
+
+def _raw_iallreduce_s(comm: Any, nbytes: int, count: int, repeats: int) -> float:
+    """Median over repeats of the slowest rank's time per message for `count` raw nonblocking allreduces in a row."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buffer = np.zeros(max(1, nbytes // 4), np.float32)
+    comm.Iallreduce(MPI.IN_PLACE, buffer).Wait()
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            comm.Iallreduce(MPI.IN_PLACE, buffer).Wait()
+        samples.append(comm.allreduce((time.perf_counter() - start) / count, op=MPI.MAX))
+    return statistics.median(samples)
+
+
+def measure_size_costs(
+    comm: Any, total_bytes: int, whole_s: float, small_s: float, repeats: int
+) -> list[tuple[int, float]]:
+    """Cost per byte of raw nonblocking allreduces by size (16 KiB up to all gradients, steps of 4x),
+    relative to one blocking allreduce of all gradients: the simulator's size-cost table.
+
+    MPI libraries change algorithm and pipelining with message size (MPICH over TCP at 3 ranks moves
+    a byte in 64 KiB messages in 0.57 of the time it takes in one large one), and commsched sends
+    partitioned and fused messages, not one of everything.
+    """
+    costs = []
+    size = _SMALLEST_CALIBRATED
+    sizes = []
+    while size < total_bytes:
+        sizes.append(size)
+        size *= 4
+    sizes.append(total_bytes)
+    for size in sizes:
+        count = max(2, min(total_bytes, _CALIBRATION_BYTES) // size)
+        per_message = _raw_iallreduce_s(comm, size, count, repeats)
+        # The model charges a collective its latency (the 4-byte allreduce) plus bytes at a rate:
+        # the factor makes the rate fit this size.
+        costs.append((size, max(0.05, (per_message - small_s) * total_bytes / (size * whole_s))))
+    return costs
+
+
 _PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
 _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
 
@@ -213,6 +260,11 @@ def run(args: argparse.Namespace) -> int:
         time_scale *= factor
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
     latency = small_s / (2 * (ranks - 1))
+    size_costs = (
+        measure_size_costs(comm, total_bytes, comm_s, small_s, args.calibration_repeats)
+        if args.size_costs
+        else []
+    )
     grads = [
         np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
     ]
@@ -247,11 +299,15 @@ def run(args: argparse.Namespace) -> int:
     spec = sim_layers(layers)
     if args.autotune:
         predicted = [
-            sim_cli.predict(spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]])[0]
+            sim_cli.predict(
+                spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]], size_costs=size_costs
+            )[0]
             for s, row in zip(chosen, rows)
         ]
     else:
-        predicted = sim_cli.predict(spec, ranks, bandwidth, latency, settings, args.policies, args.modes)
+        predicted = sim_cli.predict(
+            spec, ranks, bandwidth, latency, settings, args.policies, args.modes, size_costs=size_costs
+        )
     best_s = predicted[0]["best_s"]
     compute = compute_s(layers)
     baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
@@ -279,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         "communication_s": comm_s,
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
+        "size_costs": size_costs,
         "settings": settings,
         "iterations": args.iterations,
         "warmup": args.warmup,
@@ -320,6 +377,9 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
         f" {header['latency_s'] * 1e6:.0f} us per message)"
     )
+    if header["size_costs"]:
+        costs = ", ".join(f"{report.human_size(size)} {factor:.2f}" for size, factor in header["size_costs"])
+        print(f"# simulator's cost per byte by message size, relative to that: {costs}")
     chosen = header["settings"]
     print(
         f"# partition {report.human_size(chosen['partition_bytes'])}, credit {report.human_size(chosen['credit_bytes'])},"
@@ -373,6 +433,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-repeats", type=int, default=3, help="raw allreduces timed to measure comm"
+    )
+    parser.add_argument(
+        "--size-costs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the cost per byte by message size for the simulator's column (a few seconds)",
     )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart")

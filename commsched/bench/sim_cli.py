@@ -41,6 +41,26 @@ def parse_rate(text: str) -> float:
     raise argparse.ArgumentTypeError(f"{text!r} is not a rate; use e.g. 10gbit, 400mbit or 1.25GBps")
 
 
+def parse_size_costs(text: str) -> list[tuple[int, float]]:
+    """'64KiB:0.6,1MiB:0.8' -> [(65536, 0.6), (1048576, 0.8)], in increasing size."""
+    costs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        size, sep, factor = item.partition(":")
+        try:
+            cost = (parse_size(size), float(factor))
+        except ValueError:
+            cost = (0, 0.0)
+        if not sep or cost[0] <= 0 or not cost[1] > 0:
+            raise ValueError(
+                f"size cost {item!r} is not SIZE:FACTOR with both above 0; e.g. --size-costs 64KiB:0.6,1MiB:0.8"
+            )
+        costs.append(cost)
+    costs.sort()
+    if len({size for size, _ in costs}) != len(costs):
+        raise ValueError(f"--size-costs {text!r} gives a size twice")
+    return costs
+
+
 def predict(
     layers: list[tuple[str, float, float, list[int]]],
     ranks: int,
@@ -53,9 +73,16 @@ def predict(
     iterations: int = 6,
     warmup: int = 2,
     link: str = "fifo",
+    size_costs: Sequence[tuple[int, float]] = (),
 ) -> list[dict[str, Any]]:
-    """One row per (policy, mode): simulated iteration time with the bound and the best schedule."""
-    best = simulate_ideal(layers, ranks, bandwidth_bytes_per_s, iterations, warmup)
+    """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
+
+    `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
+    the bandwidth (see parse_size_costs).
+    """
+    # The best schedule moves every byte at the best rate the link showed at any message size.
+    best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
+    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup)
     rows = []
     for policy in policies:
         for mode in modes:
@@ -74,6 +101,7 @@ def predict(
                 iterations,
                 warmup,
                 link,
+                list(size_costs),
             )
             result.pop("iteration_starts_s")
             comm = result["communication_s"]
@@ -133,6 +161,12 @@ def _parser() -> argparse.ArgumentParser:
         default="fifo",
         help="how collectives in flight share a link: in start order (one TCP stream, MPI) or equally",
     )
+    parser.add_argument(
+        "--size-costs",
+        default="",
+        help="measured cost per byte by collective size, relative to --bandwidth, e.g. 64KiB:0.6,4MiB:0.9 "
+        "(commsched-bench schedule measures it; linear in log size between, flat outside)",
+    )
     parser.add_argument("--device-tflops", type=float, default=schedule.DEFAULT_DEVICE_TFLOPS)
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
     parser.add_argument("--scale", type=float, default=1.0, help="divide tensor sizes and compute by this")
@@ -170,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exchange = parse_duration(args.exchange) if args.exchange else -1.0
         rank_counts = [int(n) for n in args.ranks.split(",")]
         rates = [parse_rate(r) for r in args.bandwidth.split(",")]
+        size_costs = parse_size_costs(args.size_costs)
     except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"commsched-sim: {error}", file=sys.stderr)
         return 2
@@ -198,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.iterations,
                 args.warmup,
                 args.link,
+                size_costs,
             )
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
@@ -213,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "compute_s": compute,
                 "gradient_bytes": total,
                 "latency_s": latency,
+                "size_costs": size_costs,
                 "settings": settings,
                 "results": rows,
             },

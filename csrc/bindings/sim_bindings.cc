@@ -27,11 +27,15 @@ std::vector<sim::LayerSpec> to_layers(const std::vector<LayerTuple>& tuples) {
   return layers;
 }
 
+using SizeCostTuple = std::pair<uint64_t, double>;
+
 sim::NetworkSpec to_network(int ranks, double bandwidth_bytes_per_s, double latency_s,
-                           const std::string& link = "fifo") {
+                           const std::string& link = "fifo", const std::vector<SizeCostTuple>& size_costs = {}) {
   if (link != "fifo" && link != "fair") throw UsageError("link must be 'fifo' or 'fair'");
-  return sim::NetworkSpec{ranks, bandwidth_bytes_per_s, latency_s,
-                          link == "fair" ? sim::LinkSharing::kFair : sim::LinkSharing::kFifo};
+  sim::NetworkSpec network{ranks, bandwidth_bytes_per_s, latency_s,
+                           link == "fair" ? sim::LinkSharing::kFair : sim::LinkSharing::kFifo, {}};
+  for (const auto& [bytes, factor] : size_costs) network.size_costs.push_back(sim::SizeCost{bytes, factor});
+  return network;
 }
 
 py::dict to_dict(const sim::SimResult& result) {
@@ -57,7 +61,7 @@ void register_simulator(py::module_& module) {
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, double latency_s,
          const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          const std::string& mode, double cycle_time_s, double exchange_s, int iterations, int warmup,
-         const std::string& link) {
+         const std::string& link, const std::vector<SizeCostTuple>& size_costs) {
         if (policy != "priority" && policy != "fifo") throw UsageError("policy must be 'priority' or 'fifo'");
         if (mode != "barrier" && mode != "overlap") throw UsageError("mode must be 'barrier' or 'overlap'");
         sim::SimSettings settings;
@@ -72,14 +76,15 @@ void register_simulator(py::module_& module) {
         sim::SimResult result;
         {
           py::gil_scoped_release release;
-          result = sim::simulate(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s, link), settings);
+          result = sim::simulate(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s, link, size_costs), settings);
         }
         return to_dict(result);
       },
       py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("latency_s"),
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("mode"), py::arg("cycle_time_s") = 0.001, py::arg("exchange_s") = -1.0, py::arg("iterations") = 6,
-      py::arg("warmup") = 2, py::arg("link") = "fifo", "Predicts the iteration time of a profile under the real Scheduler and a network model.");
+      py::arg("warmup") = 2, py::arg("link") = "fifo", py::arg("size_costs") = std::vector<SizeCostTuple>{},
+      "Predicts the iteration time of a profile under the real Scheduler and a network model.");
 
   module.def(
       "simulate_ideal",

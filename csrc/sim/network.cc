@@ -1,6 +1,7 @@
 #include "sim/network.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace commsched::sim {
@@ -14,10 +15,26 @@ double ring_wire_bytes(uint64_t bytes, int ranks) {
   return 2.0 * (ranks - 1) / ranks * static_cast<double>(bytes);
 }
 
+double size_cost_factor(uint64_t bytes, const std::vector<SizeCost>& size_costs) {
+  if (size_costs.empty()) return 1.0;
+  if (bytes <= size_costs.front().bytes) return size_costs.front().factor;
+  if (bytes >= size_costs.back().bytes) return size_costs.back().factor;
+  const auto above = std::upper_bound(size_costs.begin(), size_costs.end(), bytes,
+                                      [](uint64_t size, const SizeCost& cost) { return size < cost.bytes; });
+  const SizeCost& low = *(above - 1);
+  const double along = std::log(static_cast<double>(bytes) / static_cast<double>(low.bytes)) /
+                       std::log(static_cast<double>(above->bytes) / static_cast<double>(low.bytes));
+  return low.factor + along * (above->factor - low.factor);
+}
+
+double collective_wire_bytes(uint64_t bytes, const NetworkSpec& network) {
+  return ring_wire_bytes(bytes, network.ranks) * size_cost_factor(bytes, network.size_costs);
+}
+
 double ring_latency_s(const NetworkSpec& network) { return 2.0 * (network.ranks - 1) * network.latency_s; }
 
 double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network) {
-  return ring_wire_bytes(bytes, network.ranks) / network.bandwidth_bytes_per_s + ring_latency_s(network);
+  return collective_wire_bytes(bytes, network) / network.bandwidth_bytes_per_s + ring_latency_s(network);
 }
 
 SharedLink::SharedLink(double bytes_per_s, LinkSharing sharing) : rate_(bytes_per_s), sharing_(sharing) {

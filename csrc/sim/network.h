@@ -17,15 +17,29 @@ namespace commsched::sim {
 
 enum class LinkSharing : uint8_t { kFifo = 0, kFair };
 
+// A measured cost per byte of collectives of `bytes`, relative to the link bandwidth: 0.6 means
+// such messages move 1/0.6 times as fast per byte (an MPI library may pick another algorithm,
+// or pipeline better, at some sizes).
+struct SizeCost {
+  uint64_t bytes = 0;
+  double factor = 1.0;
+};
+
 struct NetworkSpec {
   int ranks = 2;
   double bandwidth_bytes_per_s = 125e6;  // of each rank's link, per direction
   double latency_s = 50e-6;              // one message, one hop
   LinkSharing sharing = LinkSharing::kFifo;
+  std::vector<SizeCost> size_costs;      // by size; empty: every size costs the same per byte
 };
 
 // Bytes each rank puts on its link for a ring allreduce of `bytes`: 2(n-1)/n of them.
 double ring_wire_bytes(uint64_t bytes, int ranks);
+// The cost factor for a collective of `bytes`: linear in log(size) between the measured sizes,
+// the nearest one's outside them, 1 when none were measured.
+double size_cost_factor(uint64_t bytes, const std::vector<SizeCost>& size_costs);
+// Link time of one collective of `bytes` in bytes at the nominal rate: ring wire bytes times its size's factor.
+double collective_wire_bytes(uint64_t bytes, const NetworkSpec& network);
 // Sequential message latency of a ring allreduce: 2(n-1) steps.
 double ring_latency_s(const NetworkSpec& network);
 // Time of one ring allreduce alone on the link.

@@ -225,7 +225,7 @@ class RuntimeComm : public Comm {
     for (Launch& launch : scheduler_.next_launches()) {
       ++launches_;
       fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
-      link_.start(launch.seq, now_s, ring_latency_s(network_), ring_wire_bytes(launch.bytes, network_.ranks));
+      link_.start(launch.seq, now_s, ring_latency_s(network_), collective_wire_bytes(launch.bytes, network_));
       in_flight_.emplace(launch.seq, std::move(launch));
     }
     max_bytes_in_flight_ = std::max(max_bytes_in_flight_, scheduler_.bytes_in_flight());
@@ -329,6 +329,12 @@ void check_inputs(const std::vector<LayerSpec>& layers, const NetworkSpec& netwo
   if (!(network.bandwidth_bytes_per_s > 0)) throw std::invalid_argument("bandwidth must be above 0");
   if (network.latency_s < 0) throw std::invalid_argument("latency must not be negative");
   if (iterations < 1 || warmup < 0) throw std::invalid_argument("need iterations >= 1 and warmup >= 0");
+  for (size_t i = 0; i < network.size_costs.size(); ++i) {
+    const SizeCost& cost = network.size_costs[i];
+    if (cost.bytes == 0 || !(cost.factor > 0) || (i > 0 && cost.bytes <= network.size_costs[i - 1].bytes)) {
+      throw std::invalid_argument("size costs need sizes above 0 in increasing order and factors above 0");
+    }
+  }
   for (const LayerSpec& layer : layers) {
     if (layer.forward_s < 0 || layer.backward_s < 0) {
       throw std::invalid_argument("layer '" + layer.name + "' has a negative compute time");
