@@ -31,23 +31,18 @@ void bfloat_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   sum_into(inout, in, static_cast<uint64_t>(*len), DType::kBFloat16);
 }
 
-// Polls a request: spinning for the first 50 us (the other ranks usually join within
-// microseconds, and a yield costs a system call), then yielding between tests, then with
-// short sleeps, so waiting ranks leave the CPU to others (ranks often outnumber cores on a
-// test machine).
+// Polls a request, yielding between tests for a short while (the other ranks usually join
+// within microseconds, and a sleep costs the timer slack), then with short sleeps, so waiting
+// ranks leave the CPU to others (ranks often outnumber cores on a test machine).
 void wait_polling(MPI_Request& request, double timeout_s, const char* what) {
-  constexpr auto kSpinFor = std::chrono::microseconds(50);
   constexpr auto kYieldFor = std::chrono::microseconds(200);
   const auto start = std::chrono::steady_clock::now();
   int sleeps = 0;
-  for (unsigned tests = 1;; ++tests) {
+  while (true) {
     int flag = 0;
     check(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), what);
     if (flag) return;
-    // Spinning, the clock is read every 16 tests: it costs as much as a test.
-    if (tests % 16 != 0) continue;
     const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited < kSpinFor) continue;
     if (waited < kYieldFor) {
       std::this_thread::yield();
       continue;
