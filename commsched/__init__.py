@@ -327,32 +327,24 @@ def _run_now(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
 ) -> Any:
     """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
-    if name is None:
-        name = f"{kind}.unnamed.{next(_state.unnamed)}"
+    name = _checked_name(name, kind, op, root, priority)
     tuner = _state.tuner
-    if (
-        type(name) is str
-        and name
-        and op in _OPS
-        and type(priority) is int
-        and -(2**31) <= priority < 2**31
-        and type(root) is int
-        and _state.pending is None
-        and _state.device_transport is None
-        and (tuner is None or not tuner.recording)
-    ):
+    if _state.pending is None and _state.device_transport is None and (tuner is None or not tuner.recording):
         done = _core.run_buffer(array, name, op, kind, root, priority, -1.0 if timeout is None else timeout)
         if done > 0:
             return array
         if done == 0:
             raise _timed_out(name, timeout)
-    # Anything else (torch and GPU tensors, odd arguments) takes the path that checks and names it.
-    return _submit(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
+    # Anything else (torch and GPU tensors, buffers it cannot take) goes through the view, which names the problem.
+    return _enqueue(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
 
 
-def _submit(
-    array: Any, name: str | None, kind: str, op: str, root: int, priority: int, waits_next: bool = False
-) -> Handle:
+def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priority: int) -> Handle:
+    return _enqueue(array, _checked_name(name, kind, op, root, priority), kind, op, root, priority)
+
+
+def _checked_name(name: str | None, kind: str, op: str, root: int, priority: int) -> str:
+    """The tensor's name (numbered when None) once the call's arguments are checked; raises naming the problem."""
     if name is None:
         # Like Horovod: unnamed tensors are numbered in call order, which must then match across ranks.
         name = f"{kind}.unnamed.{next(_state.unnamed)}"
@@ -364,6 +356,12 @@ def _submit(
         raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
     if op not in _OPS:
         raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
+    return name
+
+
+def _enqueue(
+    array: Any, name: str, kind: str, op: str, root: int, priority: int, waits_next: bool = False
+) -> Handle:
     view = buffers.view(array, name)
     if _state.pending is not None:
         _start_pending(view.on_gpu, view.device)

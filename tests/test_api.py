@@ -121,7 +121,7 @@ def test_synchronous_calls_take_every_host_buffer(runtime: None, monkeypatch: py
     def slow_path(*args: object, **kwargs: object) -> None:
         raise AssertionError("a host buffer went through the Python view")
 
-    monkeypatch.setattr(commsched, "_submit", slow_path)
+    monkeypatch.setattr(commsched, "_enqueue", slow_path)
 
     for values in (
         bytearray(b"\x01\x02"),

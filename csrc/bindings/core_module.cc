@@ -52,7 +52,7 @@ RuntimeSlot& runtime_slot() {
 using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
-void register_run_buffer(pybind11::module_& module, pybind11::handle comm_error);
+void register_run_buffer(pybind11::module_& module);
 
 namespace {
 
@@ -218,5 +218,5 @@ PYBIND11_MODULE(_core, module) {
   module.def("describe", [](const std::string& name) { return runtime_slot().require("describe")->describe(name); },
              "Where a pending tensor stands.");
   register_simulator(module);
-  register_run_buffer(module, comm_error);
+  register_run_buffer(module);
 }

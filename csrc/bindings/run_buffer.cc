@@ -65,7 +65,7 @@ std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
 // 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype
 // (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
 int run_buffer(py::handle array, const std::string& name, const std::string& op, const std::string& kind, int root,
-               int priority, double timeout_s, py::handle comm_error) {
+               int priority, double timeout_s) {
   HeldBuffer buffer(array.ptr());
   if (!buffer.held() || buffer.view().len == 0) return -1;
   const std::optional<DType> dtype = dtype_of(buffer.view().format, buffer.view().itemsize);
@@ -94,10 +94,7 @@ int run_buffer(py::handle array, const std::string& name, const std::string& op,
       finished = runtime->wait(*handle, std::max(slice, 0.0));
     }
     if (finished) {
-      if (handle->failed()) {
-        PyErr_SetString(comm_error.ptr(), handle->error().c_str());
-        throw py::error_already_set();
-      }
+      if (handle->failed()) throw CommError(handle->error());  // raised as commsched.CommschedError
       return 1;
     }
     if (timeout_s >= 0 && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s) return 0;
@@ -108,15 +105,9 @@ int run_buffer(py::handle array, const std::string& name, const std::string& op,
 }  // namespace
 }  // namespace commsched
 
-void register_run_buffer(py::module_& module, py::handle comm_error) {
-  module.def(
-      "run_buffer",
-      [comm_error](py::handle array, const std::string& name, const std::string& op, const std::string& kind, int root,
-                   int priority, double timeout_s) {
-        return commsched::run_buffer(array, name, op, kind, root, priority, timeout_s, comm_error);
-      },
-      py::arg("array"), py::arg("name"), py::arg("op"), py::arg("kind"), py::arg("root"), py::arg("priority"),
-      py::arg("timeout_s"),
-      "Allreduces or broadcasts a host buffer in place and waits (timeout_s < 0: no limit); "
-      "1 done, 0 timed out, -1 not a host buffer this call takes.");
+void register_run_buffer(py::module_& module) {
+  module.def("run_buffer", &commsched::run_buffer, py::arg("array"), py::arg("name"), py::arg("op"), py::arg("kind"),
+             py::arg("root"), py::arg("priority"), py::arg("timeout_s"),
+             "Allreduces or broadcasts a host buffer in place and waits (timeout_s < 0: no limit); "
+             "1 done, 0 timed out, -1 not a host buffer this call takes.");
 }
