@@ -29,6 +29,7 @@ class MpiTransport : public Transport {
   void resize_slot(uint64_t wanted);
 
   static constexpr uint64_t kMinSlotBytes = 128;
+  static constexpr uint64_t kSlotStepBytes = 1024;
   static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
