@@ -149,7 +149,7 @@ class Runtime {
   std::condition_variable loop_cv_;  // wakes the core's thread
   std::condition_variable callers_cv_;  // wakes callers waiting in wait()
   std::vector<Submission> inbox_;
-  std::unordered_map<std::string, std::string> active_names_;  // name -> phase
+  std::unordered_map<std::string, const char*> active_names_;  // name -> phase (a literal: no allocation per tensor)
   std::string stop_reason_;
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
@@ -172,6 +172,7 @@ class Runtime {
   uint64_t bytes_in_flight_ = 0;
   uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round
   std::vector<std::vector<uint8_t>> buffer_pool_;
+  std::vector<uint64_t> inline_sum_, inline_addend_;  // complete_inline's scratch
   uint64_t next_tensor_id_ = 0;
   uint64_t completed_bytes_ = 0;
   std::string abort_message_;

@@ -39,6 +39,7 @@ void Timeline::open(const std::string& path, int rank) {
   rank_ = rank;
   out_.open(path, std::ios::out | std::ios::trunc);
   if (!out_) throw std::runtime_error("COMMSCHED_TIMELINE: cannot open '" + path + "' for writing");
+  enabled_ = true;
   out_ << "[\n";
   const std::string pid = std::to_string(rank_);
   emit("{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"args\":{\"name\":\"rank " + pid + "\"}}");
