@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from python_core import start_on  # tests/ is on sys.path (conftest.py)
 
 import commsched
 from commsched import _core
@@ -66,18 +67,8 @@ class _HookedTransport:
 def hooked() -> Any:
     """The core running on _HookedTransport, with fusion on; stopped after the test."""
     transport = _HookedTransport()
-    _core.start(
-        policy="priority",
-        partition_bytes=1 << 20,
-        credit_bytes=16 << 20,
-        fusion_bytes=1 << 20,
-        cycle_time_s=0.001,
-        stall_timeout_s=30.0,
-        stall_shutdown_s=60.0,
-        timeline_path="",
-        log_level="warning",
-        transport_kind="python",
-        transport_argument=transport,
+    start_on(
+        transport, partition_bytes=1 << 20, credit_bytes=16 << 20, fusion_bytes=1 << 20, cycle_time_s=0.001
     )
     yield transport
     _core.stop()
