@@ -64,6 +64,19 @@ _RATE_UNITS |= {f"{p}bps": 8 * f for p, f in _SCALE.items()}
 _SIZE_UNITS = {"": 1.0} | {f"{p}b": f for p, f in _SCALE.items()}
 
 
+def _steer_receive(namespace: str, dev: str) -> None:
+    """Receives each flow on one CPU (RPS by flow hash), so the veth does not reorder packets.
+
+    Without it a packet is received on whichever CPU its sender ran on; a sender that moves
+    between CPUs got its TCP segments reordered, and every rank saw 6-115 spurious fast
+    retransmits per 4-rank replay, which a real link does not cause.
+    """
+    mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+    setting = f"/sys/class/net/{dev}/queues/rx-0/rps_cpus"
+    # A kernel without RPS has no such file: the rig still works, only less like a wire.
+    _run(["ip", "netns", "exec", namespace, "sh", "-c", f"[ ! -w {setting} ] || echo {mask} > {setting}"])
+
+
 class RigError(RuntimeError):
     """A rig could not be built or torn down."""
 
@@ -271,6 +284,7 @@ class NetRig:
                     ["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf"]
                     + ["rate", self.rate, "burst", self.burst, "latency", self.latency]
                 )
+                _steer_receive(where, dev)
         self._wait_links_up()
 
     def _wait_links_up(self, timeout_s: float = 5.0) -> None:

@@ -112,6 +112,20 @@ def test_gloo_allreduce_crosses_shaped_link() -> None:
 
 
 @needs_rig
+def test_links_receive_each_flow_on_one_cpu() -> None:
+    every_cpu = (1 << (os.cpu_count() or 1)) - 1
+    with netrig.NetRig(n_ranks=2, rate="1gbit") as rig:
+        ends = [(ns, rig.interface(i)) for i, ns in enumerate(rig.namespaces)]
+        ends += [(rig.hub, rig.hub_port(i)) for i in range(2)]
+        for namespace, dev in ends:
+            setting = f"/sys/class/net/{dev}/queues/rx-0/rps_cpus"
+            shown = subprocess.run(
+                ["ip", "netns", "exec", namespace, "cat", setting], capture_output=True, text=True, check=True
+            ).stdout
+            assert int(shown.strip().replace(",", ""), 16) == every_cpu, (namespace, dev, shown)
+
+
+@needs_rig
 def test_cleanup_on_exception() -> None:
     with pytest.raises(RuntimeError, match="boom"), netrig.NetRig(n_ranks=3, rate="1gbit") as rig:
         namespaces = [*rig.namespaces, rig.hub]
