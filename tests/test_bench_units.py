@@ -115,3 +115,27 @@ def test_sim_cli_prints_and_writes_json(tmp_path, monkeypatch, capsys):
     expected = 2 * 1023 / 1024 * total / 1.25e8 + 2 * 1023 * 20e-6
     assert row["communication_s"] == pytest.approx(expected)
     assert math.isclose(data["compute_s"], 0.09)
+
+
+def test_size_cost_calibration_keeps_in_flight_bounded(monkeypatch):
+    """As many messages in flight as the credit allows, but never hundreds (MPICH hung at 512)."""
+    calls = []
+
+    def fake_raw(comm, nbytes, count, in_flight, repeats):
+        calls.append((nbytes, count, in_flight))
+        return 1e-3 * nbytes / (1 << 20)
+
+    monkeypatch.setattr(schedule, "_raw_iallreduce_s", fake_raw)
+    costs = schedule.measure_size_costs(None, 32 << 20, 8 << 20, 32e-3, 1e-5, 3)
+    assert [size for size, _ in costs] == [
+        16 << 10,
+        64 << 10,
+        256 << 10,
+        1 << 20,
+        4 << 20,
+        16 << 20,
+        32 << 20,
+    ]
+    assert all(1 <= in_flight <= 64 for _, _, in_flight in calls), calls
+    assert {nbytes: in_flight for nbytes, _, in_flight in calls}[4 << 20] == 2  # credit / size
+    assert all(factor == pytest.approx(1.0, rel=1e-2) for _, factor in costs)  # linear fake: flat costs

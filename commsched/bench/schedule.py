@@ -170,6 +170,7 @@ def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
 
 _CALIBRATION_BYTES = 16 << 20  # moved per timing of one size (at least two messages)
 _SMALLEST_CALIBRATED = 16 << 10
+_MAX_CALIBRATION_IN_FLIGHT = 64
 
 
 def _raw_iallreduce_s(comm: Any, nbytes: int, count: int, in_flight: int, repeats: int) -> float:
@@ -213,7 +214,9 @@ def measure_size_costs(
     sizes.append(total_bytes)
     for size in sizes:
         count = max(2, min(total_bytes, _CALIBRATION_BYTES) // size)
-        in_flight = max(1, min(count, credit_bytes // size))
+        # Capped: MPICH over TCP at 4 ranks hung in Waitall with 512 16 KiB Iallreduces outstanding
+        # (--credit-bytes 8MiB); beyond a few dozen in flight the per-byte cost no longer changes.
+        in_flight = max(1, min(count, credit_bytes // size, _MAX_CALIBRATION_IN_FLIGHT))
         per_message = _raw_iallreduce_s(comm, size, count, in_flight, repeats)
         # The model charges a collective its latency (the 4-byte allreduce, hidden behind the
         # others when several are in flight) plus bytes at a rate: the factor makes the rate fit.
