@@ -108,18 +108,47 @@ def run_config(config: dict, tensors: list[dict], seed: int) -> None:
             ok = np.allclose(result.astype(np.float64), reference, rtol=tolerance, atol=tolerance)
         if not ok:
             raise AssertionError(f"rank {rank}: {spec} differs from the numpy reference under {config}")
+    probed = fusion_probe(rank, size)
     stats = commsched.stats()
     settings = commsched.config()
     if settings["policy"] == "priority" and settings["partition_bytes"] <= settings["credit_bytes"]:
         largest_chunk = settings["partition_bytes"]
         assert stats["max_bytes_in_flight"] <= max(settings["credit_bytes"], largest_chunk), stats
-    assert stats["completed_tensors"] == len(tensors), stats
+    assert stats["completed_tensors"] == len(tensors) + probed, stats
     if settings["fusion_bytes"] > 0:
         assert stats["fused_launches"] > 0, stats  # small tensors ready together must share collectives
     commsched.shutdown()
     print(
         f"rank {rank}: OK {config} launches={stats['launches']} fused={stats['fused_launches']}", flush=True
     )
+
+
+def fusion_probe(rank: int, size: int) -> int:
+    """Small tensors that become ready while an urgent large one holds the link, checked after.
+
+    The random phase fuses only when its timing happens to queue small tensors together (a
+    handful of times per run); here they wait behind the large tensor's chunks on every rank,
+    so the fusion check does not hang on how quickly rounds run. Empty tensors join them: they
+    always go as collectives, also where every small size would ride inline in the reports.
+    Returns how many tensors it sent.
+    """
+    fusion_bytes = commsched.config()["fusion_bytes"]
+    # 4 MiB: many chunks, and the link held for them, where partition and credit are small (the
+    # configs whose random phase fuses least); the default sizes fuse plenty in the random phase.
+    large = np.full(1 << 20, rank + 1, np.float32)
+    small = [np.full(max(1, min(8192, fusion_bytes // 3) // 4), rank + i, np.float32) for i in range(16)]
+    small += [np.empty(0, np.float32) for _ in range(8)]
+    handles = [commsched.allreduce_async(large, "probe.large", priority=-1000)]
+    handles += [
+        commsched.allreduce_async(a, f"probe.small{i}", priority=1000 + i) for i, a in enumerate(small)
+    ]
+    for handle in handles:
+        handle.wait(timeout=120)
+    ranks_sum = size * (size + 1) / 2
+    assert np.all(large == ranks_sum), f"rank {rank}: probe.large summed wrong"
+    for i, a in enumerate(small):
+        assert np.all(a == ranks_sum - size + size * i), f"rank {rank}: probe.small{i} summed wrong"
+    return len(handles)
 
 
 def main() -> int:
