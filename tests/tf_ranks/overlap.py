@@ -26,7 +26,7 @@ import tf_common as common
 
 import commsched
 
-BATCH, WIDTH, DEPTH, STEPS = 256, 1024, 5, 5
+BATCH, WIDTH, DEPTH, STEPS = 256, 1024, 5, 9
 MARGIN_US = 5000
 
 
