@@ -27,7 +27,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -371,7 +371,7 @@ class Tuner:
         left = self.options.budget_iterations - self.iteration
         if self._phase in ("default", "seed", "search"):
             reserve = self.options.confirm * per_trial
-            if left - reserve >= per_trial:
+            if left - reserve >= per_trial and not search.exhausted():
                 # Optuna hands out the queued seeds first.
                 self._phase = "seed" if self._seeds_left > 0 else "search"
                 self._seeds_left -= 1
@@ -485,8 +485,12 @@ class Tuner:
         self._log.flush()
 
 
-def start(options: Options | None = None) -> Tuner:
-    """Starts tuning on this rank after init(); every rank calls it. init(autotune=True) does."""
+def start(options: Options | None = None, starting: Iterable[str] = ()) -> Tuner:
+    """Starts tuning on this rank after init(); every rank calls it. init(autotune=True) does.
+
+    Settings named in `starting` are tuned even where init() or COMMSCHED_* gave them: the
+    given value is where the search starts, not a choice to keep.
+    """
     import commsched
 
     state = commsched._state
@@ -498,7 +502,13 @@ def start(options: Options | None = None) -> Tuner:
     if state.tuner is not None:
         state.tuner.close()
     settings = commsched.config()
-    fixed = {name: settings[name] for name in FIELDS if name in state.user_given}
+    unknown = sorted(set(starting) - set(FIELDS))
+    if unknown:
+        raise ValueError(
+            f"autotune.start(starting=...): {unknown} are not tuned settings; use names from {FIELDS}"
+        )
+    kept = state.user_given - frozenset(starting)
+    fixed = {name: settings[name] for name in FIELDS if name in kept}
     if commsched.rank() == 0:
         try:
             import optuna  # noqa: F401

@@ -109,6 +109,15 @@ class Search:
         """Keeps a measurement for the final choice."""
         self.history.append((dict(settings), list(samples)))
 
+    def exhausted(self) -> bool:
+        """True once every setting the space holds has been measured: more trials only repeat them."""
+        tried = {
+            settings_key(self.space.from_params(self.space.to_params(s)))
+            for s, _ in self.history
+            if s["policy"] in self.space.policies
+        }
+        return len(tried) >= self.space.size()
+
     def ranked(self) -> list[tuple[float, dict[str, Any]]]:
         """Median of every iteration measured per distinct setting, best first; pooling the repeats
         makes one trial slowed by a neighbour's burst count for less."""

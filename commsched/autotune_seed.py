@@ -75,6 +75,17 @@ class Space:
         """The settings the search may change."""
         return [name for name in FIELDS if name not in self.fixed]
 
+    def size(self) -> int:
+        """How many distinct settings the search can propose."""
+        count = 1
+        for name in self.free():
+            if name == "policy":
+                count *= len(self.policies)
+            else:
+                low, high = self.bounds[name]
+                count *= high - low + 1
+        return count
+
     def to_params(self, settings: dict[str, Any]) -> dict[str, Any]:
         """Optuna parameters of a full setting: log2 of each free size, clamped to the bounds."""
         params: dict[str, Any] = {}

@@ -19,6 +19,7 @@ pytest.importorskip("optuna")
 
 from commsched._core import simulate
 
+import commsched
 from commsched import autotune
 from commsched.autotune_seed import FIELDS, Link, Space, Submission, sim_layers
 from commsched.config import SettingError, resolve, user_given
@@ -205,6 +206,36 @@ def test_fixed_settings_stay_out_of_the_search(fixed, tmp_path):
     assert all(tuner.result[name] == value for name, value in fixed.items())
     free = {name for name in FIELDS if name not in fixed}
     assert any(switch[name] != DEFAULTS[name] for switch in runtime.switches for name in free)
+
+
+def test_search_ends_once_every_setting_was_measured(tmp_path):
+    """Only the policy free: after both policies, more trials would only repeat one of them."""
+    fixed = {name: DEFAULTS[name] for name in FIELDS if name != "policy"}
+    clock = FakeClock()
+    runtime = FakeRuntime(clock, DEFAULTS)
+    log_path = tmp_path / "log.csv"
+    options = autotune.Options(log_path=str(log_path), report=False)
+    tuner = autotune.Tuner(runtime, fixed, options, clock=clock)
+    run_training(tuner, runtime, clock, 110)
+    assert not tuner.active and tuner.result is not None
+    with open(log_path) as handle:
+        rows = list(csv.DictReader(handle))
+    tried = [(r["policy"], r["partition_bytes"]) for r in rows if r["phase"] in ("default", "seed", "search")]
+    assert len(tried) == len(set(tried)) <= 2, rows
+    assert tuner.iteration < options.budget_iterations // 2, "the search should end when its space is spent"
+
+
+def test_start_tunes_given_sizes_named_as_starting_points():
+    """A size given to init() is fixed unless start() is told it is only where the search begins."""
+    pytest.importorskip("optuna")
+    commsched.init(transport="loopback", partition_bytes="256KiB", credit_bytes="1MiB")
+    try:
+        assert autotune.start().fixed == {"partition_bytes": 256 << 10, "credit_bytes": 1 << 20}
+        assert autotune.start(starting=["credit_bytes"]).fixed == {"partition_bytes": 256 << 10}
+        with pytest.raises(ValueError, match="cycle_time"):
+            autotune.start(starting=["cycle_time"])
+    finally:
+        commsched.shutdown()
 
 
 def test_everything_fixed_means_no_tuning():
