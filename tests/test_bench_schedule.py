@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -67,6 +69,43 @@ def test_schedule_replay_on_two_ranks(tmp_path):
         assert row["sum_s"] == pytest.approx(run["compute_s"] + run["communication_s"])
         assert row["speedup"] == pytest.approx(baseline / row["iteration_s"])
         assert 0.0 <= row["hidden"] <= 1.0
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec")
+def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
+    """--autotune starts from commsched's defaults / scale and may move them; it reports its choice."""
+    pytest.importorskip("optuna")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    out, trials = tmp_path / "schedule.json", tmp_path / "trials.csv"
+    argv = [str(MPIEXEC), "-n", "2", sys.executable, str(driver), "schedule", "--model", "tiny"]
+    argv += ["--scale", "16", "--device-tflops", "1", "--policies", "fifo", "--autotune"]
+    argv += ["--iterations", "2", "--warmup", "110", "--no-size-costs", "--json", str(out)]
+    env = dict(os.environ, COMMSCHED_AUTOTUNE_LOG=str(trials))
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["policy"], r["mode"]) for r in rows] == [
+        ("fifo", "overlap"),
+        ("fifo", "barrier"),
+        ("autotune", "overlap"),
+        ("autotune", "barrier"),
+    ]
+    row = rows[2]
+    assert row["speedup"] == pytest.approx(rows[1]["iteration_s"] / row["iteration_s"])
+    assert set(row["settings"]) == {
+        "policy",
+        "partition_bytes",
+        "credit_bytes",
+        "fusion_bytes",
+    }
+    assert "# autotune chose for overlap:" in proc.stdout
+    with open(trials) as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == (4 << 20) // 16
+    # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
+    assert any(int(r["partition_bytes"]) != (4 << 20) // 16 for r in rows), rows
+    assert any(int(r["credit_bytes"]) != (16 << 20) // 16 for r in rows), rows
 
 
 def test_replay_compute_does_not_pile_up_sleep_overshoot():

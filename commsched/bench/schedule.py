@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import commsched
+    from commsched import autotune
     from commsched.bench import sim_cli
 
     comm = MPI.COMM_WORLD
@@ -281,44 +282,44 @@ def run(args: argparse.Namespace) -> int:
         np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
     ]
     rows = []
+    # --autotune adds one run per mode that starts from the defaults and tunes during the
+    # warm-up; the fixed policies still run, for the baseline the speedup is measured against.
+    runs = [(p, args.modes, False) for p in args.policies]
+    runs += [("autotune", [m], True) for m in args.modes] if args.autotune else []
     progress = report.Progress(
-        len(args.policies) * len(args.modes), "schedule", enabled=None if rank == 0 else False
+        sum(len(m) for _, m, _ in runs), "schedule", enabled=None if rank == 0 else False
     )
-    # With --autotune one run per mode starts from the defaults and tunes during the warm-up.
-    runs = (
-        [("autotune", [m]) for m in args.modes] if args.autotune else [(p, args.modes) for p in args.policies]
-    )
-    chosen = []
-    for policy, modes in runs:
+    used = []
+    # The sizes scaled from commsched's defaults stand for the defaults: with --autotune the
+    # search starts there and may change them, as it would change the defaults themselves.
+    starting = [name for name in _SCALED_SETTINGS if getattr(args, name) is None and sizes[name] is not None]
+    for policy, modes, tuned in runs:
         commsched.init(
-            policy=None if args.autotune else policy,
-            autotune=True if args.autotune else None,
+            policy=None if tuned else policy,
+            autotune=False if tuned else None,
             transport="mpi",
             cycle_time=args.cycle_time,
             **sizes,
         )
+        if tuned:
+            autotune.start(starting=starting)
         settings = commsched.config()
         for mode in modes:
             comm.Barrier()
             mine = replay(layers, grads, mode, args.iterations, args.warmup)
             rows.append({"policy": policy, "mode": mode, "iteration_s": comm.allreduce(mine, op=MPI.MAX)})
-            chosen.append(commsched.config())  # what the tuner chose, for the simulator's column
+            used.append(commsched.config())  # what the tuner chose, for the simulator's column
             progress.step(f"{policy}/{mode}")
         commsched.shutdown()
     if rank != 0:
         return 0
     spec = sim_layers(layers)
-    if args.autotune:
-        predicted = [
-            sim_cli.predict(
-                spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]], size_costs=size_costs
-            )[0]
-            for s, row in zip(chosen, rows)
-        ]
-    else:
-        predicted = sim_cli.predict(
-            spec, ranks, bandwidth, latency, settings, args.policies, args.modes, size_costs=size_costs
-        )
+    predicted = [
+        sim_cli.predict(
+            spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]], size_costs=size_costs
+        )[0]
+        for s, row in zip(used, rows)
+    ]
     best_s = predicted[0]["best_s"]
     compute = compute_s(layers)
     baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
@@ -335,6 +336,9 @@ def run(args: argparse.Namespace) -> int:
         row["vs_best"] = row["iteration_s"] / best_s
         row["speedup"] = baseline / row["iteration_s"] if baseline else None
         row["sim_error"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
+    for row, settings_used in zip(rows, used):
+        if row["policy"] == "autotune":
+            row["settings"] = {name: settings_used[name] for name in ("policy", *_SCALED_SETTINGS)}
     header = {
         "model": profile.name,
         "ranks": ranks,
@@ -401,6 +405,13 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         for row in rows
     ]
     print(report.format_table(COLUMNS, table))
+    for row in rows:
+        if "settings" in row:
+            used = row["settings"]
+            print(
+                f"# autotune chose for {row['mode']}: {used['policy']}, partition {report.human_size(used['partition_bytes'])},"
+                f" credit {report.human_size(used['credit_bytes'])}, fusion {report.human_size(used['fusion_bytes'])}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -440,7 +451,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--autotune",
         action="store_true",
-        help="one run per mode that tunes the settings online during the warm-up (use e.g. --warmup 100)",
+        help="add one run per mode that tunes the settings online during the warm-up (use e.g. --warmup 150)",
     )
     parser.add_argument(
         "--calibration-repeats", type=int, default=3, help="raw allreduces timed to measure comm"
