@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from commsched import _core
 
 
-def start_on(
+@contextmanager
+def running_on(
     transport: Any, *, partition_bytes: int, credit_bytes: int, fusion_bytes: int, cycle_time_s: float
-) -> None:
-    """Starts the priority core on `transport` (stop it with _core.stop())."""
+) -> Iterator[Any]:
+    """The priority core running on `transport` inside the block, stopped when it ends."""
     _core.start(
         policy="priority",
         partition_bytes=partition_bytes,
@@ -24,3 +27,7 @@ def start_on(
         transport_kind="python",
         transport_argument=transport,
     )
+    try:
+        yield transport
+    finally:
+        _core.stop()

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from python_core import start_on  # tests/ is on sys.path (conftest.py)
+from python_core import running_on  # tests/ is on sys.path (conftest.py)
 
 import commsched
-from commsched import _core
 
 EXCHANGE_S = 0.03  # an agreement round queued behind data on the wire
 CYCLE_S = 2.0  # heartbeat: far longer than anything the test waits for
@@ -52,10 +51,9 @@ def transport() -> Any:
     """The core on _SlowRoundTransport: 1 KiB chunks, 2 KiB of credit, a 2 s heartbeat."""
     # Launch order: chunk 0 ends mid-wait and starts round B; chunk 1 ends during round B's
     # exchange; chunk 2 holds half the credit for a second; chunk 3 needs chunk 1's credit.
-    transport = _SlowRoundTransport([0.01, 0.035, 1.0, 0.01])
-    start_on(transport, partition_bytes=1024, credit_bytes=2048, fusion_bytes=0, cycle_time_s=CYCLE_S)
-    yield transport
-    _core.stop()
+    scripted = _SlowRoundTransport([0.01, 0.035, 1.0, 0.01])
+    with running_on(scripted, partition_bytes=1024, credit_bytes=2048, fusion_bytes=0, cycle_time_s=CYCLE_S):
+        yield scripted
 
 
 def test_credit_freed_during_an_exchange_is_used_by_the_next_round_at_once(

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from python_core import start_on  # tests/ is on sys.path (conftest.py)
+from python_core import running_on  # tests/ is on sys.path (conftest.py)
 
 import commsched
-from commsched import _core
 
 _NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
 
@@ -66,12 +65,14 @@ class _HookedTransport:
 @pytest.fixture
 def hooked() -> Any:
     """The core running on _HookedTransport, with fusion on; stopped after the test."""
-    transport = _HookedTransport()
-    start_on(
-        transport, partition_bytes=1 << 20, credit_bytes=16 << 20, fusion_bytes=1 << 20, cycle_time_s=0.001
-    )
-    yield transport
-    _core.stop()
+    with running_on(
+        _HookedTransport(),
+        partition_bytes=1 << 20,
+        credit_bytes=16 << 20,
+        fusion_bytes=1 << 20,
+        cycle_time_s=0.001,
+    ) as transport:
+        yield transport
 
 
 def test_fusion_copies_go_through_the_copy_hook(hooked: _HookedTransport) -> None:
