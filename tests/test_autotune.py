@@ -74,6 +74,7 @@ class FakeRuntime:
 
     rank = 0
     size = 2  # the other rank measures exactly the same
+    transport = "mpi"
 
     def __init__(self, clock: FakeClock, settings: dict[str, Any]) -> None:
         self.clock = clock
@@ -98,7 +99,7 @@ class FakeRuntime:
         self.switches.append(dict(self.current))
 
     def settings(self) -> dict[str, Any]:
-        return dict(self.current, cycle_time=0.001)
+        return dict(self.current, cycle_time=0.001, transport=self.transport)
 
 
 class PendingHandle:
@@ -223,6 +224,18 @@ def test_search_ends_once_every_setting_was_measured(tmp_path):
     tried = [(r["policy"], r["partition_bytes"]) for r in rows if r["phase"] in ("default", "seed", "search")]
     assert len(tried) == len(set(tried)) <= 2, rows
     assert tuner.iteration < options.budget_iterations // 2, "the search should end when its space is spent"
+
+
+def test_nccl_leaves_fusion_out_of_the_search(tmp_path):
+    """NCCL never fuses GPU tensors, so the search spends no trial on a fusion size."""
+    clock = FakeClock()
+    runtime = FakeRuntime(clock, DEFAULTS)
+    runtime.transport = "nccl"
+    tuner = autotune.Tuner(runtime, {}, autotune.Options(report=False), clock=clock)
+    run_training(tuner, runtime, clock, 110)
+    assert tuner.result is not None and runtime.switches
+    assert all(switch["fusion_bytes"] == 0 for switch in runtime.switches), runtime.switches
+    assert any(switch["partition_bytes"] != DEFAULTS["partition_bytes"] for switch in runtime.switches)
 
 
 def test_start_tunes_given_sizes_named_as_starting_points():
