@@ -496,6 +496,12 @@ def start(options: Options | None = None, starting: Iterable[str] = ()) -> Tuner
     """
     import commsched
 
+    starting = (starting,) if isinstance(starting, str) else tuple(starting)
+    unknown = sorted(set(starting) - set(FIELDS))
+    if unknown:
+        raise ValueError(
+            f"autotune.start(starting=...): {unknown} are not tuned settings; use names from {FIELDS}"
+        )
     state = commsched._state
     if state.settings is None:
         raise RuntimeError("commsched.autotune.start() needs commsched.init() first")
@@ -505,11 +511,6 @@ def start(options: Options | None = None, starting: Iterable[str] = ()) -> Tuner
     if state.tuner is not None:
         state.tuner.close()
     settings = commsched.config()
-    unknown = sorted(set(starting) - set(FIELDS))
-    if unknown:
-        raise ValueError(
-            f"autotune.start(starting=...): {unknown} are not tuned settings; use names from {FIELDS}"
-        )
     kept = state.user_given - frozenset(starting)
     fixed = {name: settings[name] for name in FIELDS if name in kept}
     if commsched.rank() == 0:

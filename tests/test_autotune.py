@@ -245,6 +245,7 @@ def test_start_tunes_given_sizes_named_as_starting_points():
     try:
         assert autotune.start().fixed == {"partition_bytes": 256 << 10, "credit_bytes": 1 << 20}
         assert autotune.start(starting=["credit_bytes"]).fixed == {"partition_bytes": 256 << 10}
+        assert autotune.start(starting="partition_bytes").fixed == {"credit_bytes": 1 << 20}
         with pytest.raises(ValueError, match="cycle_time"):
             autotune.start(starting=["cycle_time"])
     finally:
