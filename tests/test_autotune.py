@@ -226,7 +226,7 @@ def test_search_ends_once_every_setting_was_measured(tmp_path):
     assert tuner.iteration < options.budget_iterations // 2, "the search should end when its space is spent"
 
 
-def test_nccl_leaves_fusion_out_of_the_search(tmp_path):
+def test_nccl_leaves_fusion_out_of_the_search():
     """NCCL never fuses GPU tensors, so the search spends no trial on a fusion size."""
     clock = FakeClock()
     runtime = FakeRuntime(clock, DEFAULTS)
@@ -240,7 +240,6 @@ def test_nccl_leaves_fusion_out_of_the_search(tmp_path):
 
 def test_start_tunes_given_sizes_named_as_starting_points():
     """A size given to init() is fixed unless start() is told it is only where the search begins."""
-    pytest.importorskip("optuna")
     commsched.init(transport="loopback", partition_bytes="256KiB", credit_bytes="1MiB")
     try:
         assert autotune.start().fixed == {"partition_bytes": 256 << 10, "credit_bytes": 1 << 20}
