@@ -84,7 +84,9 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
     env = dict(os.environ, COMMSCHED_AUTOTUNE_LOG=str(trials))
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    assert data["run"]["settings"]["policy"] == "fifo"  # the header shows the first run's settings
+    rows = data["results"]
     assert [(r["policy"], r["mode"]) for r in rows] == [
         ("fifo", "overlap"),
         ("fifo", "barrier"),

@@ -290,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         sum(len(m) for _, m, _ in runs), "schedule", enabled=None if rank == 0 else False
     )
     used = []
+    settings: dict[str, Any] = {}
     # The sizes scaled from commsched's defaults stand for the defaults: with --autotune the
     # search starts there and may change them, as it would change the defaults themselves.
     starting = [name for name in _SCALED_SETTINGS if getattr(args, name) is None and sizes[name] is not None]
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if tuned:
             autotune.start(starting=starting)
-        settings = commsched.config()
+        settings = settings or commsched.config()  # the header shows the first run's settings
         for mode in modes:
             comm.Barrier()
             mine = replay(layers, grads, mode, args.iterations, args.warmup)
