@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     best_s = predicted[0]["best_s"]
     compute = compute_s(layers)
     baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
-    for row, sim in zip(rows, predicted):
+    for row, sim, settings_used in zip(rows, predicted, used):
         row.update(
             compute_s=compute,
             communication_s=comm_s,
@@ -337,7 +337,6 @@ def run(args: argparse.Namespace) -> int:
         row["vs_best"] = row["iteration_s"] / best_s
         row["speedup"] = baseline / row["iteration_s"] if baseline else None
         row["sim_error"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
-    for row, settings_used in zip(rows, used):
         if row["policy"] == "autotune":
             row["settings"] = {name: settings_used[name] for name in ("policy", *_SCALED_SETTINGS)}
     header = {
