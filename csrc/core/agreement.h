@@ -4,7 +4,7 @@
 // last report, its completed byte count, shutdown/abort flags); all ranks exchange
 // reports with one allgather and apply them in rank order, so every rank derives the
 // same agreed tensors in the same order. A name agreed once is cached under a small
-// id, so a steady-state report costs 8 bytes per tensor instead of its metadata.
+// id, so a steady-state report costs a few bytes per tensor instead of its metadata.
 #pragma once
 
 #include <cstdint>
@@ -95,8 +95,11 @@ class Agreement {
   std::vector<std::pair<TensorSpec, std::string>> outbox_;
   std::unordered_map<std::string, uint32_t> cache_ids_;
   std::vector<TensorSpec> cache_;
-  std::map<std::string, Pending> pending_;
+  using PendingMap = std::map<std::string, Pending>;
+  PendingMap pending_;
+  PendingMap::node_type spare_;  // the last finished entry, emptied for the next name
   size_t own_pending_ = 0;
+  uint32_t agreed_settings_epoch_ = 0;  // the lowest settings epoch in the last round's reports
 };
 
 }  // namespace commsched

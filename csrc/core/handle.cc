@@ -12,7 +12,7 @@ void HandleState::fail(const std::string& message) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
     error_ = message;
-    done_ = true;
+    done_.store(true, std::memory_order_release);
     callbacks.swap(callbacks_);
   }
   done_cv_.notify_all();
@@ -32,10 +32,7 @@ void HandleState::on_done(Callback callback) {
   callback(error);
 }
 
-bool HandleState::done() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return done_;
-}
+bool HandleState::done() const { return done_.load(std::memory_order_acquire); }
 
 bool HandleState::failed() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -50,10 +47,10 @@ std::string HandleState::error() const {
 bool HandleState::wait(double timeout_s) const {
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout_s < 0) {
-    done_cv_.wait(lock, [this] { return done_; });
+    done_cv_.wait(lock, [this] { return done_.load(); });
     return true;
   }
-  return done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return done_; });
+  return done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return done_.load(); });
 }
 
 }  // namespace commsched

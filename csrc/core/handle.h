@@ -1,6 +1,7 @@
 // Completion state of one submitted collective, shared by the caller and the core thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -32,7 +33,9 @@ class HandleState {
   const std::string name_;
   mutable std::mutex mutex_;
   mutable std::condition_variable done_cv_;
-  bool done_ = false;
+  // Set under mutex_ (so wait() cannot miss it) but read without it: a caller driving the
+  // core checks its handle after every pass.
+  std::atomic<bool> done_{false};
   std::string error_;
   std::vector<Callback> callbacks_;
 };

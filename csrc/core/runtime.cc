@@ -89,8 +89,6 @@ Runtime::~Runtime() {
   doorbell_->disconnect();
 }
 
-double Runtime::now_s() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
-
 std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core) {
   if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
     throw UsageError("broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
@@ -132,14 +130,26 @@ void Runtime::request_settings(const SchedulingSettings& settings) {
 }
 
 SchedulingSettings Runtime::applied_settings() const {
-  std::lock_guard<std::mutex> lock(stats_mutex_);
+  std::lock_guard<std::mutex> lock(settings_mutex_);
   return applied_settings_;
 }
 
-RuntimeStats Runtime::stats() const {
-  std::lock_guard<std::mutex> lock(stats_mutex_);
-  return stats_;
+RuntimeStats LiveStats::snapshot() const {
+  RuntimeStats out;
+  out.cycles = cycles.load(std::memory_order_relaxed);
+  out.launches = launches.load(std::memory_order_relaxed);
+  out.fused_launches = fused_launches.load(std::memory_order_relaxed);
+  out.chunks = chunks.load(std::memory_order_relaxed);
+  out.launched_bytes = launched_bytes.load(std::memory_order_relaxed);
+  out.max_bytes_in_flight = max_bytes_in_flight.load(std::memory_order_relaxed);
+  out.max_launch_bytes = max_launch_bytes.load(std::memory_order_relaxed);
+  out.completed_tensors = completed_tensors.load(std::memory_order_relaxed);
+  out.failed_tensors = failed_tensors.load(std::memory_order_relaxed);
+  out.inline_tensors = inline_tensors.load(std::memory_order_relaxed);
+  return out;
 }
+
+RuntimeStats Runtime::stats() const { return stats_.snapshot(); }
 
 std::string Runtime::describe(const std::string& name) const {
   std::lock_guard<std::mutex> lock(inbox_mutex_);
@@ -252,8 +262,10 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
     auto look_again = std::min(give_up, now + kCallerSlice);
     if (!driving_) {
       driving_ = true;
+      doorbell_rang_ = false;  // this pass polls whatever rang it
+      const bool due = round_due_locked(now);
       lock.unlock();
-      look_again = std::min(look_again, drive_for_caller());
+      look_again = std::min(look_again, drive_for_caller(due));
       // What this caller leaves behind needs the core's thread once no caller waits.
       leave_work = !in_flight_.empty() || scheduler_.queued_chunks() > 0 || agreement_.waiting_on_others();
       lock.lock();
@@ -283,13 +295,8 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
   return handle.wait(timeout_s < 0 ? -1.0 : std::chrono::duration<double>(give_up - Clock::now()).count());
 }
 
-Runtime::Clock::time_point Runtime::drive_for_caller() {
-  bool due = poll_for_news();
-  {
-    std::lock_guard<std::mutex> lock(inbox_mutex_);
-    doorbell_rang_ = false;
-    due = due || round_due_locked(Clock::now());
-  }
+Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
+  due = poll_for_news() || due;
   if (!due && poll_interval_.count() == 0) {
     // A transport that moves data only while tested (MPI progresses a large message inside its
     // test calls) gets a burst of tests without the locks and clock reads of a whole pass.
@@ -297,7 +304,7 @@ Runtime::Clock::time_point Runtime::drive_for_caller() {
   }
   if (due) {
     run_round();
-    return Clock::now();
+    return Clock::time_point::min();  // look again at once
   }
   if (!in_flight_.empty()) return Clock::now() + poll_interval_;
   return next_round_;
@@ -305,24 +312,21 @@ Runtime::Clock::time_point Runtime::drive_for_caller() {
 
 bool Runtime::run_round() {
   CycleOutcome outcome;
+  // Read once: a round on shared memory takes a few microseconds, and each read ~20 ns.
+  Clock::time_point after_exchange;
   try {
     ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
-    {
-      std::lock_guard<std::mutex> lock(inbox_mutex_);
-      status.settings_epoch = requested_epoch_;
-      status.settings = requested_settings_;
-    }
-    take_submissions();
+    take_submissions(status);
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
     const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
-    outcome = agreement_.apply(reports, now_s());
+    after_exchange = Clock::now();
+    outcome = agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count());
     if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
       timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
     }
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    ++stats_.cycles;
+    stats_.cycles.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& error) {
     // The control path itself failed: nobody can be told, so stop here.
     stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
@@ -349,7 +353,7 @@ bool Runtime::run_round() {
     const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
     eager_backoff_ =
         progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff_ + kEagerBackoffStep, cycle_ / 4);
-    next_round_ = Clock::now() + eager_backoff_;
+    next_round_ = after_exchange + eager_backoff_;
   } else {
     // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
     // may sit in an exchange, unable to launch the unit this rank's next completion needs
@@ -358,20 +362,23 @@ bool Runtime::run_round() {
                        outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
                        scheduler_.queued_chunks() == 0;
     heartbeat_ = quiet ? std::min<Clock::duration>(2 * heartbeat_, kMaxQuietCycles * cycle_) : cycle_;
-    next_round_ = Clock::now() + heartbeat_;
+    next_round_ = after_exchange + heartbeat_;
   }
   // Collectives that finished while this round exchanged (its report predates them) free credit
   // that queued chunks wait for, and only the next round gives it back: that round is due now,
   // not a heartbeat later (the link sat idle for a cycle after every credit window on the rig).
-  if (credit_news) next_round_ = Clock::now();
-  check_stalls();
+  if (credit_news) next_round_ = after_exchange;
+  check_stalls(std::chrono::duration<double>(after_exchange - started_).count());
   return true;
 }
 
-void Runtime::take_submissions() {
-  std::vector<Submission> batch;
+void Runtime::take_submissions(ReportStatus& status) {
+  // Swapped with a kept vector, so neither side allocates again once both have grown.
+  std::vector<Submission>& batch = intake_;
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
+    status.settings_epoch = requested_epoch_;
+    status.settings = requested_settings_;
     batch.swap(inbox_);
     for (const Submission& submission : batch) active_names_[submission.spec.name] = "waiting for other ranks";
   }
@@ -393,6 +400,7 @@ void Runtime::take_submissions() {
     waiting_ids_[submission.spec.name] = id;
     tensors_.emplace(id, LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
   }
+  batch.clear();
 }
 
 void Runtime::apply_outcome(const CycleOutcome& outcome) {
@@ -401,7 +409,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     // Every rank sees the same reports, so every rank switches in this same cycle.
     applied_epoch_ = outcome.root_settings_epoch;
     scheduler_.reconfigure(outcome.root_settings);
-    std::lock_guard<std::mutex> lock(stats_mutex_);
+    std::lock_guard<std::mutex> lock(settings_mutex_);
     applied_settings_ = outcome.root_settings;
   }
   for (const TensorFailure& failure : outcome.failures) {
@@ -460,10 +468,7 @@ void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::ve
     if (spec.op == ReduceOp::kAverage) divide_by(sum.data(), spec.count, spec.dtype, static_cast<double>(size_));
     std::memcpy(data, sum.data(), bytes);
   }
-  {
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    ++stats_.inline_tensors;
-  }
+  stats_.inline_tensors.fetch_add(1, std::memory_order_relaxed);
   finish_tensor(id, "");
 }
 
@@ -508,15 +513,17 @@ void Runtime::launch(Launch next) {
       timeline_.async_begin(tensor.spec.name, "on the wire", tensor.trace_id, flight.started_us);
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    ++stats_.launches;
-    stats_.fused_launches += plan.chunks.size() > 1 ? 1 : 0;
-    stats_.chunks += plan.chunks.size();
-    stats_.launched_bytes += plan.bytes;
-    bytes_in_flight_ += plan.bytes;
-    stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, bytes_in_flight_);
-    stats_.max_launch_bytes = std::max(stats_.max_launch_bytes, plan.bytes);
+  stats_.launches.fetch_add(1, std::memory_order_relaxed);
+  stats_.fused_launches.fetch_add(plan.chunks.size() > 1 ? 1 : 0, std::memory_order_relaxed);
+  stats_.chunks.fetch_add(plan.chunks.size(), std::memory_order_relaxed);
+  stats_.launched_bytes.fetch_add(plan.bytes, std::memory_order_relaxed);
+  bytes_in_flight_ += plan.bytes;
+  // Only the driver writes the maxima, so a load and a store cannot lose a larger value.
+  if (bytes_in_flight_ > stats_.max_bytes_in_flight.load(std::memory_order_relaxed)) {
+    stats_.max_bytes_in_flight.store(bytes_in_flight_, std::memory_order_relaxed);
+  }
+  if (plan.bytes > stats_.max_launch_bytes.load(std::memory_order_relaxed)) {
+    stats_.max_launch_bytes.store(plan.bytes, std::memory_order_relaxed);
   }
   timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(bytes_in_flight_));
   flight.op = transport_->start(op);
@@ -588,10 +595,7 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   if (timeline_.enabled()) {
     timeline_.instant((error.empty() ? "done " : "failed ") + tensor.spec.name, Timeline::kTensorTrack, now_us);
   }
-  {
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    ++(error.empty() ? stats_.completed_tensors : stats_.failed_tensors);
-  }
+  (error.empty() ? stats_.completed_tensors : stats_.failed_tensors).fetch_add(1, std::memory_order_relaxed);
   if (error.empty()) {
     tensor.handle->complete();
   } else {
@@ -603,8 +607,7 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   if (callers_waiting_ > 0) callers_cv_.notify_all();
 }
 
-void Runtime::check_stalls() {
-  const double now = now_s();
+void Runtime::check_stalls(double now) {
   if (now - last_stall_check_s_ < kStallCheckPeriodS) return;
   last_stall_check_s_ = now;
   const std::vector<StalledTensor> stalled = agreement_.stalled(now, settings_.stall_timeout_s);

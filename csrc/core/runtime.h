@@ -38,6 +38,23 @@ struct RuntimeStats {
   uint64_t inline_tensors = 0;  // completed from the agreement reports, without a collective
 };
 
+// The counters behind RuntimeStats: bumped by the driver and read from any thread, as relaxed
+// atomics, since a lock per bump cost more than the bump on a 2 us collective.
+struct LiveStats {
+  std::atomic<uint64_t> cycles{0};
+  std::atomic<uint64_t> launches{0};
+  std::atomic<uint64_t> fused_launches{0};
+  std::atomic<uint64_t> chunks{0};
+  std::atomic<uint64_t> launched_bytes{0};
+  std::atomic<uint64_t> max_bytes_in_flight{0};
+  std::atomic<uint64_t> max_launch_bytes{0};
+  std::atomic<uint64_t> completed_tensors{0};
+  std::atomic<uint64_t> failed_tensors{0};
+  std::atomic<uint64_t> inline_tensors{0};
+
+  RuntimeStats snapshot() const;
+};
+
 class Runtime {
  public:
   Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> transport);
@@ -104,7 +121,8 @@ class Runtime {
   bool wait_for_news();
   // A waiting caller's turn at the core, driver role held: a round if one is due, else a poll.
   // Returns when the caller should look again without the role.
-  Clock::time_point drive_for_caller();
+  // `due`: a round is due by the state the caller saw under the lock.
+  Clock::time_point drive_for_caller(bool due);
   // Wakes the core's thread and every waiting caller: there is news for whoever drives.
   void wake_all();
   // Keeps the first failure, which the next report carries to every rank.
@@ -112,7 +130,8 @@ class Runtime {
   bool round_due_locked(Clock::time_point now) const;
   // Polls collectives in flight; true when one finished and queued chunks wait for its credit.
   bool poll_for_news();
-  void take_submissions();
+  // Moves the inbox to the driver's tables and reads the settings request for `status`.
+  void take_submissions(ReportStatus& status);
   void apply_outcome(const CycleOutcome& outcome);
   // Reduces (or takes the root's) bytes that every rank sent inline, and completes the tensor.
   void complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads);
@@ -122,10 +141,9 @@ class Runtime {
   bool poll_in_flight();
   void finish(InFlight& done);
   void finish_tensor(uint64_t id, const std::string& error);
-  void check_stalls();
+  void check_stalls(double now_s);
   void stop_everything(const std::string& reason);
   void drain_in_flight(double timeout_s);
-  double now_s() const;
 
   const RuntimeSettings settings_;
   std::unique_ptr<Transport> transport_;
@@ -166,6 +184,7 @@ class Runtime {
   Clock::time_point next_round_;
   Clock::duration eager_backoff_{0};
   Clock::duration heartbeat_;
+  std::vector<Submission> intake_;  // take_submissions' batch, kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
   std::vector<InFlight> in_flight_;
@@ -181,9 +200,9 @@ class Runtime {
 
   uint32_t applied_epoch_ = 0;
 
-  mutable std::mutex stats_mutex_;
-  RuntimeStats stats_;
-  SchedulingSettings applied_settings_;  // guarded by stats_mutex_
+  LiveStats stats_;
+  mutable std::mutex settings_mutex_;
+  SchedulingSettings applied_settings_;  // guarded by settings_mutex_
 
   std::thread thread_;  // last member: starts after everything above exists
 };

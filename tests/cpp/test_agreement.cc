@@ -156,6 +156,49 @@ TEST_CASE(completed_bytes_shutdown_and_abort_are_shared) {
   }
 }
 
+TEST_CASE(settings_requests_switch_every_rank_once_all_asked_and_then_stop_riding) {
+  World world(3);
+  std::vector<ReportStatus> statuses(3);
+  const size_t idle_bytes = [&] {
+    world.cycle(0, statuses);
+    return world.last_report_bytes[0];
+  }();
+  statuses[0].settings_epoch = 1;
+  statuses[0].settings.credit_bytes = 1u << 20;
+  statuses[0].settings.policy = Policy::kFifo;
+  statuses[1].settings_epoch = 1;
+  std::vector<CycleOutcome> outcomes = world.cycle(0, statuses);
+  for (const CycleOutcome& outcome : outcomes) EXPECT_EQ(outcome.min_settings_epoch, 0u);
+  EXPECT(world.last_report_bytes[0] > idle_bytes);
+  statuses[2].settings_epoch = 1;
+  outcomes = world.cycle(0, statuses);
+  for (const CycleOutcome& outcome : outcomes) {
+    EXPECT_EQ(outcome.min_settings_epoch, 1u);
+    EXPECT_EQ(outcome.root_settings_epoch, 1u);
+    EXPECT_EQ(outcome.root_settings.credit_bytes, uint64_t{1} << 20);
+    EXPECT(outcome.root_settings.policy == Policy::kFifo);
+  }
+  // Agreed: the settings no longer ride in every report.
+  world.cycle(0, statuses);
+  for (size_t bytes : world.last_report_bytes) EXPECT_EQ(bytes, idle_bytes);
+}
+
+TEST_CASE(a_cached_small_tensor_report_fits_the_smallest_exchange_slot) {
+  World world(2);
+  const std::string payload(4, 'p');
+  for (Agreement& rank : world.ranks) rank.announce(spec("loss", 1), payload);
+  world.cycle();
+  std::vector<ReportStatus> statuses(2);
+  statuses[0].completed_bytes = statuses[1].completed_bytes = uint64_t{1} << 34;
+  for (Agreement& rank : world.ranks) rank.announce(spec("loss", 1, -7), payload);
+  const std::vector<CycleOutcome> outcomes = world.cycle(0, statuses);
+  EXPECT_EQ(outcomes[1].agreed[0].priority, -7);
+  EXPECT_EQ(outcomes[1].inline_payloads[0][0], payload);
+  EXPECT_EQ(outcomes[1].min_completed_bytes, uint64_t{1} << 34);
+  // MPI's smallest slot is 32 bytes, 4 of them the report's length.
+  EXPECT(world.last_report_bytes[0] <= 28u);
+}
+
 TEST_CASE(stalled_tensors_name_the_missing_ranks) {
   World world(3);
   world.ranks[0].announce(spec("late", 1));
@@ -178,6 +221,9 @@ TEST_CASE(malformed_reports_are_rejected_with_the_sender) {
   EXPECT_THROWS(agreement.apply({mine, good.substr(0, good.size() - 3)}, 0), CommError, "rank 1");
   std::string bad_magic = good;
   bad_magic[0] = 'X';
+  std::string bad_flags = good;
+  bad_flags[1] = static_cast<char>(0x80);
+  EXPECT_THROWS(agreement.apply({mine, bad_flags}, 0), CommError, "bad flags");
   EXPECT_THROWS(agreement.apply({mine, bad_magic}, 0), CommError, "bad magic");
   EXPECT_THROWS(agreement.apply({mine, good + "junk"}, 0), CommError, "trailing");
   EXPECT_THROWS(agreement.apply({mine}, 0), CommError, "expected 2 reports");

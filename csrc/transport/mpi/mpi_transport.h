@@ -28,13 +28,16 @@ class MpiTransport : public Transport {
   MPI_Op sum_op(DType dtype) const;
   void resize_slot(uint64_t wanted);
 
-  static constexpr uint64_t kMinSlotBytes = 128;
+  // A small report (a few cached tensors) fits 32 bytes: at 2 ranks on shared memory a
+  // 32-byte allgather took 1.2 us and a 128-byte one 1.5.
+  static constexpr uint64_t kMinSlotBytes = 32;
   static constexpr uint64_t kSlotStepBytes = 1024;
   static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
   MPI_Comm data_ = MPI_COMM_NULL;
   uint64_t slot_bytes_ = kMinSlotBytes;  // bytes per rank of the agreement allgather
+  std::string send_slot_, received_slots_;  // exchange()'s buffers, kept for their capacity
   int rank_ = 0;
   int size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements
