@@ -330,7 +330,11 @@ def _run_now(
     name = _checked_name(name, kind, op, root, priority)
     tuner = _state.tuner
     if _state.pending is None and _state.device_transport is None and (tuner is None or not tuner.recording):
-        done = _core.run_buffer(array, name, op, kind, root, priority, -1.0 if timeout is None else timeout)
+        limit = -1.0 if timeout is None else timeout
+        if kind == "broadcast":
+            done = _core.broadcast_buffer(array, name, root, priority, limit)
+        else:
+            done = _core.allreduce_buffer(array, name, op, priority, limit)
         if done > 0:
             return array
         if done == 0:
@@ -413,6 +417,24 @@ def allreduce(
     array: Any, name: str | None = None, priority: int = 0, op: str = "sum", timeout: float | None = None
 ) -> Any:
     """Allreduces in place and returns the array."""
+    # The common call, a named buffer on a transport that takes host memory, goes straight to the
+    # core: on shared memory a small allreduce costs ~2 us, and each Python call layer ~50 ns.
+    if (
+        type(name) is str
+        and name
+        and type(priority) is int
+        and -(2**31) <= priority < 2**31
+        and op in _OPS
+        and _state.pending is None
+        and _state.device_transport is None
+        and _state.tuner is None
+    ):
+        done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
+        if done > 0:
+            return array
+        if done == 0:
+            raise _timed_out(name, timeout)
+        return _enqueue(array, name, "allreduce", op, 0, priority, waits_next=True).wait(timeout)
     return _run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 

@@ -1,4 +1,4 @@
-// `commsched._core.run_buffer`: a synchronous allreduce or broadcast of a host buffer in one
+// `commsched._core.allreduce_buffer` and `broadcast_buffer`: a synchronous collective on a host buffer in one
 // call. It reads the array through Python's buffer protocol and waits with the GIL released,
 // so a small collective pays for no Python-level view or handle objects (they cost more than
 // the collective itself on shared memory).
@@ -64,8 +64,8 @@ std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
 
 // 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype
 // (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
-int run_buffer(py::handle array, const std::string& name, const std::string& op, const std::string& kind, int root,
-               int priority, double timeout_s) {
+int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
+               double timeout_s) {
   HeldBuffer buffer(array.ptr());
   if (!buffer.held() || buffer.view().len == 0) return -1;
   const std::optional<DType> dtype = dtype_of(buffer.view().format, buffer.view().itemsize);
@@ -73,21 +73,21 @@ int run_buffer(py::handle array, const std::string& name, const std::string& op,
   TensorSpec spec;
   spec.name = name;
   spec.dtype = *dtype;
-  spec.op = op_from_name(op);
-  spec.kind = kind == "broadcast" ? CollectiveKind::kBroadcast : CollectiveKind::kAllreduce;
+  spec.op = op;
+  spec.kind = kind;
   spec.root = root;
   spec.count = static_cast<uint64_t>(buffer.view().len / buffer.view().itemsize);
   spec.priority = priority;
-  const std::shared_ptr<Runtime> runtime = runtime_slot().require(kind == "broadcast" ? "broadcast" : "allreduce");
+  const std::shared_ptr<Runtime> runtime =
+      runtime_slot().require(kind == CollectiveKind::kBroadcast ? "broadcast" : "allreduce");
   // This thread waits next and runs the core itself: waking the core's thread would only take a CPU.
   const std::shared_ptr<HandleState> handle = runtime->enqueue(spec, buffer.view().buf, /*wake_core=*/false);
   using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
+  const bool limited = timeout_s >= 0;
+  const Clock::time_point start = limited ? Clock::now() : Clock::time_point{};  // no clock read without a limit
   while (true) {
     double slice = kWaitSliceS;
-    if (timeout_s >= 0) {
-      slice = std::min(slice, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
-    }
+    if (limited) slice = std::min(slice, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
     bool finished;
     {
       py::gil_scoped_release release;
@@ -97,7 +97,7 @@ int run_buffer(py::handle array, const std::string& name, const std::string& op,
       if (handle->failed()) throw CommError(handle->error());  // raised as commsched.CommschedError
       return 1;
     }
-    if (timeout_s >= 0 && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s) return 0;
+    if (limited && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s) return 0;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
 }
@@ -106,8 +106,23 @@ int run_buffer(py::handle array, const std::string& name, const std::string& op,
 }  // namespace commsched
 
 void register_run_buffer(py::module_& module) {
-  module.def("run_buffer", &commsched::run_buffer, py::arg("array"), py::arg("name"), py::arg("op"), py::arg("kind"),
-             py::arg("root"), py::arg("priority"), py::arg("timeout_s"),
-             "Allreduces or broadcasts a host buffer in place and waits (timeout_s < 0: no limit); "
-             "1 done, 0 timed out, -1 not a host buffer this call takes.");
+  // Two functions of at most six arguments each: pybind11 takes up to six without an allocation.
+  module.def(
+      "allreduce_buffer",
+      [](py::handle array, const std::string& name, const std::string& op, int priority, double timeout_s) {
+        return commsched::run_buffer(array, name, commsched::op_from_name(op), commsched::CollectiveKind::kAllreduce,
+                                     0, priority, timeout_s);
+      },
+      py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("timeout_s"),
+      "Allreduces a host buffer in place and waits (timeout_s < 0: no limit); "
+      "1 done, 0 timed out, -1 not a host buffer this call takes.");
+  module.def(
+      "broadcast_buffer",
+      [](py::handle array, const std::string& name, int root, int priority, double timeout_s) {
+        return commsched::run_buffer(array, name, commsched::ReduceOp::kSum, commsched::CollectiveKind::kBroadcast,
+                                     root, priority, timeout_s);
+      },
+      py::arg("array"), py::arg("name"), py::arg("root"), py::arg("priority"), py::arg("timeout_s"),
+      "Broadcasts a host buffer in place from `root` and waits (timeout_s < 0: no limit); "
+      "1 done, 0 timed out, -1 not a host buffer this call takes.");
 }

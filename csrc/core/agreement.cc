@@ -26,7 +26,6 @@ int64_t unzigzag(uint64_t value) { return static_cast<int64_t>(value >> 1) ^ -st
 
 class Writer {
  public:
-  Writer() { out_.reserve(64); }  // an idle or one-tensor report: one allocation, not three
   void put_byte(uint8_t value) { out_.push_back(static_cast<char>(value)); }
   void put_varint(uint64_t value) {
     while (value >= 0x80) {
@@ -158,12 +157,32 @@ std::string Agreement::build_report(const ReportStatus& status) {
   return writer.take();
 }
 
+void CycleOutcome::reset() {
+  agreed.clear();
+  inline_payloads.clear();
+  failures.clear();
+  min_completed_bytes = 0;
+  shutdown_rank = -1;
+  abort_rank = -1;
+  abort_message.clear();
+  announcements = 0;
+  min_settings_epoch = 0;
+  root_settings_epoch = 0;
+  root_settings = SchedulingSettings{};
+}
+
 CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double now_s) {
+  CycleOutcome outcome;
+  apply(reports, now_s, outcome);
+  return outcome;
+}
+
+void Agreement::apply(const std::vector<std::string>& reports, double now_s, CycleOutcome& outcome) {
   if (static_cast<int>(reports.size()) != size_) {
     throw CommError("agreement expected " + std::to_string(size_) + " reports, got " +
                     std::to_string(reports.size()));
   }
-  CycleOutcome outcome;
+  outcome.reset();
   outcome.min_completed_bytes = std::numeric_limits<uint64_t>::max();
   bool root_sent_settings = false;
   for (int from = 0; from < size_; ++from) {
@@ -234,7 +253,6 @@ CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double no
                     std::to_string(outcome.root_settings_epoch) + " without its settings");
   }
   agreed_settings_epoch_ = std::max(agreed_settings_epoch_, outcome.min_settings_epoch);
-  return outcome;
 }
 
 void Agreement::record(int from_rank, TensorSpec spec, std::string payload, double now_s, CycleOutcome& outcome) {

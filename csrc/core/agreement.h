@@ -48,6 +48,9 @@ struct CycleOutcome {
   uint32_t min_settings_epoch = 0;
   uint32_t root_settings_epoch = 0;  // rank 0's request wins, so every rank applies the same settings
   SchedulingSettings root_settings;
+
+  // Back to a fresh outcome, keeping the vectors' capacity for the next round.
+  void reset();
 };
 
 struct StalledTensor {
@@ -71,6 +74,8 @@ class Agreement {
 
   // Applies every rank's report (index = rank). Throws CommError on a malformed report.
   CycleOutcome apply(const std::vector<std::string>& reports, double now_s);
+  // The same into `outcome` (reset first), which a caller keeps across rounds to save allocations.
+  void apply(const std::vector<std::string>& reports, double now_s, CycleOutcome& outcome);
 
   // Tensors some but not all ranks have announced for longer than `older_than_s`.
   std::vector<StalledTensor> stalled(double now_s, double older_than_s) const;

@@ -105,7 +105,7 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
       throw UsageError("commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
                        "; call commsched.init() before submitting '" + spec.name + "'");
     }
-    auto [it, inserted] = active_names_.try_emplace(spec.name, "submitted");
+    auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
     if (!inserted) {
       throw UsageError("tensor name '" + spec.name + "' is already in flight (" + it->second +
                        "); wait for its handle before submitting it again, or give this one another name");
@@ -249,15 +249,16 @@ void Runtime::record_failure(const std::exception& error) {
 
 bool Runtime::wait(const HandleState& handle, double timeout_s) {
   if (!callers_drive_) return handle.wait(timeout_s);
-  const auto give_up = timeout_s < 0 ? Clock::time_point::max()
-                                     : Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                          std::chrono::duration<double>(timeout_s));
+  // The limit counts from the first pass's clock read (one read fewer per small collective).
+  auto give_up = Clock::time_point::max();
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   std::unique_lock<std::mutex> lock(inbox_mutex_);
   ++callers_waiting_;
   bool leave_work = false;
   unsigned polls = 0;
-  while (!handle.done() && !stopped_) {
+  for (bool first = true; !handle.done() && !stopped_; first = false) {
     const auto now = Clock::now();
+    if (first && timeout_s >= 0) give_up = now + limit;
     if (now >= give_up) break;
     auto look_again = std::min(give_up, now + kCallerSlice);
     if (!driving_) {
@@ -292,7 +293,9 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
   if (handle.done()) return true;
   if (!stopped) return false;
   // Stopping fails every handle; wait for that on the handle itself.
-  return handle.wait(timeout_s < 0 ? -1.0 : std::chrono::duration<double>(give_up - Clock::now()).count());
+  if (timeout_s < 0) return handle.wait(-1.0);
+  if (give_up == Clock::time_point::max()) return handle.wait(timeout_s);  // stopped before the first pass
+  return handle.wait(std::max(0.0, std::chrono::duration<double>(give_up - Clock::now()).count()));
 }
 
 Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
@@ -311,7 +314,7 @@ Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
 }
 
 bool Runtime::run_round() {
-  CycleOutcome outcome;
+  CycleOutcome& outcome = outcome_;
   // Read once: a round on shared memory takes a few microseconds, and each read ~20 ns.
   Clock::time_point after_exchange;
   try {
@@ -321,7 +324,7 @@ bool Runtime::run_round() {
     const uint64_t exchange_start_us = timeline_.stamp_us();
     const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
     after_exchange = Clock::now();
-    outcome = agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count());
+    agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
     if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
       timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
@@ -397,8 +400,9 @@ void Runtime::take_submissions(ReportStatus& status) {
       payload.assign(static_cast<const char*>(submission.data), bytes);
     }
     agreement_.announce(submission.spec, std::move(payload));
-    waiting_ids_[submission.spec.name] = id;
-    tensors_.emplace(id, LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
+    waiting_id_nodes_.assign(waiting_ids_, submission.spec.name, id);
+    tensor_nodes_.try_insert(tensors_, id,
+                             LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
   }
   batch.clear();
 }
@@ -417,7 +421,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     auto found = waiting_ids_.find(failure.name);
     if (found == waiting_ids_.end()) continue;
     const uint64_t id = found->second;
-    waiting_ids_.erase(found);
+    waiting_id_nodes_.erase(waiting_ids_, found);
     finish_tensor(id, failure.message);
   }
   const uint64_t now_us = timeline_.stamp_us();
@@ -430,7 +434,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
                       "' although every rank announced it");
     }
     const uint64_t id = found->second;
-    waiting_ids_.erase(found);
+    waiting_id_nodes_.erase(waiting_ids_, found);
     timeline_.async_end(agreed.name, "negotiate", id, now_us);
     if (!outcome.inline_payloads[i].empty()) {
       complete_inline(id, agreed, outcome.inline_payloads[i]);
@@ -584,11 +588,12 @@ void Runtime::finish(InFlight& done) {
 void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   auto found = tensors_.find(id);
   LocalTensor tensor = std::move(found->second);
-  tensors_.erase(found);
+  tensor_nodes_.erase(tensors_, found);
   {
     // Free the name before signalling, so the caller may resubmit it at once.
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    active_names_.erase(tensor.spec.name);
+    auto active = active_names_.find(tensor.spec.name);
+    if (active != active_names_.end()) name_nodes_.erase(active_names_, active);
   }
   const uint64_t now_us = timeline_.stamp_us();
   if (tensor.launched) timeline_.async_end(tensor.spec.name, "on the wire", tensor.trace_id, now_us);

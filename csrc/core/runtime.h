@@ -18,6 +18,7 @@
 #include "core/agreement.h"
 #include "core/handle.h"
 #include "core/log.h"
+#include "core/node_recycler.h"
 #include "core/scheduler.h"
 #include "core/settings.h"
 #include "core/timeline.h"
@@ -168,6 +169,7 @@ class Runtime {
   std::condition_variable callers_cv_;  // wakes callers waiting in wait()
   std::vector<Submission> inbox_;
   std::unordered_map<std::string, const char*> active_names_;  // name -> phase (a literal: no allocation per tensor)
+  NodeRecycler<std::unordered_map<std::string, const char*>> name_nodes_;  // guarded by inbox_mutex_
   std::string stop_reason_;
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
@@ -185,8 +187,11 @@ class Runtime {
   Clock::duration eager_backoff_{0};
   Clock::duration heartbeat_;
   std::vector<Submission> intake_;  // take_submissions' batch, kept for its capacity
+  CycleOutcome outcome_;  // run_round's, kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
+  NodeRecycler<std::unordered_map<uint64_t, LocalTensor>> tensor_nodes_;
+  NodeRecycler<std::unordered_map<std::string, uint64_t>> waiting_id_nodes_;
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;
   uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round
