@@ -34,12 +34,11 @@ void HandleState::on_done(Callback callback) {
 
 bool HandleState::done() const { return done_.load(std::memory_order_acquire); }
 
-bool HandleState::failed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return done_ && !error_.empty();
-}
+// error_ is written once, before done_ is set, and never again: once done, it reads without the lock.
+bool HandleState::failed() const { return done() && !error_.empty(); }
 
 std::string HandleState::error() const {
+  if (done()) return error_;
   std::lock_guard<std::mutex> lock(mutex_);
   return error_;
 }

@@ -272,6 +272,8 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
       lock.lock();
       leave_work = leave_work || next_round_ < loop_wakes_at_;
       driving_ = false;
+      // This pass may have finished other callers' tensors, and one of them may drive next.
+      if (callers_waiting_ > 1) callers_cv_.notify_all();
       if (handle.done()) break;
       if (look_again <= Clock::now()) {
         // MPI moves a large message only inside its test calls: yielding after every poll
@@ -601,15 +603,13 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
     timeline_.instant((error.empty() ? "done " : "failed ") + tensor.spec.name, Timeline::kTensorTrack, now_us);
   }
   (error.empty() ? stats_.completed_tensors : stats_.failed_tensors).fetch_add(1, std::memory_order_relaxed);
+  // Callers waiting on the core's condition (not the handle's) hear of it when the driver
+  // gives up its role: loop(), wait_for_news() and wait() notify them then, under the lock.
   if (error.empty()) {
     tensor.handle->complete();
   } else {
     tensor.handle->fail(error);
   }
-  // A caller waiting on the core's condition (not the handle's) sees its handle done; under the
-  // lock, so a caller between its check and its sleep cannot miss it.
-  std::lock_guard<std::mutex> lock(inbox_mutex_);
-  if (callers_waiting_ > 0) callers_cv_.notify_all();
 }
 
 void Runtime::check_stalls(double now) {
