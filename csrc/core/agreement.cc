@@ -112,8 +112,9 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 Agreement::Agreement(int rank, int size) : rank_(rank), size_(size) {}
 
-void Agreement::announce(const TensorSpec& spec, std::string payload) {
+void Agreement::announce(const TensorSpec& spec, std::string payload, uint64_t local_id) {
   outbox_.emplace_back(spec, std::move(payload));
+  outbox_ids_.push_back(local_id);
 }
 
 std::string Agreement::build_report(const ReportStatus& status) {
@@ -154,11 +155,14 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put_string(payload);
   }
   outbox_.clear();
+  sent_ids_.insert(sent_ids_.end(), outbox_ids_.begin(), outbox_ids_.end());
+  outbox_ids_.clear();
   return writer.take();
 }
 
 void CycleOutcome::reset() {
   agreed.clear();
+  agreed_ids.clear();
   inline_payloads.clear();
   failures.clear();
   min_completed_bytes = 0;
@@ -243,7 +247,13 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         reader.fail("inline payload of " + std::to_string(payload_bytes) + " bytes for '" + spec.name + "' of " +
                     std::to_string(spec.bytes()));
       }
-      record(from, std::move(spec), reader.get_bytes(static_cast<size_t>(payload_bytes)), now_s, outcome);
+      uint64_t local_id = 0;
+      if (from == rank_) {
+        if (sent_ids_.empty()) reader.fail("more entries than this rank announced");
+        local_id = sent_ids_.front();
+        sent_ids_.pop_front();
+      }
+      record(from, std::move(spec), reader.get_bytes(static_cast<size_t>(payload_bytes)), local_id, now_s, outcome);
     }
     if (!reader.at_end()) reader.fail("trailing bytes");
   }
@@ -255,7 +265,8 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
   agreed_settings_epoch_ = std::max(agreed_settings_epoch_, outcome.min_settings_epoch);
 }
 
-void Agreement::record(int from_rank, TensorSpec spec, std::string payload, double now_s, CycleOutcome& outcome) {
+void Agreement::record(int from_rank, TensorSpec spec, std::string payload, uint64_t local_id, double now_s,
+                       CycleOutcome& outcome) {
   auto it = pending_.find(spec.name);
   if (it == pending_.end()) {
     // A finished entry's node is reused, vectors and all: most rounds agree what they announce.
@@ -277,7 +288,10 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, doub
   }
   entry.by_rank[from_rank] = std::move(spec);
   entry.payloads[from_rank] = std::move(payload);
-  if (from_rank == rank_) ++own_pending_;
+  if (from_rank == rank_) {
+    ++own_pending_;
+    entry.local_id = local_id;
+  }
   if (++entry.reported == size_) {
     --own_pending_;
     finish(name, entry, outcome);
@@ -315,7 +329,7 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
       message += (i ? "; " : " ") + rank_list(variants[i].second) + " submitted " + variants[i].first;
     }
     message += ". Every rank must submit the same dtype, element count, op and root under one name.";
-    outcome.failures.push_back({name, std::move(message)});
+    outcome.failures.push_back({name, std::move(message), entry.local_id});
     return;
   }
   if (cache_ids_.find(name) == cache_ids_.end() && cache_.size() < kMaxCachedNames) {
@@ -329,6 +343,7 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
           : std::all_of(entry.payloads.begin(), entry.payloads.end(), [](const std::string& p) { return !p.empty(); });
   outcome.inline_payloads.push_back(complete ? std::move(entry.payloads) : std::vector<std::string>{});
   outcome.agreed.push_back(std::move(agreed));
+  outcome.agreed_ids.push_back(entry.local_id);
 }
 
 std::vector<StalledTensor> Agreement::stalled(double now_s, double older_than_s) const {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -31,10 +32,12 @@ struct ReportStatus {
 struct TensorFailure {
   std::string name;
   std::string message;
+  uint64_t local_id = 0;  // what this rank passed to announce()
 };
 
 struct CycleOutcome {
   std::vector<TensorSpec> agreed;  // launch-eligible, in readiness order
+  std::vector<uint64_t> agreed_ids;  // per agreed tensor, what this rank passed to announce()
   // Per agreed tensor, by rank: the bytes its ranks sent inline with their reports. Non-empty
   // only when the result is complete from them (every rank's for an allreduce, the root's for a
   // broadcast): then no collective is launched for it.
@@ -65,8 +68,9 @@ class Agreement {
   Agreement(int rank, int size);
 
   // Records that a tensor became ready on this rank; it goes out with the next report, with
-  // `payload` (the tensor's bytes, or empty) inline.
-  void announce(const TensorSpec& spec, std::string payload = {});
+  // `payload` (the tensor's bytes, or empty) inline. The outcome names it by `local_id`, so the
+  // caller needs no map from names back to its own tensors.
+  void announce(const TensorSpec& spec, std::string payload = {}, uint64_t local_id = 0);
   bool has_announcements() const { return !outbox_.empty(); }
 
   // Serialises this rank's report and clears the announcements it carries.
@@ -90,14 +94,20 @@ class Agreement {
     std::vector<std::string> payloads;
     int reported = 0;
     double first_seen_s = 0;
+    uint64_t local_id = 0;
   };
 
-  void record(int from_rank, TensorSpec spec, std::string payload, double now_s, CycleOutcome& outcome);
+  void record(int from_rank, TensorSpec spec, std::string payload, uint64_t local_id, double now_s,
+              CycleOutcome& outcome);
   void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
 
   int rank_;
   int size_;
   std::vector<std::pair<TensorSpec, std::string>> outbox_;
+  std::vector<uint64_t> outbox_ids_;
+  // Local ids of the entries in this rank's reports, in report order: apply() meets them in
+  // that order in its own report.
+  std::deque<uint64_t> sent_ids_;
   std::unordered_map<std::string, uint32_t> cache_ids_;
   std::vector<TensorSpec> cache_;
   using PendingMap = std::map<std::string, Pending>;

@@ -110,7 +110,7 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
       throw UsageError("tensor name '" + spec.name + "' is already in flight (" + it->second +
                        "); wait for its handle before submitting it again, or give this one another name");
     }
-    inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us()});
+    inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
   }
   if (wake_core || !callers_drive_) wake_all();
   return handle;
@@ -385,7 +385,7 @@ void Runtime::take_submissions(ReportStatus& status) {
     status.settings_epoch = requested_epoch_;
     status.settings = requested_settings_;
     batch.swap(inbox_);
-    for (const Submission& submission : batch) active_names_[submission.spec.name] = "waiting for other ranks";
+    for (const Submission& submission : batch) *submission.phase = "waiting for other ranks";
   }
   const uint64_t now_us = timeline_.stamp_us();
   for (Submission& submission : batch) {
@@ -401,10 +401,10 @@ void Runtime::take_submissions(ReportStatus& status) {
     if (bytes > 0 && bytes <= inline_limit_bytes_ && (partition == 0 || bytes <= partition) && sends_bytes) {
       payload.assign(static_cast<const char*>(submission.data), bytes);
     }
-    agreement_.announce(submission.spec, std::move(payload));
-    waiting_id_nodes_.assign(waiting_ids_, submission.spec.name, id);
+    agreement_.announce(submission.spec, std::move(payload), id);
     tensor_nodes_.try_insert(tensors_, id,
-                             LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0, id});
+                             LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0,
+                                         id, false, false, submission.phase});
   }
   batch.clear();
 }
@@ -420,23 +420,13 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
   }
   for (const TensorFailure& failure : outcome.failures) {
     logger_.log(LogLevel::kError, failure.message);
-    auto found = waiting_ids_.find(failure.name);
-    if (found == waiting_ids_.end()) continue;
-    const uint64_t id = found->second;
-    waiting_id_nodes_.erase(waiting_ids_, found);
-    finish_tensor(id, failure.message);
+    finish_tensor(failure.local_id, failure.message);
   }
   const uint64_t now_us = timeline_.stamp_us();
-  std::vector<std::string> queued_names;
+  std::vector<const char**> queued_phases;
   for (size_t i = 0; i < outcome.agreed.size(); ++i) {
     const TensorSpec& agreed = outcome.agreed[i];
-    auto found = waiting_ids_.find(agreed.name);
-    if (found == waiting_ids_.end()) {
-      throw CommError("rank " + std::to_string(rank_) + " has no pending tensor '" + agreed.name +
-                      "' although every rank announced it");
-    }
-    const uint64_t id = found->second;
-    waiting_id_nodes_.erase(waiting_ids_, found);
+    const uint64_t id = outcome.agreed_ids[i];
     timeline_.async_end(agreed.name, "negotiate", id, now_us);
     if (!outcome.inline_payloads[i].empty()) {
       complete_inline(id, agreed, outcome.inline_payloads[i]);
@@ -446,11 +436,11 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     tensor.agreed = true;
     tensor.chunks_left = scheduler_.add(id, agreed);
     timeline_.async_begin(agreed.name, "queued", id, now_us);
-    queued_names.push_back(agreed.name);
+    queued_phases.push_back(tensor.phase);
   }
-  if (!queued_names.empty()) {
+  if (!queued_phases.empty()) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
-    for (const std::string& name : queued_names) active_names_[name] = "agreed, queued for the wire";
+    for (const char** phase : queued_phases) *phase = "agreed, queued for the wire";
   }
 }
 
@@ -589,6 +579,7 @@ void Runtime::finish(InFlight& done) {
 
 void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   auto found = tensors_.find(id);
+  if (found == tensors_.end()) return;  // already finished (failed while stopping)
   LocalTensor tensor = std::move(found->second);
   tensor_nodes_.erase(tensors_, found);
   {
@@ -688,7 +679,6 @@ void Runtime::stop_everything(const std::string& reason) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     active_names_.clear();
   }
-  waiting_ids_.clear();
   timeline_.flush();
 }
 

@@ -95,6 +95,9 @@ class Runtime {
     void* data = nullptr;
     std::shared_ptr<HandleState> handle;
     uint64_t enqueued_us = 0;
+    // The tensor's entry in active_names_ (unordered_map entries stay put while others come and
+    // go), so its phase changes under the lock without looking the name up again.
+    const char** phase = nullptr;
   };
   struct LocalTensor {
     TensorSpec spec;
@@ -104,6 +107,7 @@ class Runtime {
     uint64_t trace_id = 0;
     bool agreed = false;
     bool launched = false;
+    const char** phase = nullptr;  // as in Submission; guarded by inbox_mutex_
   };
   struct InFlight {
     Launch launch;
@@ -189,9 +193,7 @@ class Runtime {
   std::vector<Submission> intake_;  // take_submissions' batch, kept for its capacity
   CycleOutcome outcome_;  // run_round's, kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
-  std::unordered_map<std::string, uint64_t> waiting_ids_;  // announced, not yet agreed
   NodeRecycler<std::unordered_map<uint64_t, LocalTensor>> tensor_nodes_;
-  NodeRecycler<std::unordered_map<std::string, uint64_t>> waiting_id_nodes_;
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;
   uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round

@@ -87,6 +87,25 @@ TEST_CASE(every_rank_derives_the_same_order_from_different_local_orders) {
   EXPECT(sorted == expected);
 }
 
+TEST_CASE(outcomes_name_each_tensor_by_the_id_its_own_rank_announced_it_with) {
+  World world(2);
+  world.ranks[0].announce(spec("a", 4), {}, 10);
+  world.ranks[0].announce(spec("b", 4), {}, 11);
+  world.ranks[0].announce(spec("bad", 4), {}, 12);
+  world.ranks[1].announce(spec("bad", 5), {}, 22);
+  world.ranks[1].announce(spec("b", 4), {}, 21);
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT(outcomes[0].agreed_ids == std::vector<uint64_t>{11});
+  EXPECT(outcomes[1].agreed_ids == std::vector<uint64_t>{21});
+  EXPECT_EQ(outcomes[0].failures.at(0).local_id, 12u);
+  EXPECT_EQ(outcomes[1].failures.at(0).local_id, 22u);
+  world.ranks[1].announce(spec("a", 4), {}, 20);
+  outcomes = world.cycle();
+  EXPECT(names(outcomes[0]) == std::vector<std::string>{"a"});
+  EXPECT(outcomes[0].agreed_ids == std::vector<uint64_t>{10});
+  EXPECT(outcomes[1].agreed_ids == std::vector<uint64_t>{20});
+}
+
 TEST_CASE(agreed_priority_is_the_most_urgent_one) {
   World world(2);
   world.ranks[0].announce(spec("p", 1, 7));

@@ -37,10 +37,11 @@ def duplicate() -> None:
     if commsched.rank() == 0:
         # Rank 1 holds its 'dup' back, so rank 0's first one cannot finish before the second try.
         first = commsched.allreduce_async(np.ones(3), "dup")
+        time.sleep(0.2)  # the core has announced it by now, and says so
         try:
             commsched.allreduce_async(np.ones(3), "dup")
         except ValueError as error:
-            assert "already in flight" in str(error) and "'dup'" in str(error), error
+            assert "already in flight (waiting for other ranks)" in str(error) and "'dup'" in str(error), error
         else:
             raise AssertionError("a second in-flight use of 'dup' was accepted")
     else:
