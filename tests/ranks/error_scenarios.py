@@ -41,7 +41,9 @@ def duplicate() -> None:
         try:
             commsched.allreduce_async(np.ones(3), "dup")
         except ValueError as error:
-            assert "already in flight (waiting for other ranks)" in str(error) and "'dup'" in str(error), error
+            assert "already in flight (waiting for other ranks)" in str(error) and "'dup'" in str(error), (
+                error
+            )
         else:
             raise AssertionError("a second in-flight use of 'dup' was accepted")
     else:
