@@ -4,6 +4,9 @@
 
 #include <mpi.h>
 
+#include <string>
+#include <vector>
+
 #include "transport/transport.h"
 
 namespace commsched {
@@ -33,11 +36,16 @@ class MpiTransport : public Transport {
   static constexpr uint64_t kMinSlotBytes = 32;
   static constexpr uint64_t kSlotStepBytes = 1024;
   static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
+  // Up to this many ranks the exchange is point-to-point (one message per pair, all at once);
+  // beyond, an allgather's log(n) steps cost less than n messages per rank.
+  static constexpr int kDirectExchangeMaxRanks = 8;
+  static constexpr int kExchangeTag = 1;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
   MPI_Comm data_ = MPI_COMM_NULL;
   uint64_t slot_bytes_ = kMinSlotBytes;  // bytes per rank of the agreement allgather
   std::string send_slot_, received_slots_;  // exchange()'s buffers, kept for their capacity
+  std::vector<MPI_Request> requests_;
   int rank_ = 0;
   int size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements
