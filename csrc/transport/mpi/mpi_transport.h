@@ -1,5 +1,6 @@
-// Native MPI transport: nonblocking collectives on communicators duplicated from the
-// one the user hands over (MPI_COMM_WORLD from mpi4py by default).
+// Native MPI transport: nonblocking collectives for the data, and point-to-point messages (an
+// allgather past 8 ranks) for the agreement, on communicators duplicated from the one the user
+// hands over (MPI_COMM_WORLD from mpi4py by default).
 #pragma once
 
 #include <mpi.h>
