@@ -61,6 +61,15 @@ def test_one_tensor_costs_compute_exchange_and_ring(policy, mode, ranks):
     assert result["communication_s"] == pytest.approx(ring_s(1_000_000, ranks, 1e8, 1e-4))
 
 
+@pytest.mark.parametrize(("ranks", "steps"), [(2, 1), (8, 1), (9, 4), (1024, 10)])
+def test_default_exchange_is_one_message_up_to_8_ranks_then_an_allgather(ranks, steps):
+    # As the MPI transport runs it: direct messages to every peer, or log2(n) allgather steps.
+    layers = [("l0", 0.01, 0.02, [1_000_000])]
+    result = sim(layers, ranks=ranks, exchange=-1.0)
+    expected = 0.03 + steps * 1e-4 + ring_s(1_000_000, ranks, 1e8, 1e-4)
+    assert result["iteration_s"] == pytest.approx(expected, rel=1e-9)
+
+
 def test_collectives_in_flight_share_the_link_equally_when_fair():
     # Fusion off: the two tensors go as two collectives at once and each gets half the link.
     nbytes = 2_000_000

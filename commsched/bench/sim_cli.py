@@ -153,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--latency", default="20us", help="per-message latency, e.g. 20us")
     parser.add_argument(
-        "--exchange", default=None, help="agreement exchange time (default ceil(log2 n) * latency)"
+        "--exchange",
+        default=None,
+        help="agreement exchange time (default: latency up to 8 ranks, ceil(log2 n) * latency beyond)",
     )
     parser.add_argument(
         "--link",

@@ -28,6 +28,11 @@ inline constexpr int kMaxQuietCycles = 32;
 // (its size times the ranks) stay under this budget: at scale only the smallest go inline.
 inline constexpr uint64_t kInlineRoundBudgetBytes = 64 * 1024;
 
+// Up to this many ranks the MPI transport exchanges agreement reports point-to-point, every rank
+// to every other at once (one message step); beyond, by allgather (log2 n steps), since n
+// messages per rank then cost more. The simulator charges the exchange the same way.
+inline constexpr int kDirectExchangeMaxRanks = 8;
+
 struct RuntimeSettings {
   SchedulingSettings scheduling;
   // Tensors up to this size ride in the agreement report and are reduced there (host memory only).

@@ -135,6 +135,11 @@ class Trainer {
   std::vector<double> starts_;
 };
 
+// Message steps of one agreement exchange, as the MPI transport runs it.
+double exchange_steps(int ranks) {
+  return ranks <= kDirectExchangeMaxRanks ? 1.0 : std::ceil(std::log2(static_cast<double>(ranks)));
+}
+
 // The runtime loop of csrc/core/runtime.cc on a virtual clock, over a SharedLink.
 class RuntimeComm : public Comm {
  public:
@@ -142,8 +147,7 @@ class RuntimeComm : public Comm {
       : params_(params),
         network_(network),
         cycle_s_(settings.cycle_time_s),
-        exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s
-                                              : std::ceil(std::log2(std::max(2, network.ranks))) * network.latency_s),
+        exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s : exchange_steps(network.ranks) * network.latency_s),
         scheduler_(settings.scheduling),
         link_(network.bandwidth_bytes_per_s, network.sharing),
         deadline_s_(settings.cycle_time_s) {}

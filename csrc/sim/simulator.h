@@ -34,7 +34,7 @@ struct SimSettings {
   SchedulingSettings scheduling;
   Mode mode = Mode::kOverlap;
   double cycle_time_s = 0.001;
-  double exchange_s = -1;  // duration of one agreement exchange; below 0: ceil(log2 n) * latency
+  double exchange_s = -1;  // one agreement exchange; below 0: latency, times ceil(log2 n) past 8 ranks
   int iterations = 6;      // measured iterations
   int warmup = 2;          // iterations run before measuring
 };

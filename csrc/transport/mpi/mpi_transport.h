@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/settings.h"
 #include "transport/transport.h"
 
 namespace commsched {
@@ -37,9 +38,6 @@ class MpiTransport : public Transport {
   static constexpr uint64_t kMinSlotBytes = 32;
   static constexpr uint64_t kSlotStepBytes = 1024;
   static constexpr uint64_t kMaxSlotBytes = 256 * 1024;
-  // Up to this many ranks the exchange is point-to-point (one message per pair, all at once);
-  // beyond, an allgather's log(n) steps cost less than n messages per rank.
-  static constexpr int kDirectExchangeMaxRanks = 8;
   static constexpr int kExchangeTag = 1;
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
