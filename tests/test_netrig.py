@@ -79,6 +79,12 @@ def test_launch_argv_shapes() -> None:
     mpi = rig.mpiexec_argv([["python", "a.py"], ["python", "b.py"]], mpiexec="mpiexec")
     assert mpi.count(":") == 1 and mpi[:3] == ["mpiexec", "-n", "1"]
     assert f"FI_TCP_IFACE={rig.interface(1)}" in mpi and "MPIR_CVAR_NOLOCAL=1" in mpi
+    # The ring the simulator models, unless asked for MPICH's own choice.
+    assert "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=tsp_ring" in mpi
+    auto = netrig.NetRig(n_ranks=2, handle_signals=False, mpi_allreduce="auto")
+    assert not any("ALLREDUCE" in word for word in auto.mpiexec_argv(["python"], mpiexec="mpiexec"))
+    with pytest.raises(ValueError, match="mpi_allreduce"):
+        netrig.NetRig(n_ranks=2, mpi_allreduce="tree")
     env = rig.torch_env(1, 29555)
     assert env["MASTER_ADDR"] == "10.77.0.1" and env["GLOO_SOCKET_IFNAME"] == rig.interface(1)
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_PORT"] == "29555"
