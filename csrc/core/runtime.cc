@@ -378,8 +378,10 @@ bool Runtime::run_round() {
 }
 
 void Runtime::take_submissions(ReportStatus& status) {
-  // Swapped with a kept vector, so neither side allocates again once both have grown.
+  // Swapped with a kept vector, so neither side allocates again once both have grown. Cleared
+  // first too: a batch an exception cut short must not come back through the inbox.
   std::vector<Submission>& batch = intake_;
+  batch.clear();
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     status.settings_epoch = requested_epoch_;

@@ -135,8 +135,8 @@ MPI_Op MpiTransport::sum_op(DType dtype) const {
 }
 
 std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
-  // One allgather of equal slots carries every report in the common case; only
-  // reports longer than a slot need a second allgatherv for their tails.
+  // One exchange of equal slots carries every report in the common case; only reports
+  // longer than a slot need a second, an allgatherv of their tails.
   const size_t slot_size = slot_bytes_;
   const size_t in_slot = slot_size - sizeof(uint32_t);
   if (mine.size() > static_cast<size_t>(INT_MAX)) throw CommError("agreement report exceeds 2 GiB");
