@@ -453,18 +453,24 @@ void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::ve
     std::memcpy(data, payloads[spec.root].data(), bytes);
   } else {
     // Summed in rank order from the same bytes, so every rank gets a bit-identical result.
-    // Aligned scratch, kept across rounds: the payload strings promise no alignment.
-    std::vector<uint64_t>& sum = inline_sum_;
+    // Addends go through aligned scratch, kept across rounds: the payload strings promise no
+    // alignment. The sum builds in the tensor itself when it is 8-byte aligned (numpy's and
+    // torch's are), which saves two copies of it.
+    const bool aligned = reinterpret_cast<uintptr_t>(data) % alignof(uint64_t) == 0;
     std::vector<uint64_t>& addend = inline_addend_;
-    sum.resize((bytes + 7) / 8);
-    addend.resize(sum.size());
-    std::memcpy(sum.data(), payloads[0].data(), bytes);
+    addend.resize((bytes + 7) / 8);
+    void* sum = data;
+    if (!aligned) {
+      inline_sum_.resize(addend.size());
+      sum = inline_sum_.data();
+    }
+    std::memcpy(sum, payloads[0].data(), bytes);
     for (int r = 1; r < size_; ++r) {
       std::memcpy(addend.data(), payloads[r].data(), bytes);
-      sum_into(sum.data(), addend.data(), spec.count, spec.dtype);
+      sum_into(sum, addend.data(), spec.count, spec.dtype);
     }
-    if (spec.op == ReduceOp::kAverage) divide_by(sum.data(), spec.count, spec.dtype, static_cast<double>(size_));
-    std::memcpy(data, sum.data(), bytes);
+    if (spec.op == ReduceOp::kAverage) divide_by(sum, spec.count, spec.dtype, static_cast<double>(size_));
+    if (!aligned) std::memcpy(data, sum, bytes);
   }
   stats_.inline_tensors.fetch_add(1, std::memory_order_relaxed);
   finish_tensor(id, "");
