@@ -1,5 +1,5 @@
-// `commsched._core.allreduce_buffer` and `broadcast_buffer`: a synchronous collective on a host buffer in one
-// call. It reads the array through Python's buffer protocol and waits with the GIL released,
+// `commsched._core.allreduce_buffer` and `broadcast_buffer`: a synchronous collective on a host
+// buffer in one call. It reads the array through Python's buffer protocol and waits with the GIL released,
 // so a small collective pays for no Python-level view or handle objects (they cost more than
 // the collective itself on shared memory).
 #include <pybind11/pybind11.h>

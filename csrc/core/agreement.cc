@@ -298,6 +298,7 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, uint
     spare_ = pending_.extract(it);
     Pending& reused = spare_.mapped();
     reused.reported = 0;
+    reused.local_id = 0;
     for (std::optional<TensorSpec>& spec_of_rank : reused.by_rank) spec_of_rank.reset();
     reused.payloads.assign(size_, std::string());
   }

@@ -2,7 +2,7 @@
 //
 // Each cycle every rank contributes one report (what became ready locally since its
 // last report, its completed byte count, shutdown/abort flags); all ranks exchange
-// reports with one allgather and apply them in rank order, so every rank derives the
+// reports in one transport exchange and apply them in rank order, so every rank derives the
 // same agreed tensors in the same order. A name agreed once is cached under a small
 // id, so a steady-state report costs a few bytes per tensor instead of its metadata.
 #pragma once
