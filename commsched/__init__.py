@@ -418,7 +418,7 @@ def allreduce(
 ) -> Any:
     """Allreduces in place and returns the array."""
     # The common call, a named buffer on a transport that takes host memory, goes straight to the
-    # core, which checks name, op and priority itself and hands anything doubtful back (-1): on
+    # core, which checks name, op and priority itself and hands anything doubtful back (-2): on
     # shared memory a small allreduce costs ~2 us, and each Python call layer ~50 ns.
     if (
         type(name) is str
@@ -432,6 +432,8 @@ def allreduce(
             return array
         if done == 0:
             raise _timed_out(name, timeout)
+        if done == -1:  # valid arguments, but not a host buffer the core takes: no second try
+            return _enqueue(array, name, "allreduce", op, 0, priority, waits_next=True).wait(timeout)
     return _run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 

@@ -111,7 +111,7 @@ void register_run_buffer(py::module_& module) {
   module.def(
       "allreduce_buffer",
       [](py::handle array, const std::string& name, py::handle op, py::handle priority_object, double timeout_s) {
-        // Arguments commsched.allreduce has not checked yet: -1 sends the call to the path that
+        // Arguments commsched.allreduce has not checked yet: -2 sends the call to the path that
         // names what is wrong with them.
         const bool average = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "average") == 0;
         const bool sum = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "sum") == 0;
@@ -120,13 +120,13 @@ void register_run_buffer(py::module_& module) {
             PyLong_Check(priority_object.ptr()) ? PyLong_AsLongLongAndOverflow(priority_object.ptr(), &overflow) : 0;
         const bool priority_fits = PyLong_Check(priority_object.ptr()) && overflow == 0 && priority >= INT32_MIN &&
                                    priority <= INT32_MAX;
-        if (name.empty() || !(sum || average) || !priority_fits) return -1;
+        if (name.empty() || !(sum || average) || !priority_fits) return -2;
         return commsched::run_buffer(array, name, average ? commsched::ReduceOp::kAverage : commsched::ReduceOp::kSum,
                                      commsched::CollectiveKind::kAllreduce, 0, static_cast<int>(priority), timeout_s);
       },
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("timeout_s"),
       "Allreduces a host buffer in place and waits (timeout_s < 0: no limit); 1 done, 0 timed out, "
-      "-1 not a host buffer this call takes (or a name, op or priority to check in Python).");
+      "-1 not a host buffer this call takes, -2 a name, op or priority to check in Python.");
   module.def(
       "broadcast_buffer",
       [](py::handle array, const std::string& name, int root, int priority, double timeout_s) {

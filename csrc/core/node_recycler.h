@@ -30,12 +30,6 @@ class NodeRecycler {
     return {result.position, result.inserted};
   }
 
-  // Like map[key] = value.
-  void assign(Map& map, const Key& key, Mapped value) {
-    auto [it, inserted] = try_insert(map, key, value);
-    if (!inserted) it->second = std::move(value);
-  }
-
   // Like map.erase(it), keeping the node (its mapped value reset) for a later insert.
   void erase(Map& map, typename Map::iterator it) {
     typename Map::node_type node = map.extract(it);
