@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -65,6 +66,8 @@ def test_schedule_replay_on_two_ranks(tmp_path):
     for row in rows:
         # Compute is slept for, so no schedule can finish an iteration faster than it.
         assert row["iteration_s"] >= run["compute_s"] * 0.99
+        assert row["median_iteration_s"] <= row["slowest_iteration_s"]
+        assert row["iteration_s"] <= row["slowest_iteration_s"] * 1.000001
         assert row["bound_s"] == pytest.approx(max(run["compute_s"], run["communication_s"]))
         assert row["sum_s"] == pytest.approx(run["compute_s"] + run["communication_s"])
         assert row["speedup"] == pytest.approx(baseline / row["iteration_s"])
@@ -121,8 +124,24 @@ def test_replay_compute_does_not_pile_up_sleep_overshoot():
     grads = [np.ones(4, np.float32) for _ in layers]
     commsched.init(transport="loopback")
     try:
-        period = replay(layers, grads, "overlap", iterations=3, warmup=1)
+        period = statistics.fmean(replay(layers, grads, "overlap", iterations=3, warmup=1))
     finally:
         commsched.shutdown()
     # A 50 us overshoot per sleep would add 30 ms to this 36 ms iteration.
     assert period < 1.15 * compute_s(layers), (period, compute_s(layers))
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec")
+def test_raw_stalls_times_raw_mpi_iterations(tmp_path):
+    """benchmarks/raw_stalls.py moves a profile's gradients with raw MPI and reports their spread."""
+    out = tmp_path / "stalls.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "raw_stalls.py"
+    argv = [str(MPIEXEC), "-n", "2", sys.executable, str(script), "--model", "resnet50", "--scale", "64"]
+    argv += ["--iterations", "6", "--gap", "0.001", "--json", str(out)]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["ranks"] == 2 and data["iterations"] == 6
+    assert 0 < data["median_s"] <= data["slowest_s"] and data["mean_s"] <= data["slowest_s"]
+    assert 0 <= data["stalled"] < 6
+    assert "nonblocking allreduces, 2 ranks" in proc.stdout

@@ -101,8 +101,10 @@ def _tighten_timer_slack() -> None:
         pass  # not Linux: sleeps keep the platform's precision
 
 
-def replay(layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int) -> float:
-    """Runs the training loop on this rank; returns the mean period between first-layer forwards."""
+def replay(
+    layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int
+) -> list[float]:
+    """Runs the training loop on this rank; returns each measured period between first-layer forwards."""
     import commsched
 
     index_of = {}
@@ -149,7 +151,7 @@ def replay(layers: list[TimedLayer], grads: list[Any], mode: str, iterations: in
     for pending in handles:
         for handle in pending:
             handle.wait()
-    return (starts[-1] - starts[warmup]) / iterations
+    return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
 def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
@@ -307,8 +309,17 @@ def run(args: argparse.Namespace) -> int:
         settings = settings or commsched.config()  # the header shows the first run's settings
         for mode in modes:
             comm.Barrier()
-            mine = replay(layers, grads, mode, args.iterations, args.warmup)
-            rows.append({"policy": policy, "mode": mode, "iteration_s": comm.allreduce(mine, op=MPI.MAX)})
+            periods = replay(layers, grads, mode, args.iterations, args.warmup)
+            # The mean is what a run takes; the median and the slowest iteration show stalls.
+            rows.append(
+                {
+                    "policy": policy,
+                    "mode": mode,
+                    "iteration_s": comm.allreduce(statistics.fmean(periods), op=MPI.MAX),
+                    "median_iteration_s": comm.allreduce(statistics.median(periods), op=MPI.MAX),
+                    "slowest_iteration_s": comm.allreduce(max(periods), op=MPI.MAX),
+                }
+            )
             used.append(commsched.config())  # what the tuner chose, for the simulator's column
             progress.step(f"{policy}/{mode}")
         commsched.shutdown()
@@ -336,7 +347,10 @@ def run(args: argparse.Namespace) -> int:
         row["hidden"] = min(1.0, max(0.0, (compute + comm_s - row["iteration_s"]) / comm_s))
         row["vs_best"] = row["iteration_s"] / best_s
         row["speedup"] = baseline / row["iteration_s"] if baseline else None
-        row["sim_error"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
+        # Against the median: raw MPI on the rig stalls 30-100 ms in ~3% of iterations by itself
+        # (benchmarks/raw_stalls.py), a hiccup neither the scheduler nor the network model causes.
+        row["sim_error"] = (sim["iteration_s"] - row["median_iteration_s"]) / row["median_iteration_s"]
+        row["sim_error_vs_mean"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
         if row["policy"] == "autotune":
             row["settings"] = {name: settings_used[name] for name in ("policy", *_SCALED_SETTINGS)}
     header = {
@@ -369,6 +383,7 @@ COLUMNS: list[report.Column] = [
     ("policy", "policy", ""),
     ("mode", "mode", ""),
     ("iteration_ms", "iter ms", ".1f"),
+    ("slowest_ms", "slowest ms", ".1f"),
     ("bound_ms", "max(c,m) ms", ".1f"),
     ("best_ms", "best ms", ".1f"),
     ("sum_ms", "c+m ms", ".1f"),
@@ -401,10 +416,16 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults / scale)"
     )
     table = [
-        dict(report.timing_fields(row), sim_ms=row["sim_s"] * 1e3, sim_err_pct=row["sim_error"] * 100)
+        dict(
+            report.timing_fields(row),
+            slowest_ms=row["slowest_iteration_s"] * 1e3,
+            sim_ms=row["sim_s"] * 1e3,
+            sim_err_pct=row["sim_error"] * 100,
+        )
         for row in rows
     ]
     print(report.format_table(COLUMNS, table))
+    print("# slowest: the slowest measured iteration; sim err: the simulator against the median iteration")
     for row in rows:
         if "settings" in row:
             used = row["settings"]
