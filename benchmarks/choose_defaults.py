@@ -17,6 +17,7 @@ from pathlib import Path
 
 from commsched.bench import schedule
 from commsched.bench.sim_cli import predict
+from commsched.config import resolve
 
 MIB = 1024**2
 PARTITIONS = [MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB]
@@ -49,26 +50,74 @@ def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]
     return results
 
 
+def sweep_replays(paths: list[Path]) -> list[dict]:
+    """The same grid on links a replay measured (its JSON header), sizes scaled as the replay's."""
+    results = []
+    for path in paths:
+        run = json.loads(path.read_text())["run"]
+        scale = run["scale"]
+        layers = schedule.timed_layers(
+            schedule.load_model(run["model"]), run["device_tflops"], scale, run["time_scale"]
+        )
+        spec = schedule.sim_layers(layers)
+        for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
+            settings = {
+                "partition_bytes": int(partition / scale),
+                "credit_bytes": int(partition * multiple / scale),
+                "fusion_bytes": int(fusion / scale),
+                "cycle_time": 0.001,
+            }
+            row = predict(
+                spec,
+                run["ranks"],
+                run["bandwidth_bytes_per_s"],
+                run["latency_s"],
+                settings,
+                ["priority"],
+                ["overlap"],
+                size_costs=[tuple(cost) for cost in run["size_costs"]],
+            )[0]
+            # Reported at full scale, so a row reads as a candidate default.
+            full = {k: round(v * scale) if k.endswith("_bytes") else v for k, v in settings.items()}
+            results.append(
+                dict(model=run["model"], ranks=run["ranks"], ratio=None, **full, vs_best=row["vs_best"])
+            )
+    return results
+
+
 def main() -> int:
     """Runs the sweep and prints the best settings by geometric-mean slowdown."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", default="2,8,64")
     parser.add_argument("--ratios", default="1,0.1", help="communication / compute ratios")
     parser.add_argument("--latency", type=float, default=20e-6)
+    parser.add_argument(
+        "--replays",
+        type=Path,
+        nargs="+",
+        help="instead, sweep on the links these `commsched-bench schedule --json` runs measured",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = sweep(
-        [int(n) for n in args.ranks.split(",")], [float(r) for r in args.ratios.split(",")], args.latency
-    )
+    if args.replays:
+        results = sweep_replays(args.replays)
+    else:
+        results = sweep(
+            [int(n) for n in args.ranks.split(",")], [float(r) for r in args.ratios.split(",")], args.latency
+        )
     scores: dict[tuple, list[float]] = {}
     for row in results:
         key = (row["partition_bytes"], row["credit_bytes"], row["fusion_bytes"])
         scores.setdefault(key, []).append(math.log(row["vs_best"]))
     ranked = sorted((math.exp(sum(v) / len(v)), max(v), key) for key, v in scores.items())
     print(f"{'partition':>10}{'credit':>10}{'fusion':>10}{'geomean x best':>16}{'worst x best':>14}")
-    for geomean, worst, (partition, credit, fusion) in ranked[:10]:
+    defaults = resolve({}, environ={})
+    current = (defaults.partition_bytes, defaults.credit_bytes, defaults.fusion_bytes)
+    shown = ranked[:10] + [row for row in ranked[10:] if row[2] == current]
+    for geomean, worst, (partition, credit, fusion) in shown:
         print(
             f"{partition / MIB:>9g}M{credit / MIB:>9g}M{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}"
+            + ("  (the defaults)" if (partition, credit, fusion) == current else "")
         )
     if args.json:
         args.json.write_text(json.dumps({"results": results}, indent=1) + "\n")
