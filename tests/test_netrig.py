@@ -144,20 +144,24 @@ def test_cleanup_on_exception() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_cleans_up_when_interrupted(sig: signal.Signals) -> None:
     sleeper = "from mpi4py import MPI; import time; print('up', flush=True); time.sleep(60)"
+    # SIGINT back to its default before the rig starts: a test run started in the background
+    # (`cmd &` in a script) ignores it, children inherit that, and the rig rightly keeps an
+    # ignored signal ignored.
+    default_sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
     proc = subprocess.Popen(
-        [sys.executable, str(NETRIG_PATH), "--ranks", "2", "--", sys.executable, "-c", sleeper],
+        [sys.executable, "-c", default_sigint, sys.executable, str(NETRIG_PATH), "--ranks", "2", "--"]
+        + [sys.executable, "-c", sleeper],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        # A fresh session: SIGINT must reach only the rig, and is not inherited as ignored.
-        start_new_session=True,
+        start_new_session=True,  # SIGINT must reach only the rig
     )
     try:
         assert proc.stdout is not None
         assert "up" in proc.stdout.readline()  # both ranks print it; mpiexec may glue the lines
         assert len(_rig_namespaces(proc.pid)) == 3
         os.kill(proc.pid, sig)
-        proc.wait(timeout=30)  # teardown allows 3 s per signal; a loaded CI host needs slack
+        proc.wait(timeout=30)  # teardown allows 3 s per signal; a loaded host needs slack
     finally:
         if proc.poll() is None:
             proc.kill()
