@@ -335,11 +335,19 @@ def _run_now(
             done = _core.broadcast_buffer(array, name, root, priority, limit)
         else:
             done = _core.allreduce_buffer(array, name, op, priority, limit)
-        if done > 0:
-            return array
-        if done == 0:
-            raise _timed_out(name, timeout)
-    # Anything else (torch and GPU tensors, buffers it cannot take) goes through the view, which names the problem.
+        return _buffer_outcome(done, array, name, kind, op, root, priority, timeout)
+    return _enqueue(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
+
+
+def _buffer_outcome(
+    done: int, array: Any, name: str, kind: str, op: str, root: int, priority: int, timeout: float | None
+) -> Any:
+    """The array once the core's buffer call says done (1), a timeout (0), or the view path (-1)."""
+    if done > 0:
+        return array
+    if done == 0:
+        raise _timed_out(name, timeout)
+    # Torch and GPU tensors and buffers the core cannot take go through the view, which names the problem.
     return _enqueue(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
 
 
@@ -428,12 +436,8 @@ def allreduce(
         and _state.tuner is None
     ):
         done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
-        if done > 0:
-            return array
-        if done == 0:
-            raise _timed_out(name, timeout)
-        if done == -1:  # valid arguments, but not a host buffer the core takes: no second try
-            return _enqueue(array, name, "allreduce", op, 0, priority, waits_next=True).wait(timeout)
+        if done != -2:  # -1: valid arguments, not a host buffer the core takes: no second try
+            return _buffer_outcome(done, array, name, "allreduce", op, 0, priority, timeout)
     return _run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 
