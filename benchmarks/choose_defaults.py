@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from commsched.bench import schedule
@@ -26,6 +27,18 @@ FUSIONS = [256 * 1024, MIB, 4 * MIB]
 MODELS = ["vgg16", "resnet50", "bert-base", "gpt2-medium"]
 
 
+def grid(scale: float = 1.0) -> Iterator[tuple[dict, dict]]:
+    """Every grid setting at full scale, with the same sizes divided by `scale` for a scaled replay."""
+    for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
+        full = {
+            "partition_bytes": partition,
+            "credit_bytes": partition * multiple,
+            "fusion_bytes": fusion,
+            "cycle_time": 0.001,
+        }
+        yield full, {k: int(v / scale) if k.endswith("_bytes") else v for k, v in full.items()}
+
+
 def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]:
     """Every (model, ranks, ratio, setting) with its simulated iteration time over the best possible."""
     results = []
@@ -36,13 +49,7 @@ def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]
         compute = schedule.compute_s(layers)
         for n, ratio in itertools.product(ranks, ratios):
             rate = 2.0 * (n - 1) / n * total / (ratio * compute)
-            for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
-                settings = {
-                    "partition_bytes": partition,
-                    "credit_bytes": partition * multiple,
-                    "fusion_bytes": fusion,
-                    "cycle_time": 0.001,
-                }
+            for settings, _ in grid():
                 row = predict(
                     spec, n, rate, latency_s, settings, ["priority"], ["overlap"], iterations=4, warmup=1
                 )[0]
@@ -55,30 +62,22 @@ def sweep_replays(paths: list[Path]) -> list[dict]:
     results = []
     for path in paths:
         run = json.loads(path.read_text())["run"]
-        scale = run["scale"]
         layers = schedule.timed_layers(
-            schedule.load_model(run["model"]), run["device_tflops"], scale, run["time_scale"]
+            schedule.load_model(run["model"]), run["device_tflops"], run["scale"], run["time_scale"]
         )
         spec = schedule.sim_layers(layers)
-        for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
-            settings = {
-                "partition_bytes": int(partition / scale),
-                "credit_bytes": int(partition * multiple / scale),
-                "fusion_bytes": int(fusion / scale),
-                "cycle_time": 0.001,
-            }
+        for full, scaled in grid(run["scale"]):
             row = predict(
                 spec,
                 run["ranks"],
                 run["bandwidth_bytes_per_s"],
                 run["latency_s"],
-                settings,
+                scaled,
                 ["priority"],
                 ["overlap"],
                 size_costs=[tuple(cost) for cost in run["size_costs"]],
             )[0]
             # Reported at full scale, so a row reads as a candidate default.
-            full = {k: round(v * scale) if k.endswith("_bytes") else v for k, v in settings.items()}
             results.append(
                 dict(model=run["model"], ranks=run["ranks"], ratio=None, **full, vs_best=row["vs_best"])
             )
