@@ -22,7 +22,8 @@ from commsched.config import resolve
 
 MIB = 1024**2
 PARTITIONS = [MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB]
-CREDIT_MULTIPLES = [1, 2, 4, 8]
+# Credit in partitions; None is commsched's default, one partition per rank (2 to 16).
+CREDIT_MULTIPLES: list[int | None] = [1, 2, 4, 8, None]
 FUSIONS = [256 * 1024, MIB, 4 * MIB]
 MODELS = ["vgg16", "resnet50", "bert-base", "gpt2-medium"]
 
@@ -32,11 +33,11 @@ def grid(scale: float = 1.0) -> Iterator[tuple[dict, dict]]:
     for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
         full = {
             "partition_bytes": partition,
-            "credit_bytes": partition * multiple,
+            "credit_bytes": None if multiple is None else partition * multiple,
             "fusion_bytes": fusion,
             "cycle_time": 0.001,
         }
-        yield full, {k: int(v / scale) if k.endswith("_bytes") else v for k, v in full.items()}
+        yield full, {k: int(v / scale) if k.endswith("_bytes") and v else v for k, v in full.items()}
 
 
 def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]:
@@ -108,14 +109,17 @@ def main() -> int:
     for row in results:
         key = (row["partition_bytes"], row["credit_bytes"], row["fusion_bytes"])
         scores.setdefault(key, []).append(math.log(row["vs_best"]))
-    ranked = sorted((math.exp(sum(v) / len(v)), max(v), key) for key, v in scores.items())
+    ranked = sorted(
+        ((math.exp(sum(v) / len(v)), max(v), key) for key, v in scores.items()), key=lambda r: r[:2]
+    )
     print(f"{'partition':>10}{'credit':>10}{'fusion':>10}{'geomean x best':>16}{'worst x best':>14}")
     defaults = resolve({}, environ={})
     current = (defaults.partition_bytes, defaults.credit_bytes, defaults.fusion_bytes)
     shown = ranked[:10] + [row for row in ranked[10:] if row[2] == current]
     for geomean, worst, (partition, credit, fusion) in shown:
+        credit_text = "per-rank" if credit is None else f"{credit / MIB:g}M"
         print(
-            f"{partition / MIB:>9g}M{credit / MIB:>9g}M{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}"
+            f"{partition / MIB:>9g}M{credit_text:>10}{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}"
             + ("  (the defaults)" if (partition, credit, fusion) == current else "")
         )
     if args.json:

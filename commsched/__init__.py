@@ -174,6 +174,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
             log.warning("COMMSCHED_FUSION_BYTES is ignored: the NCCL transport does not fuse GPU tensors")
         resolved = dataclasses.replace(resolved, fusion_bytes=0)
     rank, size = _probe_rank_size(core_kind, argument, info)
+    resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
         policy=resolved.policy,
         partition_bytes=resolved.partition_bytes,
@@ -266,6 +267,7 @@ def config() -> dict[str, Any]:
     if _state.pending is not None:
         result.update(transport="auto (chosen at the first tensor)", launcher=_state.launcher)
         result.update(rank=rank(), size=size(), local_rank=_state.local_rank)
+        result.update(credit_bytes=_state.settings.credit_for(size()))
         return result
     result.update(_core.scheduling_settings())  # reconfigure() may have changed these
     result.update(

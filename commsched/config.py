@@ -89,7 +89,7 @@ class Settings:
 
     policy: str = "priority"
     partition_bytes: int = 4 * 1024**2
-    credit_bytes: int = 16 * 1024**2
+    credit_bytes: int | None = None  # None: one partition per rank, see credit_for()
     fusion_bytes: int = 1024**2
     inline_bytes: int = 4096  # tensors up to this size ride in the agreement round (host memory)
     transport: str = "auto"
@@ -107,6 +107,28 @@ class Settings:
         """The settings as a plain dict."""
         return asdict(self)
 
+    def credit_for(self, ranks: int) -> int:
+        """credit_bytes if given, else the default for this many ranks (see default_credit)."""
+        if self.credit_bytes is not None:
+            return self.credit_bytes
+        return default_credit(self.partition_bytes, ranks)
+
+
+_MIN_CREDIT_PARTITIONS = 2
+_MAX_CREDIT_PARTITIONS = 16
+
+
+def default_credit(partition_bytes: int, ranks: int) -> int:
+    """The default credit: one partition per rank, at least 2 and at most 16 partitions.
+
+    A ring allreduce on n ranks cuts each collective into n slices, so a message carries
+    credit / n bytes of every collective in flight. Scaling the credit with n keeps about a
+    partition on the wire per ring step, so each step's fixed latency is amortized as well at
+    64 ranks as at 2; at 2 ranks two chunks are enough, and an urgent chunk queues behind less.
+    """
+    unit = partition_bytes or Settings.partition_bytes  # partitioning off: counted in default partitions
+    return unit * min(_MAX_CREDIT_PARTITIONS, max(_MIN_CREDIT_PARTITIONS, ranks))
+
 
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"
 _DURATION_FORM = "seconds with an optional unit, e.g. 60, 30s or 500ms"
@@ -114,7 +136,11 @@ _DURATION_FORM = "seconds with an optional unit, e.g. 60, 30s or 500ms"
 _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "policy": ("COMMSCHED_POLICY", _choice(POLICIES), "one of " + ", ".join(POLICIES)),
     "partition_bytes": ("COMMSCHED_PARTITION_BYTES", parse_size, _SIZE_FORM + " (0 turns partitioning off)"),
-    "credit_bytes": ("COMMSCHED_CREDIT_BYTES", parse_size, _SIZE_FORM),
+    "credit_bytes": (
+        "COMMSCHED_CREDIT_BYTES",
+        parse_size,
+        _SIZE_FORM + " (unset: one partition per rank, 2 to 16 partitions)",
+    ),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
     "inline_bytes": (
         "COMMSCHED_INLINE_BYTES",

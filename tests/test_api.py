@@ -10,7 +10,15 @@ import pytest
 
 import commsched
 from commsched import launch
-from commsched.config import SettingError, Settings, parse_duration, parse_size, resolve, timeline_path_for
+from commsched.config import (
+    SettingError,
+    Settings,
+    default_credit,
+    parse_duration,
+    parse_size,
+    resolve,
+    timeline_path_for,
+)
 
 
 @pytest.fixture
@@ -60,6 +68,24 @@ def test_arguments_override_environment() -> None:
     assert settings.partition_bytes == Settings().partition_bytes
 
 
+def test_default_credit_is_one_partition_per_rank() -> None:
+    """Unset, the credit is a partition per rank, 2 to 16 of them; a given credit always wins."""
+    mib = 1024**2
+    assert [Settings().credit_for(n) for n in (1, 2, 3, 8, 16, 1024)] == [
+        8 * mib,
+        8 * mib,
+        12 * mib,
+        32 * mib,
+        64 * mib,
+        64 * mib,
+    ]
+    assert resolve({"partition_bytes": "1MiB"}, {}).credit_for(4) == 4 * mib
+    assert resolve({}, {"COMMSCHED_CREDIT_BYTES": "3MiB"}).credit_for(64) == 3 * mib
+    assert default_credit(0, 4) == 4 * Settings().partition_bytes  # partitioning off
+    with pytest.raises(SettingError, match="COMMSCHED_CREDIT_BYTES must be above 0"):
+        resolve({}, {"COMMSCHED_CREDIT_BYTES": "0"})
+
+
 def test_timeline_path_per_rank() -> None:
     """Rank 0 keeps the path; other ranks get a suffix unless the path has {rank}."""
     assert timeline_path_for("t.json", 0, 4) == "t.json"
@@ -98,6 +124,7 @@ def test_single_rank_allreduce_and_broadcast(runtime: None) -> None:
     assert np.array_equal(handle.wait(timeout=10), np.arange(5))
     assert handle.done()
     assert commsched.config()["transport"] == "loopback"
+    assert commsched.config()["credit_bytes"] == 2 * commsched.config()["partition_bytes"]
     assert commsched.size() == 1 and commsched.rank() == 0 and commsched.local_rank() == 0
 
 

@@ -110,7 +110,8 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
     assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == (4 << 20) // 16
     # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
     assert any(int(r["partition_bytes"]) != (4 << 20) // 16 for r in rows), rows
-    assert any(int(r["credit_bytes"]) != (16 << 20) // 16 for r in rows), rows
+    assert int(rows[0]["credit_bytes"]) == 2 * (4 << 20) // 16  # a scaled partition per rank
+    assert any(int(r["credit_bytes"]) != 2 * (4 << 20) // 16 for r in rows), rows
 
 
 def test_replay_compute_does_not_pile_up_sleep_overshoot():

@@ -34,7 +34,7 @@ def test_sweep_on_a_replays_measured_link(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 6 * 4 * 3  # partitions x credit multiples x fusions
+    assert len(rows) == 6 * 5 * 3  # partitions x credits (4 multiples, per rank) x fusions
     assert {row["partition_bytes"] for row in rows} == {m << 19 for m in (1, 2, 4, 8, 16, 32)}
     assert all(row["ranks"] == 2 and row["vs_best"] >= 0.99 for row in rows)
     assert "(the defaults)" in proc.stdout

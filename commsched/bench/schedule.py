@@ -237,9 +237,10 @@ def _scaled_setting(given: str | None, name: str, scale: float) -> str | int | N
     Shrinking tensors by --scale without shrinking the chunk sizes would change how many
     chunks each tensor has, so the replay would no longer stand for the full-size model.
     """
-    if given is not None or scale == 1 or os.environ.get(f"COMMSCHED_{name.upper()}"):
-        return given
-    return max(1, int(getattr(Settings(), name) / scale))
+    default = getattr(Settings(), name)
+    if given is not None or default is None or scale == 1 or os.environ.get(f"COMMSCHED_{name.upper()}"):
+        return given  # an unset credit follows the scaled partition (Settings.credit_for)
+    return max(1, int(default / scale))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
     latency = small_s / (2 * (ranks - 1))
     sizes = {name: _scaled_setting(getattr(args, name), name, args.scale) for name in _SCALED_SETTINGS}
-    credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_bytes
+    credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_for(ranks)
     size_costs = (
         measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
         if args.size_costs

@@ -14,7 +14,7 @@ from typing import Any
 
 from commsched._core import simulate, simulate_ideal
 from commsched.bench import report, schedule
-from commsched.config import parse_duration, parse_size
+from commsched.config import default_credit, parse_duration, parse_size
 
 DEFAULT_RANKS = "2,4,8,16,64,256,1024"
 
@@ -78,8 +78,11 @@ def predict(
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
-    the bandwidth (see parse_size_costs).
+    the bandwidth (see parse_size_costs). A `credit_bytes` of None is commsched's default for
+    `ranks` (config.default_credit).
     """
+    credit = settings.get("credit_bytes")
+    credit = default_credit(int(settings["partition_bytes"]), ranks) if credit is None else int(credit)
     # The best schedule moves every byte at the best rate the link showed at any message size.
     best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
     best = simulate_ideal(layers, ranks, best_rate, iterations, warmup)
@@ -93,7 +96,7 @@ def predict(
                 latency_s,
                 policy,
                 int(settings["partition_bytes"]),
-                int(settings["credit_bytes"]),
+                credit,
                 int(settings["fusion_bytes"]),
                 mode,
                 float(settings["cycle_time"]),
@@ -112,6 +115,7 @@ def predict(
                     policy=policy,
                     mode=mode,
                     ranks=ranks,
+                    credit_bytes=credit,
                     bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                     best_s=best["iteration_s"],
                     hidden=min(1.0, max(0.0, hidden)),
@@ -182,7 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
     parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
     parser.add_argument("--partition-bytes", default="4MiB")
-    parser.add_argument("--credit-bytes", default="16MiB")
+    parser.add_argument(
+        "--credit-bytes",
+        default=None,
+        help="default: one partition per rank, 2 to 16 partitions (as commsched)",
+    )
     parser.add_argument("--fusion-bytes", default="1MiB")
     parser.add_argument("--cycle-time", default="1ms")
     parser.add_argument("--iterations", type=int, default=6)
@@ -198,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = {
             "partition_bytes": parse_size(args.partition_bytes),
-            "credit_bytes": parse_size(args.credit_bytes),
+            "credit_bytes": parse_size(args.credit_bytes) if args.credit_bytes else None,
             "fusion_bytes": parse_size(args.fusion_bytes),
             "cycle_time": parse_duration(args.cycle_time),
         }

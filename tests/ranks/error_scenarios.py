@@ -118,6 +118,9 @@ def reconfigure() -> None:
     """Settings switch on every rank together; integer results stay exact across switches."""
     commsched.init(policy="priority")
     rank, size = commsched.rank(), commsched.size()
+    assert commsched.config()["credit_bytes"] == size * 4 * 1024**2, (
+        commsched.config()
+    )  # a partition per rank
     rng = np.random.default_rng(rank)
     variants = [
         {"policy": "fifo"},
