@@ -4,14 +4,47 @@ from __future__ import annotations
 
 import os
 
+_LOWEST_PORT = 10000  # below this, ports of well-known services cluster
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at `host` right now (IPv4 or IPv6 address)."""
+    """A TCP port nobody listens on at `host` right now (IPv4 or IPv6 address), outside the
+    ephemeral range where possible.
+
+    The other ranks' gRPC servers listen on a port the OS picks from the ephemeral range, so a
+    rendezvous port from that range can be handed to one of them before rank 0 binds it (CI saw
+    rank 1 listen on MASTER_PORT and try to join itself).
+    """
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, high = _ephemeral_ports()
+    outside = [(_LOWEST_PORT, low - 1), (high + 1, 65535)]
+    outside = [(first, last) for first, last in outside if first <= last]
+    pick = random.SystemRandom()
+    for _ in range(64 if outside else 0):
+        first, last = pick.choice(outside)
+        port = pick.randint(first, last)
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue  # taken: try another
+            return port
+    with socket.socket(family) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The OS's range for port-0 binds (Linux's default where /proc does not say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(field) for field in handle.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def main(argv: list[str] | None = None) -> int:

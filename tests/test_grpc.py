@@ -174,6 +174,19 @@ def test_bind_and_peer_settings() -> None:
     assert endpoint_from(1, 2, "127.0.0.1", 29500, [], "", False).master == "127.0.0.1:29500"
 
 
+def test_free_port_stays_out_of_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's rendezvous port is one no rank's own port-0 server can be given."""
+    from commsched import run
+
+    low, high = run._ephemeral_ports()
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high and port >= 1024, (port, low, high)
+    # Where the ephemeral range covers every port, any free one is still found.
+    monkeypatch.setattr(run, "_ephemeral_ports", lambda: (1024, 65535))
+    assert 1024 <= free_port() <= 65535
+
+
 # ------------------------------------------------------------------ two transports in one process
 
 
