@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -125,11 +124,13 @@ def test_replay_compute_does_not_pile_up_sleep_overshoot():
     grads = [np.ones(4, np.float32) for _ in layers]
     commsched.init(transport="loopback")
     try:
-        period = statistics.fmean(replay(layers, grads, "overlap", iterations=3, warmup=1))
+        periods = replay(layers, grads, "overlap", iterations=5, warmup=1)
     finally:
         commsched.shutdown()
-    # A 50 us overshoot per sleep would add 30 ms to this 36 ms iteration.
-    assert period < 1.15 * compute_s(layers), (period, compute_s(layers))
+    # A 50 us overshoot per sleep would add 30 ms to every one of these 36 ms iterations; the
+    # fastest is taken, since a busy host may stall the core's thread in one of them (CI saw
+    # a 116 ms mean over three).
+    assert min(periods) < 1.15 * compute_s(layers), (periods, compute_s(layers))
 
 
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec")
