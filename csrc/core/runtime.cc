@@ -198,14 +198,12 @@ bool Runtime::wait_for_news() {
   while (true) {
     if (stopped_) return false;
     if (driving_ || (callers_drive_ && callers_waiting_ > 0)) {
-      // A waiting caller runs the core; it wakes this thread when it leaves work behind
-      // (collectives in flight or queued, announcements others have not matched, submissions
-      // not yet in a round). Otherwise this thread takes up the heartbeat by itself as an idle
-      // rank would, within the longest quiet heartbeat. Waking it after every short collective
-      // would cost a context switch per collective, and waking it every cycle let it take the
-      // driver role between a caller's collectives: on a host with no spare core, two threads
-      // per rank took turns polling and a 4 MiB allreduce ran 5-15% slower than raw MPI.
-      loop_cv_.wait_until(lock, Clock::now() + kMaxQuietCycles * cycle_);
+      // A waiting caller runs the core; it wakes this thread when it leaves work behind or a
+      // round due before this thread would look again. Otherwise this thread takes up the
+      // heartbeat by itself a cycle later: waking it after every short collective would cost a
+      // context switch, and a CPU, per collective.
+      loop_wakes_at_ = Clock::now() + cycle_;
+      loop_cv_.wait_until(lock, loop_wakes_at_);
       continue;
     }
     driving_ = true;
@@ -221,20 +219,20 @@ bool Runtime::wait_for_news() {
       continue;
     }
     // Sleep without the driver role, so a caller that starts waiting may drive.
-    Clock::time_point wake_at;
     if (in_flight_.empty()) {
-      wake_at = next_round_;
+      loop_wakes_at_ = next_round_;
     } else if (poll_interval_.count() > 0) {
-      wake_at = std::min(next_round_, now + poll_interval_);
+      loop_wakes_at_ = std::min(next_round_, now + poll_interval_);
     } else {
       // The transport moves data only while polled: keep polling, but give the core to
       // any other runnable thread between polls.
+      loop_wakes_at_ = now;
       lock.unlock();
       std::this_thread::yield();
       lock.lock();
       continue;
     }
-    loop_cv_.wait_until(lock, wake_at);
+    loop_cv_.wait_until(lock, loop_wakes_at_);
   }
 }
 
@@ -272,7 +270,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
       // What this caller leaves behind needs the core's thread once no caller waits.
       leave_work = !in_flight_.empty() || scheduler_.queued_chunks() > 0 || agreement_.waiting_on_others();
       lock.lock();
-      leave_work = leave_work || !inbox_.empty();
+      leave_work = leave_work || next_round_ < loop_wakes_at_;
       driving_ = false;
       // This pass may have finished other callers' tensors, and one of them may drive next.
       if (callers_waiting_ > 1) callers_cv_.notify_all();

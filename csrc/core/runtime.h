@@ -182,6 +182,7 @@ class Runtime {
   // the state below "owned by the driver" and calls the transport.
   bool driving_ = false;  // guarded by inbox_mutex_
   int callers_waiting_ = 0;  // guarded by inbox_mutex_
+  Clock::time_point loop_wakes_at_;  // guarded by inbox_mutex_: when the core's thread looks again
   uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
   SchedulingSettings requested_settings_;
 
