@@ -107,8 +107,10 @@ def test_sim_cli_prints_and_writes_json(tmp_path, monkeypatch, capsys):
     )
     printed = capsys.readouterr().out
     assert "priority" in printed and "fifo" in printed
+    assert "credit 8MiB at 2 ranks, 64MiB at 1024 ranks (one partition per rank" in printed
     data = json.loads(out.read_text())
     assert {row["ranks"] for row in data["results"]} == {2, 1024}
+    assert {row["ranks"]: row["credit_bytes"] for row in data["results"]} == {2: 8 << 20, 1024: 64 << 20}
     # Communication of one ring allreduce of every gradient at 1 Gbit/s, written out by hand.
     total = 4 * (64 * 32 + 64 + 10 * 64)
     row = next(r for r in data["results"] if r["ranks"] == 1024)

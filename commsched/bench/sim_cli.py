@@ -250,6 +250,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
         f"latency {latency * 1e6:g} us; simulated with the real scheduler"
     )
+    credits = {row["ranks"]: row["credit_bytes"] for row in rows}
+    print(
+        f"# partition {report.human_size(settings['partition_bytes'])}, fusion "
+        f"{report.human_size(settings['fusion_bytes'])}, credit "
+        + ", ".join(f"{report.human_size(credit)} at {n} ranks" for n, credit in credits.items())
+        + ("" if args.credit_bytes else " (one partition per rank, 2 to 16: commsched's default)")
+    )
     table = [dict(report.timing_fields(row), gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9) for row in rows]
     print(report.format_table(COLUMNS, table))
     if args.json:
