@@ -130,6 +130,10 @@ class Runtime {
   Clock::time_point drive_for_caller(bool due);
   // Wakes the core's thread and every waiting caller: there is news for whoever drives.
   void wake_all();
+  // Wakes the core's thread alone, from whichever sleep it is in.
+  void wake_core_thread();
+  // The core's thread while callers drive: back when none waits any more or it is woken.
+  void sleep_while_callers_drive();
   // Keeps the first failure, which the next report carries to every rank.
   void record_failure(const std::exception& error);
   bool round_due_locked(Clock::time_point now) const;
@@ -170,6 +174,10 @@ class Runtime {
   // Shared with submitting threads.
   mutable std::mutex inbox_mutex_;
   std::condition_variable loop_cv_;  // wakes the core's thread
+  // The core's thread sleeps on these while callers drive (sleep_while_callers_drive).
+  std::mutex idle_mutex_;
+  std::condition_variable idle_cv_;
+  bool idle_wake_ = false;  // guarded by idle_mutex_
   std::condition_variable callers_cv_;  // wakes callers waiting in wait()
   std::vector<Submission> inbox_;
   std::unordered_map<std::string, const char*> active_names_;  // name -> phase (a literal: no allocation per tensor)
@@ -181,8 +189,8 @@ class Runtime {
   // Whoever holds the driver role (the core's thread or one waiting caller) alone touches
   // the state below "owned by the driver" and calls the transport.
   bool driving_ = false;  // guarded by inbox_mutex_
-  int callers_waiting_ = 0;  // guarded by inbox_mutex_
-  Clock::time_point loop_wakes_at_;  // guarded by inbox_mutex_: when the core's thread looks again
+  // Changed under inbox_mutex_; read without it by the core's thread while callers drive.
+  std::atomic<int> callers_waiting_{0};
   uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
   SchedulingSettings requested_settings_;
 
