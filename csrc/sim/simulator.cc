@@ -140,7 +140,7 @@ double exchange_steps(int ranks) {
   return ranks <= kDirectExchangeMaxRanks ? 1.0 : std::ceil(std::log2(static_cast<double>(ranks)));
 }
 
-// The runtime loop of csrc/core/runtime.cc on a virtual clock, over a SharedLink.
+// The runtime loop of csrc/core/runtime_drive.cc on a virtual clock, over a SharedLink.
 class RuntimeComm : public Comm {
  public:
   RuntimeComm(const std::vector<Param>& params, const NetworkSpec& network, const SimSettings& settings)

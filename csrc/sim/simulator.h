@@ -1,7 +1,7 @@
 // The simulator: commsched's real Scheduler driven by a virtual clock, with the
 // transport replaced by a network model and the framework by a replayed model profile.
 //
-// It mirrors the runtime loop (csrc/core/runtime.cc) cycle by cycle: the core
+// It mirrors the runtime loop (csrc/core/runtime_drive.cc) cycle by cycle: the core
 // waits for news (a new tensor or a completion, at most one cycle time), spends
 // one exchange on agreement, hands the agreed tensors and the completed byte count
 // of that report to the Scheduler, and starts what it returns. Ranks are taken as

@@ -1,0 +1,269 @@
+// Who drives the core and when: the core's thread, or a caller waiting for its handle, runs
+// agreement rounds and polls collectives in flight.
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "core/runtime.h"
+
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+namespace commsched {
+
+namespace {
+
+// While this rank waits for others to announce what it already has, it retries the
+// exchange at once and backs off up to a quarter cycle when nothing moves.
+constexpr auto kEagerBackoffStep = std::chrono::microseconds(10);
+// A waiting caller looks at its handle and the core at least this often.
+constexpr auto kCallerSlice = std::chrono::milliseconds(50);
+// A caller driving a transport that wants constant polling yields once per this many passes,
+// each a burst of up to this many tests.
+constexpr unsigned kPollsPerYield = 16;
+constexpr unsigned kTestsPerBurst = 32;
+
+}  // namespace
+
+void Runtime::loop() {
+#ifdef __linux__
+  // Short polling sleeps are only cheap if the kernel wakes us on time (default slack: 50us).
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+  while (wait_for_news()) {
+    const bool running = run_round();
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      driving_ = false;
+    }
+    callers_cv_.notify_all();  // a caller waiting for the driver role may take it
+    if (!running) return;
+  }
+}
+
+bool Runtime::round_due_locked(Clock::time_point now) const {
+  return !inbox_.empty() || shutdown_requested_ || !abort_message_.empty() || now >= next_round_;
+}
+
+bool Runtime::poll_for_news() {
+  // A completion is news only when queued chunks wait for the credit it frees: credit comes
+  // back through the next round, as the least any rank has completed, so every rank pops the
+  // same units at the same round. (Releasing it at the local completion instead let ranks pop
+  // at different times; with catch-up that was meant to be safe, but it hung the rig's grid
+  // of reconfigure() switches.)
+  if (in_flight_.empty()) return false;
+  try {
+    return poll_in_flight() && scheduler_.queued_chunks() > 0;
+  } catch (const std::exception& error) {
+    record_failure(error);
+    return true;
+  }
+}
+
+bool Runtime::wait_for_news() {
+  std::unique_lock<std::mutex> lock(inbox_mutex_);
+  while (true) {
+    if (stopped_) return false;
+    if (driving_ || (callers_drive_ && callers_waiting_ > 0)) {
+      // A waiting caller runs the core; it wakes this thread when it leaves work behind.
+      // Otherwise this thread takes up the heartbeat by itself within a cycle of the last
+      // caller leaving: waking it after every short collective would cost a context switch,
+      // and a CPU, per collective.
+      lock.unlock();
+      sleep_while_callers_drive();
+      lock.lock();
+      continue;
+    }
+    driving_ = true;
+    lock.unlock();
+    const bool completion_news = poll_for_news();
+    lock.lock();
+    const auto now = Clock::now();
+    if (completion_news || round_due_locked(now)) return true;
+    driving_ = false;
+    if (callers_waiting_ > 0) callers_cv_.notify_all();  // one may take the role now
+    if (doorbell_rang_) {  // a completion: poll again before sleeping
+      doorbell_rang_ = false;
+      continue;
+    }
+    // Sleep without the driver role, so a caller that starts waiting may drive.
+    Clock::time_point wake_at;
+    if (in_flight_.empty()) {
+      wake_at = next_round_;
+    } else if (poll_interval_.count() > 0) {
+      wake_at = std::min(next_round_, now + poll_interval_);
+    } else {
+      // The transport moves data only while polled: keep polling, but give the core to
+      // any other runnable thread between polls.
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+      continue;
+    }
+    loop_cv_.wait_until(lock, wake_at);
+  }
+}
+
+void Runtime::sleep_while_callers_drive() {
+  // Looks each cycle without inbox_mutex_, which every pass of a driving caller takes: taking
+  // it here, and the hand-offs that followed, slowed a 4 MiB MPI allreduce 10-15% on a host
+  // with no spare core (about as fast as raw MPI without).
+  std::unique_lock<std::mutex> idle(idle_mutex_);
+  while (callers_waiting_.load() > 0 && !idle_wake_) idle_cv_.wait_for(idle, cycle_);
+  idle_wake_ = false;
+}
+
+void Runtime::wake_core_thread() {
+  loop_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> idle(idle_mutex_);  // so a thread deciding to sleep sees the flag or the notice
+    idle_wake_ = true;
+  }
+  idle_cv_.notify_all();
+}
+
+void Runtime::wake_all() {
+  wake_core_thread();
+  callers_cv_.notify_all();
+}
+
+void Runtime::record_failure(const std::exception& error) {
+  // Told to every rank with the next report, so all stop in the same cycle.
+  if (abort_message_.empty()) abort_message_ = error.what();
+  logger_.log(LogLevel::kError, abort_message_);
+}
+
+bool Runtime::wait(const HandleState& handle, double timeout_s) {
+  if (!callers_drive_) return handle.wait(timeout_s);
+  // The limit counts from the first pass's clock read (one read fewer per small collective).
+  auto give_up = Clock::time_point::max();
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  std::unique_lock<std::mutex> lock(inbox_mutex_);
+  ++callers_waiting_;
+  bool leave_work = false;
+  unsigned polls = 0;
+  for (bool first = true; !handle.done() && !stopped_; first = false) {
+    const auto now = Clock::now();
+    if (first && timeout_s >= 0) give_up = now + limit;
+    if (now >= give_up) break;
+    auto look_again = std::min(give_up, now + kCallerSlice);
+    if (!driving_) {
+      driving_ = true;
+      doorbell_rang_ = false;  // this pass polls whatever rang it
+      const bool due = round_due_locked(now);
+      lock.unlock();
+      look_again = std::min(look_again, drive_for_caller(due));
+      // What this caller leaves behind needs the core's thread once no caller waits.
+      leave_work = !in_flight_.empty() || scheduler_.queued_chunks() > 0 || agreement_.waiting_on_others();
+      lock.lock();
+      // Not for a heartbeat due soon: the core's thread looks each cycle by itself, and a
+      // wake-up per collective here kept it bouncing in and out of its sleep.
+      leave_work = leave_work || !inbox_.empty();
+      driving_ = false;
+      // This pass may have finished other callers' tensors, and one of them may drive next.
+      if (callers_waiting_ > 1) callers_cv_.notify_all();
+      if (handle.done()) break;
+      if (look_again <= Clock::now()) {
+        // MPI moves a large message only inside its test calls: yielding after every poll
+        // slowed a 4 MiB allreduce by 7%. Every few polls still leave the CPU to other threads.
+        if (++polls % kPollsPerYield == 0) {
+          lock.unlock();
+          std::this_thread::yield();
+          lock.lock();
+        }
+        continue;
+      }
+    }
+    callers_cv_.wait_until(lock, look_again);
+  }
+  --callers_waiting_;
+  if (callers_waiting_ == 0 && !driving_ && leave_work) wake_core_thread();
+  const bool stopped = stopped_;
+  lock.unlock();
+  if (handle.done()) return true;
+  if (!stopped) return false;
+  // Stopping fails every handle; wait for that on the handle itself.
+  if (timeout_s < 0) return handle.wait(-1.0);
+  if (give_up == Clock::time_point::max()) return handle.wait(timeout_s);  // stopped before the first pass
+  return handle.wait(std::max(0.0, std::chrono::duration<double>(give_up - Clock::now()).count()));
+}
+
+Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
+  due = poll_for_news() || due;
+  if (!due && poll_interval_.count() == 0) {
+    // A transport that moves data only while tested (MPI progresses a large message inside its
+    // test calls) gets a burst of tests without the locks and clock reads of a whole pass.
+    for (unsigned tests = 1; tests < kTestsPerBurst && !due && !in_flight_.empty(); ++tests) due = poll_for_news();
+  }
+  if (due) {
+    run_round();
+    return Clock::time_point::min();  // look again at once
+  }
+  if (!in_flight_.empty()) return Clock::now() + poll_interval_;
+  return next_round_;
+}
+
+bool Runtime::run_round() {
+  CycleOutcome& outcome = outcome_;
+  // Read once: a round on shared memory takes a few microseconds, and each read ~20 ns.
+  Clock::time_point after_exchange;
+  try {
+    ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+    take_submissions(status);
+    const bool had_news = agreement_.has_announcements();
+    const uint64_t exchange_start_us = timeline_.stamp_us();
+    const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
+    after_exchange = Clock::now();
+    agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
+    if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
+      timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
+                         "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
+    }
+    stats_.cycles.fetch_add(1, std::memory_order_relaxed);
+  } catch (const std::exception& error) {
+    // The control path itself failed: nobody can be told, so stop here.
+    stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
+    return false;
+  }
+  if (outcome.abort_rank >= 0) {
+    stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
+    return false;
+  }
+  bool credit_news = false;
+  try {
+    apply_outcome(outcome);
+    // When stopping, pop nothing new: what is in flight finishes, what is queued fails on every rank alike.
+    if (outcome.shutdown_rank < 0) launch_ready();
+    credit_news = poll_in_flight() && scheduler_.queued_chunks() > 0;
+  } catch (const std::exception& error) {
+    record_failure(error);
+  }
+  if (outcome.shutdown_rank >= 0) {
+    stop_everything("commsched.shutdown() was called on rank " + std::to_string(outcome.shutdown_rank));
+    return false;
+  }
+  if (agreement_.waiting_on_others()) {
+    const bool progress = outcome.announcements > 0 || !outcome.agreed.empty();
+    eager_backoff_ =
+        progress ? Clock::duration{0} : std::min<Clock::duration>(2 * eager_backoff_ + kEagerBackoffStep, cycle_ / 4);
+    next_round_ = after_exchange + eager_backoff_;
+  } else {
+    // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
+    // may sit in an exchange, unable to launch the unit this rank's next completion needs
+    // until this rank joins: so this rank joins within a cycle.
+    const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
+                       outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
+                       scheduler_.queued_chunks() == 0;
+    heartbeat_ = quiet ? std::min<Clock::duration>(2 * heartbeat_, kMaxQuietCycles * cycle_) : cycle_;
+    next_round_ = after_exchange + heartbeat_;
+  }
+  // Collectives that finished while this round exchanged (its report predates them) free credit
+  // that queued chunks wait for, and only the next round gives it back: that round is due now,
+  // not a heartbeat later (the link sat idle for a cycle after every credit window on the rig).
+  if (credit_news) next_round_ = after_exchange;
+  check_stalls(std::chrono::duration<double>(after_exchange - started_).count());
+  return true;
+}
+
+}  // namespace commsched

@@ -1,0 +1,261 @@
+// A tensor's way from the agreement to the wire and back: intake, inline completion, launch
+// (with fusion), completion and the handle's end.
+#include <algorithm>
+#include <cstring>
+
+#include "core/elementwise.h"
+#include "core/runtime.h"
+
+namespace commsched {
+
+namespace {
+
+std::string human_bytes(uint64_t bytes) {
+  char text[32];
+  if (bytes >= (1ull << 20)) {
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / 1048576.0);
+  } else if (bytes >= 1024) {
+    std::snprintf(text, sizeof(text), "%.1f KiB", bytes / 1024.0);
+  } else {
+    std::snprintf(text, sizeof(text), "%llu B", static_cast<unsigned long long>(bytes));
+  }
+  return text;
+}
+
+}  // namespace
+
+void Runtime::take_submissions(ReportStatus& status) {
+  // Swapped with a kept vector, so neither side allocates again once both have grown. Cleared
+  // first too: a batch an exception cut short must not come back through the inbox.
+  std::vector<Submission>& batch = intake_;
+  batch.clear();
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    status.settings_epoch = requested_epoch_;
+    status.settings = requested_settings_;
+    batch.swap(inbox_);
+    for (const Submission& submission : batch) *submission.phase = "waiting for other ranks";
+  }
+  const uint64_t now_us = timeline_.stamp_us();
+  for (Submission& submission : batch) {
+    const uint64_t id = next_tensor_id_++;
+    timeline_.async_begin(submission.spec.name, "negotiate", id, submission.enqueued_us);
+    if (timeline_.enabled()) timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us);
+    const uint64_t bytes = submission.spec.bytes();
+    const bool sends_bytes =
+        submission.spec.kind == CollectiveKind::kAllreduce || submission.spec.root == rank_;
+    std::string payload;
+    // A tensor the partition size would cut is not small: it goes on the wire in chunks.
+    const uint64_t partition = scheduler_.settings().partition_bytes;
+    if (bytes > 0 && bytes <= inline_limit_bytes_ && (partition == 0 || bytes <= partition) && sends_bytes) {
+      payload.assign(static_cast<const char*>(submission.data), bytes);
+    }
+    agreement_.announce(submission.spec, std::move(payload), id);
+    tensor_nodes_.try_insert(tensors_, id,
+                             LocalTensor{std::move(submission.spec), submission.data, std::move(submission.handle), 0,
+                                         id, false, false, submission.phase});
+  }
+  batch.clear();
+}
+
+void Runtime::apply_outcome(const CycleOutcome& outcome) {
+  agreed_completed_bytes_ = outcome.min_completed_bytes;
+  if (outcome.min_settings_epoch > applied_epoch_) {
+    // Every rank sees the same reports, so every rank switches in this same cycle.
+    applied_epoch_ = outcome.root_settings_epoch;
+    scheduler_.reconfigure(outcome.root_settings);
+    std::lock_guard<std::mutex> lock(settings_mutex_);
+    applied_settings_ = outcome.root_settings;
+  }
+  for (const TensorFailure& failure : outcome.failures) {
+    logger_.log(LogLevel::kError, failure.message);
+    finish_tensor(failure.local_id, failure.message);
+  }
+  const uint64_t now_us = timeline_.stamp_us();
+  std::vector<const char**> queued_phases;
+  for (size_t i = 0; i < outcome.agreed.size(); ++i) {
+    const TensorSpec& agreed = outcome.agreed[i];
+    const uint64_t id = outcome.agreed_ids[i];
+    timeline_.async_end(agreed.name, "negotiate", id, now_us);
+    if (!outcome.inline_payloads[i].empty()) {
+      complete_inline(id, agreed, outcome.inline_payloads[i]);
+      continue;
+    }
+    LocalTensor& tensor = tensors_.at(id);
+    tensor.agreed = true;
+    tensor.chunks_left = scheduler_.add(id, agreed);
+    timeline_.async_begin(agreed.name, "queued", id, now_us);
+    queued_phases.push_back(tensor.phase);
+  }
+  if (!queued_phases.empty()) {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    for (const char** phase : queued_phases) *phase = "agreed, queued for the wire";
+  }
+}
+
+void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads) {
+  const uint64_t bytes = spec.bytes();
+  void* data = tensors_.at(id).data;
+  if (spec.kind == CollectiveKind::kBroadcast) {
+    std::memcpy(data, payloads[spec.root].data(), bytes);
+  } else {
+    // Summed in rank order from the same bytes, so every rank gets a bit-identical result.
+    // Addends go through aligned scratch, kept across rounds: the payload strings promise no
+    // alignment. The sum builds in the tensor itself when it is 8-byte aligned (numpy's and
+    // torch's are), which saves two copies of it.
+    const bool aligned = reinterpret_cast<uintptr_t>(data) % alignof(uint64_t) == 0;
+    std::vector<uint64_t>& addend = inline_addend_;
+    addend.resize((bytes + 7) / 8);
+    void* sum = data;
+    if (!aligned) {
+      inline_sum_.resize(addend.size());
+      sum = inline_sum_.data();
+    }
+    std::memcpy(sum, payloads[0].data(), bytes);
+    for (int r = 1; r < size_; ++r) {
+      std::memcpy(addend.data(), payloads[r].data(), bytes);
+      sum_into(sum, addend.data(), spec.count, spec.dtype);
+    }
+    if (spec.op == ReduceOp::kAverage) divide_by(sum, spec.count, spec.dtype, static_cast<double>(size_));
+    if (!aligned) std::memcpy(data, sum, bytes);
+  }
+  stats_.inline_tensors.fetch_add(1, std::memory_order_relaxed);
+  finish_tensor(id, "");
+}
+
+void Runtime::launch_ready() {
+  // The credit is what every rank has completed, so every rank pops the same units here.
+  scheduler_.set_completed_bytes(agreed_completed_bytes_);
+  for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
+}
+
+void Runtime::launch(Launch next) {
+  InFlight flight;
+  flight.launch = std::move(next);
+  const Launch& plan = flight.launch;
+  const size_t elem_size = dtype_size(plan.dtype);
+  WireOp op{plan.kind, plan.dtype, plan.root, nullptr, plan.bytes / elem_size};
+  if (plan.chunks.size() == 1) {
+    const ChunkRef& chunk = plan.chunks.front();
+    op.data = static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size;
+  } else {
+    // Fusion copies small tensors into one buffer so the latency is paid once.
+    if (!buffer_pool_.empty()) {
+      flight.fusion_buffer = std::move(buffer_pool_.back());
+      buffer_pool_.pop_back();
+    }
+    flight.fusion_buffer.resize(std::max<size_t>(plan.bytes, 1));
+    size_t offset = 0;
+    for (const ChunkRef& chunk : plan.chunks) {
+      const size_t bytes = chunk.elem_count * elem_size;
+      transport_->copy(flight.fusion_buffer.data() + offset,
+                       static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size, bytes);
+      offset += bytes;
+    }
+    op.data = flight.fusion_buffer.data();
+  }
+  flight.wire_data = op.data;
+  flight.started_us = timeline_.stamp_us();
+  for (const ChunkRef& chunk : plan.chunks) {
+    LocalTensor& tensor = tensors_.at(chunk.tensor_id);
+    if (!tensor.launched) {
+      tensor.launched = true;
+      timeline_.async_end(tensor.spec.name, "queued", tensor.trace_id, flight.started_us);
+      timeline_.async_begin(tensor.spec.name, "on the wire", tensor.trace_id, flight.started_us);
+    }
+  }
+  stats_.launches.fetch_add(1, std::memory_order_relaxed);
+  stats_.fused_launches.fetch_add(plan.chunks.size() > 1 ? 1 : 0, std::memory_order_relaxed);
+  stats_.chunks.fetch_add(plan.chunks.size(), std::memory_order_relaxed);
+  stats_.launched_bytes.fetch_add(plan.bytes, std::memory_order_relaxed);
+  bytes_in_flight_ += plan.bytes;
+  // Only the driver writes the maxima, so a load and a store cannot lose a larger value.
+  if (bytes_in_flight_ > stats_.max_bytes_in_flight.load(std::memory_order_relaxed)) {
+    stats_.max_bytes_in_flight.store(bytes_in_flight_, std::memory_order_relaxed);
+  }
+  if (plan.bytes > stats_.max_launch_bytes.load(std::memory_order_relaxed)) {
+    stats_.max_launch_bytes.store(plan.bytes, std::memory_order_relaxed);
+  }
+  timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(bytes_in_flight_));
+  flight.op = transport_->start(op);
+  in_flight_.push_back(std::move(flight));
+}
+
+bool Runtime::poll_in_flight() {
+  bool any = false;
+  for (size_t i = 0; i < in_flight_.size();) {
+    if (in_flight_[i].op->test()) {
+      InFlight done = std::move(in_flight_[i]);
+      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+      finish(done);
+      any = true;
+    } else {
+      ++i;
+    }
+  }
+  return any;
+}
+
+void Runtime::finish(InFlight& done) {
+  const Launch& plan = done.launch;
+  const size_t elem_size = dtype_size(plan.dtype);
+  if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage) {
+    transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+  }
+  const uint64_t now_us = timeline_.stamp_us();
+  std::string members;
+  size_t offset = 0;
+  for (const ChunkRef& chunk : plan.chunks) {
+    LocalTensor& tensor = tensors_.at(chunk.tensor_id);
+    const size_t bytes = chunk.elem_count * elem_size;
+    if (!done.fusion_buffer.empty()) {
+      transport_->copy(static_cast<char*>(tensor.data) + chunk.elem_offset * elem_size,
+                       done.fusion_buffer.data() + offset, bytes);
+    }
+    offset += bytes;
+    if (timeline_.enabled()) {
+      members += (members.empty() ? "" : ",") + Timeline::quote(tensor.spec.name + "#" + std::to_string(chunk.index));
+    }
+    if (--tensor.chunks_left == 0) finish_tensor(chunk.tensor_id, "");
+  }
+  completed_bytes_ += plan.bytes;
+  bytes_in_flight_ -= plan.bytes;
+  if (timeline_.enabled()) {
+    const std::string label = std::string(kind_name(plan.kind)) + " " + dtype_name(plan.dtype) + " " +
+                              human_bytes(plan.bytes) +
+                              (plan.chunks.size() > 1 ? " (" + std::to_string(plan.chunks.size()) + " fused)" : "");
+    timeline_.complete(label, Timeline::kWireTrack, done.started_us, now_us - done.started_us,
+                       "{\"seq\":" + std::to_string(plan.seq) + ",\"bytes\":" + std::to_string(plan.bytes) +
+                           ",\"chunks\":[" + members + "]}");
+    timeline_.counter("bytes in flight", now_us, static_cast<double>(bytes_in_flight_));
+  }
+  if (!done.fusion_buffer.empty()) buffer_pool_.push_back(std::move(done.fusion_buffer));
+}
+
+void Runtime::finish_tensor(uint64_t id, const std::string& error) {
+  auto found = tensors_.find(id);
+  if (found == tensors_.end()) return;  // already finished (failed while stopping)
+  LocalTensor tensor = std::move(found->second);
+  tensor_nodes_.erase(tensors_, found);
+  {
+    // Free the name before signalling, so the caller may resubmit it at once.
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    auto active = active_names_.find(tensor.spec.name);
+    if (active != active_names_.end()) name_nodes_.erase(active_names_, active);
+  }
+  const uint64_t now_us = timeline_.stamp_us();
+  if (tensor.launched) timeline_.async_end(tensor.spec.name, "on the wire", tensor.trace_id, now_us);
+  if (timeline_.enabled()) {
+    timeline_.instant((error.empty() ? "done " : "failed ") + tensor.spec.name, Timeline::kTensorTrack, now_us);
+  }
+  (error.empty() ? stats_.completed_tensors : stats_.failed_tensors).fetch_add(1, std::memory_order_relaxed);
+  // Callers waiting on the core's condition (not the handle's) hear of it when the driver
+  // gives up its role: loop(), wait_for_news() and wait() notify them then, under the lock.
+  if (error.empty()) {
+    tensor.handle->complete();
+  } else {
+    tensor.handle->fail(error);
+  }
+}
+
+}  // namespace commsched
