@@ -86,7 +86,8 @@ else:
 extensions.append(
     Pybind11Extension(
         "commsched._nccl",
-        sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc")),
+        sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc"))
+        + ["csrc/core/elementwise.cc", "csrc/core/types.cc"],
         include_dirs=["csrc", "commsched/include"],
         libraries=["dl"],
         cxx_std=17,

@@ -83,9 +83,9 @@ def build(
     if kind == "grpc":
         return "python", _grpc(launch, settings)
     if kind == "nccl":
-        from commsched.transports.nccl import NcclTransport
+        from commsched.transports import nccl
 
-        return "python", NcclTransport.from_launch(launch, comm, process_group, settings, device)
+        return nccl.build(launch, comm, process_group, settings, device)
     raise ValueError(f"unknown transport {kind!r}")
 
 

@@ -60,9 +60,13 @@ Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector
   bind(c, api.cudaStreamWaitEvent, "cudaStreamWaitEvent");
   bind(c, api.cudaStreamSynchronize, "cudaStreamSynchronize");
   bind(c, api.cudaMemcpyAsync, "cudaMemcpyAsync");
+  bind(c, api.cudaMemcpy, "cudaMemcpy");
+  bind(c, api.cudaMalloc, "cudaMalloc");
+  bind(c, api.cudaFree, "cudaFree");
   bind(c, api.cudaEventCreateWithFlags, "cudaEventCreateWithFlags");
   bind(c, api.cudaEventRecord, "cudaEventRecord");
   bind(c, api.cudaEventQuery, "cudaEventQuery");
+  bind(c, api.cudaEventSynchronize, "cudaEventSynchronize");
   bind(c, api.cudaEventDestroy, "cudaEventDestroy");
   bind(c, api.cudaGetErrorString, "cudaGetErrorString");
   return api;

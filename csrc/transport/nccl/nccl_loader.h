@@ -76,9 +76,13 @@ struct Api {
   cudaError_t (*cudaStreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
   cudaError_t (*cudaStreamSynchronize)(cudaStream_t) = nullptr;
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, int, cudaStream_t) = nullptr;
+  cudaError_t (*cudaMemcpy)(void*, const void*, size_t, int) = nullptr;
+  cudaError_t (*cudaMalloc)(void**, size_t) = nullptr;
+  cudaError_t (*cudaFree)(void*) = nullptr;
   cudaError_t (*cudaEventCreateWithFlags)(cudaEvent_t*, unsigned) = nullptr;
   cudaError_t (*cudaEventRecord)(cudaEvent_t, cudaStream_t) = nullptr;
   cudaError_t (*cudaEventQuery)(cudaEvent_t) = nullptr;
+  cudaError_t (*cudaEventSynchronize)(cudaEvent_t) = nullptr;
   cudaError_t (*cudaEventDestroy)(cudaEvent_t) = nullptr;
   const char* (*cudaGetErrorString)(cudaError_t) = nullptr;
 
