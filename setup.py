@@ -67,14 +67,17 @@ if mpi:
             "commsched._mpi",
             [
                 "csrc/transport/mpi/mpi_transport.cc",
+                "csrc/transport/mpi/cuda_aware_mpi.cc",
                 "csrc/transport/mpi/mpi_module.cc",
+                "csrc/transport/nccl/nccl_loader.cc",
+                "csrc/transport/nccl/cuda_objects.cc",
                 "csrc/core/elementwise.cc",
                 "csrc/core/types.cc",
             ],
             include_dirs=["csrc", *includes],
             library_dirs=libdirs,
             runtime_library_dirs=libdirs,
-            libraries=libs,
+            libraries=[*libs, "dl"],
             cxx_std=17,
             extra_compile_args=COMPILE_ARGS,
         )

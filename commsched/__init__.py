@@ -165,7 +165,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     resolved = _state.settings
     assert resolved is not None
     kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
-    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device)
+    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device, device_memory=cuda)
     rank, size = _probe_rank_size(core_kind, argument, info)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
@@ -184,7 +184,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     )
     _state.settings = resolved
     _state.transport = kind
-    _state.device_memory = kind == "nccl"
+    _state.device_memory = core_kind == "device"
     _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
     _state.pending = None
 
@@ -407,8 +407,8 @@ def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -
         )
     if not view.on_gpu and device_transport:
         raise TypeError(
-            f"tensor '{name}' is in host memory, but commsched runs the nccl transport, which moves GPU "
-            "memory only; move it to the GPU (tensor.cuda(), cupy.asarray), or use init(device='cpu') in a "
+            f"tensor '{name}' is in host memory, but commsched runs the {_state.transport} transport on GPU "
+            "memory (init(device='cuda')); move it to the GPU (tensor.cuda(), cupy.asarray), or use init(device='cpu') in a "
             "job whose tensors all stay on the CPU"
         )
 

@@ -10,12 +10,6 @@ namespace commsched::nccl {
 
 namespace {
 
-std::string hex(uintptr_t address) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(address));
-  return text;
-}
-
 }  // namespace
 
 std::string version_text(int code) {
@@ -45,48 +39,6 @@ std::string unique_id(const Api& api) {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-DeviceGuard::DeviceGuard(const Api& api, int device) : api_(api) {
-  api_.check_cuda(api_.cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) {
-    api_.check_cuda(api_.cudaSetDevice(device), "cudaSetDevice");
-  } else {
-    previous_ = -1;  // nothing to restore
-  }
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (previous_ >= 0) api_.cudaSetDevice(previous_);
-}
-
-Event::Event(std::shared_ptr<const Api> api) : api_(std::move(api)) {
-  api_->check_cuda(api_->cudaEventCreateWithFlags(&event_, kCudaEventDisableTiming), "cudaEventCreateWithFlags");
-}
-
-Event::~Event() {
-  // Destroying an event that a stream still waits on is allowed: CUDA frees it once satisfied.
-  if (event_ != nullptr) api_->cudaEventDestroy(event_);
-}
-
-DeviceMemory::DeviceMemory(std::shared_ptr<const Api> api, int device, size_t bytes)
-    : api_(std::move(api)), device_(device), bytes_(bytes) {
-  DeviceGuard guard(*api_, device_);
-  const cudaError_t result = api_->cudaMalloc(&data_, bytes_);
-  if (result != 0) {
-    throw std::runtime_error("cudaMalloc of a " + std::to_string(bytes_) + "-byte fusion buffer on cuda:" +
-                             std::to_string(device_) + " failed: " + api_->cudaGetErrorString(result) +
-                             "; lower COMMSCHED_FUSION_BYTES or free GPU memory");
-  }
-}
-
-DeviceMemory::~DeviceMemory() {
-  if (data_ == nullptr) return;
-  int previous = -1;
-  const bool switched =
-      api_->cudaGetDevice(&previous) == 0 && previous != device_ && api_->cudaSetDevice(device_) == 0;
-  api_->cudaFree(data_);
-  if (switched) api_->cudaSetDevice(previous);
-}
-
 Work::Work(std::shared_ptr<Communicator> comm, std::unique_ptr<Event> done)
     : comm_(std::move(comm)), done_(std::move(done)) {}
 
@@ -110,7 +62,7 @@ bool Work::test() {
 }
 
 Communicator::Communicator(std::shared_ptr<const Api> api, const std::string& id, int rank, int size, int device)
-    : api_(std::move(api)), rank_(rank), size_(size), device_(device) {
+    : api_(std::move(api)), rank_(rank), size_(size), device_(device), ready_(api_, device) {
   if (id.size() != static_cast<size_t>(kNcclUniqueIdBytes)) {
     throw std::invalid_argument("NCCL unique id must be " + std::to_string(kNcclUniqueIdBytes) + " bytes, got " +
                                 std::to_string(id.size()));
@@ -158,11 +110,6 @@ void Communicator::check_async_error() {
   }
 }
 
-size_t Communicator::submitted_count() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return submitted_.size();
-}
-
 void Communicator::submitted(uintptr_t data, uint64_t bytes, bool average, std::optional<uintptr_t> stream) {
   if (average && !supports_average()) {
     throw std::invalid_argument("op=\"average\" on device memory needs NCCL 2.10 or newer (ncclAvg), but NCCL " +
@@ -170,49 +117,12 @@ void Communicator::submitted(uintptr_t data, uint64_t bytes, bool average, std::
                                 " is loaded; upgrade it (pip install -U nvidia-nccl-cu12) or submit with op=\"sum\" "
                                 "and divide by commsched.size()");
   }
-  std::shared_ptr<Event> ready;
-  if (stream) {
-    DeviceGuard guard(*api_, device_);
-    ready = std::make_shared<Event>(api_);
-    api_->check_cuda(api_->cudaEventRecord(ready->get(), reinterpret_cast<cudaStream_t>(*stream)),
-                     "cudaEventRecord (the caller's stream)");
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  // The core refuses a name already in flight, not memory: an entry overlapping this one belongs to
-  // a tensor that failed before it went on the wire, so the new submission replaces it.
-  auto next = submitted_.lower_bound(data);
-  if (next != submitted_.begin() && std::prev(next)->second.end > data) --next;
-  while (next != submitted_.end() && next->first < data + std::max<uint64_t>(bytes, 1)) next = submitted_.erase(next);
-  submitted_[data] = Submitted{data + bytes, bytes, std::move(ready)};
+  ready_.record(data, bytes, stream);
 }
 
-void Communicator::forget(uintptr_t data) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  submitted_.erase(data);
-}
+void Communicator::forget(uintptr_t data) { ready_.forget(data); }
 
-std::map<uintptr_t, Communicator::Submitted>::iterator Communicator::find(uintptr_t data) {
-  auto found = submitted_.upper_bound(data);
-  if (found == submitted_.begin()) return submitted_.end();
-  --found;
-  const bool inside = data < found->second.end || (data == found->first && found->second.end == found->first);
-  return inside ? found : submitted_.end();
-}
-
-std::shared_ptr<Event> Communicator::claim(uintptr_t data, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto found = find(data);
-  if (found == submitted_.end()) {
-    throw std::runtime_error("NCCL transport: the memory at " + hex(data) +
-                             " is in no tensor submitted to commsched on this rank; device tensors must be "
-                             "submitted through commsched (allreduce_async, broadcast_async)");
-  }
-  std::shared_ptr<Event> ready = found->second.ready;
-  Submitted& tensor = found->second;
-  tensor.bytes_left -= std::min(bytes, tensor.bytes_left);
-  if (tensor.bytes_left == 0) submitted_.erase(found);
-  return ready;
-}
+size_t Communicator::submitted_count() const { return ready_.size(); }
 
 void Communicator::wait_for(const Event* ready) {
   if (ready != nullptr) {
@@ -228,15 +138,16 @@ std::unique_ptr<Work> Communicator::launch(const WireOp& op) {
   if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
   const int type = nccl_dtype(op.dtype);
   const size_t elem_size = dtype_size(op.dtype);
+  static const std::string kWhat = "NCCL transport";
   DeviceGuard guard(*api_, device_);
   // Every piece waits for the point its producer reached at submit, then goes in (fused launches).
   if (op.fused.empty()) {
-    const std::shared_ptr<Event> ready = claim(reinterpret_cast<uintptr_t>(op.data), op.count * elem_size);
+    const std::shared_ptr<Event> ready = ready_.claim(reinterpret_cast<uintptr_t>(op.data), op.count * elem_size, kWhat);
     wait_for(ready.get());
   } else {
     char* buffer = static_cast<char*>(op.data);
     for (const Segment& piece : op.fused) {
-      const std::shared_ptr<Event> ready = claim(reinterpret_cast<uintptr_t>(piece.data), piece.bytes);
+      const std::shared_ptr<Event> ready = ready_.claim(reinterpret_cast<uintptr_t>(piece.data), piece.bytes, kWhat);
       wait_for(ready.get());
       copy_on_stream(buffer, piece.data, piece.bytes);
       buffer += piece.bytes;

@@ -15,54 +15,9 @@
 
 #include "core/types.h"
 #include "transport/transport.h"
-#include "transport/nccl/nccl_loader.h"
+#include "transport/nccl/cuda_objects.h"
 
 namespace commsched::nccl {
-
-// Makes `device` current for the calling thread and restores the previous one on exit: the
-// current device is per thread, and the user's, the core's and the init thread all call in here.
-class DeviceGuard {
- public:
-  DeviceGuard(const Api& api, int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  const Api& api_;
-  int previous_ = -1;
-};
-
-// A CUDA event, destroyed with the API that made it.
-class Event {
- public:
-  explicit Event(std::shared_ptr<const Api> api);
-  ~Event();
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  std::shared_ptr<const Api> api_;
-  cudaEvent_t event_ = nullptr;
-};
-
-// Device memory from cudaMalloc, freed with cudaFree.
-class DeviceMemory {
- public:
-  DeviceMemory(std::shared_ptr<const Api> api, int device, size_t bytes);
-  ~DeviceMemory();
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::shared_ptr<const Api> api_;
-  int device_;
-  void* data_ = nullptr;
-  size_t bytes_;
-};
 
 class Communicator;
 
@@ -117,16 +72,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   size_t submitted_count() const;  // tensors announced and not yet wholly launched (for tests)
 
  private:
-  // A tensor announced by submitted() and not yet wholly on the wire.
-  struct Submitted {
-    uintptr_t end = 0;
-    uint64_t bytes_left = 0;
-    std::shared_ptr<Event> ready;  // null when the producer needs no ordering
-  };
-
-  // The submit event of the tensor holding [data, data + bytes), which now goes on the wire.
-  std::shared_ptr<Event> claim(uintptr_t data, uint64_t bytes);
-  std::map<uintptr_t, Submitted>::iterator find(uintptr_t data);  // caller holds mutex_
   void wait_for(const Event* ready);
   void copy_on_stream(void* dst, const void* src, uint64_t bytes);
 
@@ -138,10 +83,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int device_;
   int version_ = 0;
   std::atomic<bool> aborted_{false};
-
-  // submitted() and forget() run on the callers' threads, everything else on the core's driver.
-  mutable std::mutex mutex_;
-  std::map<uintptr_t, Submitted> submitted_;  // by start address
+  ReadyEvents ready_;
 };
 
 int nccl_dtype(DType dtype);

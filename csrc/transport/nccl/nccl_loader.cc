@@ -36,21 +36,9 @@ void bind(const SharedLibrary& library, Function& slot, const char* name) {
 
 }  // namespace
 
-Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates) {
+Api Api::load_cuda(const std::vector<std::string>& cuda_candidates) {
   Api api;
-  // The CUDA runtime first: NCCL needs it loaded, and a missing runtime is the likelier problem.
   api.cuda_library = SharedLibrary::open_first(cuda_candidates, "the CUDA runtime (libcudart)");
-  api.nccl_library = SharedLibrary::open_first(nccl_candidates, "NCCL (libnccl)");
-  const SharedLibrary& n = *api.nccl_library;
-  bind(n, api.ncclGetVersion, "ncclGetVersion");
-  bind(n, api.ncclGetUniqueId, "ncclGetUniqueId");
-  bind(n, api.ncclCommInitRank, "ncclCommInitRank");
-  bind(n, api.ncclCommDestroy, "ncclCommDestroy");
-  bind(n, api.ncclCommAbort, "ncclCommAbort");
-  bind(n, api.ncclCommGetAsyncError, "ncclCommGetAsyncError");
-  bind(n, api.ncclAllReduce, "ncclAllReduce");
-  bind(n, api.ncclBroadcast, "ncclBroadcast");
-  bind(n, api.ncclGetErrorString, "ncclGetErrorString");
   const SharedLibrary& c = *api.cuda_library;
   bind(c, api.cudaGetDeviceCount, "cudaGetDeviceCount");
   bind(c, api.cudaSetDevice, "cudaSetDevice");
@@ -69,6 +57,23 @@ Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector
   bind(c, api.cudaEventSynchronize, "cudaEventSynchronize");
   bind(c, api.cudaEventDestroy, "cudaEventDestroy");
   bind(c, api.cudaGetErrorString, "cudaGetErrorString");
+  return api;
+}
+
+Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates) {
+  // The CUDA runtime first: NCCL needs it loaded, and a missing runtime is the likelier problem.
+  Api api = load_cuda(cuda_candidates);
+  api.nccl_library = SharedLibrary::open_first(nccl_candidates, "NCCL (libnccl)");
+  const SharedLibrary& n = *api.nccl_library;
+  bind(n, api.ncclGetVersion, "ncclGetVersion");
+  bind(n, api.ncclGetUniqueId, "ncclGetUniqueId");
+  bind(n, api.ncclCommInitRank, "ncclCommInitRank");
+  bind(n, api.ncclCommDestroy, "ncclCommDestroy");
+  bind(n, api.ncclCommAbort, "ncclCommAbort");
+  bind(n, api.ncclCommGetAsyncError, "ncclCommGetAsyncError");
+  bind(n, api.ncclAllReduce, "ncclAllReduce");
+  bind(n, api.ncclBroadcast, "ncclBroadcast");
+  bind(n, api.ncclGetErrorString, "ncclGetErrorString");
   return api;
 }
 

@@ -86,6 +86,8 @@ struct Api {
   cudaError_t (*cudaEventDestroy)(cudaEvent_t) = nullptr;
   const char* (*cudaGetErrorString)(cudaError_t) = nullptr;
 
+  // The CUDA runtime alone (CUDA-aware MPI needs no NCCL); the NCCL entry points stay null.
+  static Api load_cuda(const std::vector<std::string>& cuda_candidates);
   // Loads both libraries from the first candidate path that opens; throws naming every try.
   static Api load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates);
   void check(ncclResult_t result, const char* what) const;  // throws std::runtime_error
