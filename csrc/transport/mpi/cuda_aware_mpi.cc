@@ -1,6 +1,7 @@
 #include "transport/mpi/cuda_aware_mpi.h"
 
 #include <dlfcn.h>
+#include <mpi.h>
 
 #include <stdexcept>
 
@@ -25,9 +26,18 @@ class DeviceFusionBuffer : public FusionBuffer {
 
 bool mpi_is_cuda_aware() {
   // MPICH 4, MVAPICH2-GDR and Open MPI export this query; libraries without it are not CUDA-aware
-  // as far as anyone can tell at run time. Looked up, not linked, so an MPI without it still loads.
+  // as far as anyone can tell at run time. Looked up, not linked, so an MPI without it still loads:
+  // first in the global scope (an interposed or globally loaded MPI), then in the library that
+  // holds MPI_Init, which Python may have loaded privately.
   using Query = int (*)();
   auto query = reinterpret_cast<Query>(dlsym(RTLD_DEFAULT, "MPIX_Query_cuda_support"));
+  Dl_info info{};
+  if (query == nullptr && dladdr(reinterpret_cast<void*>(&MPI_Init), &info) != 0 && info.dli_fname != nullptr) {
+    if (void* library = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD)) {
+      query = reinterpret_cast<Query>(dlsym(library, "MPIX_Query_cuda_support"));
+      dlclose(library);  // RTLD_NOLOAD took one more reference to an already loaded library
+    }
+  }
   return query != nullptr && query() == 1;
 }
 
