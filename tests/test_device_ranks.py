@@ -18,7 +18,8 @@ def test_device_collectives_are_exact(ranks: int, fake_nccl: tuple[Path, ctypes.
     """Both policies, partitioned and fused, average and broadcast, and a producer that writes late on a
     side stream: every rank's every tensor equals the numpy reference."""
     library = str(fake_nccl[0])
-    env = {"COMMSCHED_NCCL_LIBRARY": library, "COMMSCHED_CUDART_LIBRARY": library}
+    # One GPU per rank, as NCCL wants: the fake shows as many devices as asked.
+    env = {"COMMSCHED_NCCL_LIBRARY": library, "COMMSCHED_CUDART_LIBRARY": library, "FAKE_CUDA_DEVICES": "4"}
     result = run_ranks(ranks, "device_collectives.py", timeout=180, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

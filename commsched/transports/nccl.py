@@ -84,11 +84,18 @@ def build(
     api = load_api()
     from commsched import _nccl, transports
 
-    if _nccl.device_count(api) == 0:
+    count = _nccl.device_count(api)
+    if count == 0:
         raise RuntimeError("COMMSCHED_TRANSPORT=nccl: NCCL loaded, but CUDA sees no GPU on this host")
+    device = launch.local_rank if device is None or device < 0 else device
+    if device >= count:
+        raise RuntimeError(
+            f"COMMSCHED_TRANSPORT=nccl: this rank would use cuda:{device} (its local rank), but CUDA sees "
+            f"{count} GPU(s) here; start at most one rank per GPU, or put each rank's tensors on its own "
+            "device (torch.cuda.set_device(local_rank))"
+        )
     control = host_control_kind(launch, comm, process_group)
     control_kind, control_argument = transports.build(control, launch, comm, process_group, settings)
-    device = launch.local_rank if device is None or device < 0 else device
     log.info(
         "nccl transport: agreement over %s, NCCL %s from %s on cuda:%d",
         control,

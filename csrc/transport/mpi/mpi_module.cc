@@ -49,7 +49,7 @@ PYBIND11_MODULE(_mpi, module) {
             return pybind11::capsule(static_cast<commsched::DeviceTransportMaker*>(&maker),
                                      commsched::kDeviceTransportMakerCapsule);
           },
-          pybind11::keep_alive<0, 1>(), "The capsule commsched._core.start takes; valid while this maker lives.");
+          "The capsule commsched._core.start takes; valid while this maker lives (keep it referenced).");
   module.def(
       "library_version",
       [] {

@@ -74,7 +74,7 @@ PYBIND11_MODULE(_nccl, module) {
           [](NcclTransportMaker& maker) {
             return py::capsule(static_cast<DeviceTransportMaker*>(&maker), kDeviceTransportMakerCapsule);
           },
-          py::keep_alive<0, 1>(), "The capsule commsched._core.start takes; valid while this maker lives.");
+          "The capsule commsched._core.start takes; valid while this maker lives (keep it referenced).");
 
   py::class_<Work>(module, "Work").def("test", &Work::test, "True once the GPU finished the launch.");
   py::class_<RawCommunicator>(module, "Communicator", "NCCL on its own stream, without the scheduler.")
