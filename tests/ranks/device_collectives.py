@@ -1,4 +1,5 @@
-"""Device-memory collectives through the core and the NCCL transport, over the fake CUDA/NCCL library.
+"""Device-memory collectives through the core and the NCCL (or CUDA-aware MPI) transport, over the fake
+CUDA/NCCL library.
 
 Run under mpiexec with COMMSCHED_NCCL_LIBRARY / COMMSCHED_CUDART_LIBRARY pointing at the fake. The
 fake runs stream work on worker threads and reduces across the real ranks, so a collective that
@@ -109,10 +110,13 @@ def main() -> None:
     """Runs the cases named on the command line on this rank."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--delay-us", type=int, default=200_000)
+    parser.add_argument("--transport", default="nccl", help="nccl, or mpi for a CUDA-aware MPI")
     args = parser.parse_args()
     library = ctypes.CDLL(os.environ["COMMSCHED_CUDART_LIBRARY"])
     for policy in ("priority", "fifo"):
-        commsched.init(device="cuda", policy=policy, partition_bytes="16KiB", fusion_bytes="64KiB")
+        commsched.init(
+            device="cuda", transport=args.transport, policy=policy, partition_bytes="16KiB", fusion_bytes="64KiB"
+        )
         size, rank = commsched.size(), commsched.rank()
         mixed_tensors(policy, size, rank)
         stats = commsched.stats()
