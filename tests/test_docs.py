@@ -175,6 +175,23 @@ def _command_bin(directory: Path) -> Path:
     return directory
 
 
+def test_one_machine_commands_are_marked_to_run() -> None:
+    """`--help` and commsched-sim lines in shell blocks sit in blocks the docs check runs."""
+    unmarked = []
+    for path in (README, GUIDE):
+        lines = path.read_text().splitlines()
+        inside, marked = False, False
+        for number, line in enumerate(lines, 1):
+            if line.startswith("```"):
+                marked = not inside and number > 1 and lines[number - 2].strip() == RUN_MARK
+                inside = not inside
+            elif inside and not marked and (" --help" in line or line.startswith("commsched-sim ")):
+                unmarked.append(f"  {path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not unmarked, (
+        f"put {RUN_MARK} before the blocks holding these one-machine commands:\n" + "\n".join(unmarked)
+    )
+
+
 @pytest.mark.parametrize(("path", "line", "script"), RUNNABLE)
 def test_documented_command_runs(path: Path, line: int, script: str, tmp_path: Path) -> None:
     """A block marked runnable exits 0 on one machine, run from the repository root."""
