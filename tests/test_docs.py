@@ -1,0 +1,307 @@
+"""The documentation against the code: commands that run, settings that exist, links that resolve.
+
+* Shell blocks marked with `<!-- docs-check: run -->` in README.md and docs/guide.md run on this
+  machine (one rank, loopback, --help, short simulator runs) and must exit 0.
+* Every COMMSCHED_* variable the code reads has a row in docs/guide.md's settings tables, and
+  every variable the docs name is read somewhere.
+* Relative links and images resolve; the README's headline figures and the plots' data are
+  figures recorded in docs/measurements.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+settings_module = importlib.import_module("commsched.config")  # commsched.config is also a function
+
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
+MEASUREMENTS = ROOT / "docs" / "measurements.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+RUN_MARK = "<!-- docs-check: run -->"
+# Where the product reads its variables (tests only set them).
+CODE_PLACES = ("commsched", "plugins", "csrc", "benchmarks", "scripts", "examples", "setup.py")
+CODE_SUFFIXES = {".py", ".cc", ".h", ".c", ".sh", ".proto"}
+SKIPPED_DIRS = {"__pycache__", "build", ".venv", ".git"}
+VARIABLE = re.compile(r"COMMSCHED_[A-Z0-9_]*[A-Z0-9](\*)?")
+# C identifiers of the C ABI (enum members, include guards) share the prefix but are no variables.
+C_DECLARATION = re.compile(r"#\s*(?:ifndef|define)\s+(COMMSCHED_\w+)|\b(COMMSCHED_\w+)\s+=\s*\d")
+GUIDE_ROW = re.compile(r"^\|\s*`(COMMSCHED_[A-Z0-9_]+)`\s*\|")
+COMMAND_TIMEOUT_S = 60
+HISTORY_WORDING = re.compile(r"\bsessions?\b|previous try|last time|we tried|this time round", re.IGNORECASE)
+
+
+def _code_files() -> list[Path]:
+    """Source files of the product, without following the plug-in symlinks twice."""
+    found: list[Path] = []
+    for place in CODE_PLACES:
+        path = ROOT / place
+        if path.is_file():
+            found.append(path)
+            continue
+        for directory, subdirectories, files in os.walk(path):
+            subdirectories[:] = [
+                d for d in subdirectories if d not in SKIPPED_DIRS and not d.endswith(".egg-info")
+            ]
+            found += [Path(directory) / name for name in files if Path(name).suffix in CODE_SUFFIXES]
+    return found
+
+
+def _variables_in(paths: list[Path]) -> dict[str, list[str]]:
+    """COMMSCHED_* names -> the places ("path:line") they occur, C identifiers left out."""
+    places: dict[str, list[str]] = defaultdict(list)
+    c_identifiers: set[str] = set()
+    for path in paths:
+        text = path.read_text(errors="replace")
+        if path.suffix in (".h", ".c", ".cc"):
+            c_identifiers.update(
+                name.rstrip("_") for match in C_DECLARATION.finditer(text) for name in match.groups() if name
+            )
+        for number, line in enumerate(text.splitlines(), 1):
+            for match in VARIABLE.finditer(line):
+                if not match.group(1):  # COMMSCHED_GRPC_TLS_* names a family, not a variable
+                    places[match.group(0)].append(f"{path.relative_to(ROOT)}:{number}")
+    return {name: where for name, where in places.items() if name not in c_identifiers}
+
+
+def _guide_rows() -> dict[str, str]:
+    """Variable -> its row in docs/guide.md's settings tables."""
+    rows = {}
+    for line in GUIDE.read_text().splitlines():
+        match = GUIDE_ROW.match(line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def _shown(where: list[str], limit: int = 3) -> str:
+    return ", ".join(where[:limit]) + (f" and {len(where) - limit} more" if len(where) > limit else "")
+
+
+def test_every_variable_the_code_reads_has_a_row_in_the_guide() -> None:
+    """Fails listing each undocumented variable with where the code reads it."""
+    read = _variables_in(_code_files())
+    rows = _guide_rows()
+    missing = sorted(set(read) - set(rows))
+    assert not missing, (
+        "COMMSCHED_* variables the code reads but docs/guide.md's settings tables do not document "
+        "(add a row: | `NAME` | default | accepted form | what it does |):\n"
+        + "\n".join(f"  {name}  (read in {_shown(read[name])})" for name in missing)
+    )
+
+
+def test_every_documented_variable_is_read_by_the_code() -> None:
+    """Fails listing each variable the docs name that no code reads (renamed or removed)."""
+    read = _variables_in(_code_files())
+    documented = _variables_in(DOCS)
+    stale = sorted(set(documented) - set(read))
+    assert not stale, (
+        "COMMSCHED_* variables the docs name but nothing in "
+        + ", ".join(CODE_PLACES)
+        + " reads (fix the name or drop it from the docs):\n"
+        + "\n".join(f"  {name}  (named in {_shown(documented[name])})" for name in stale)
+    )
+
+
+def test_the_guide_documents_every_setting_and_its_options() -> None:
+    """Each init() setting has a guide row that lists every option a choice setting accepts."""
+    rows = _guide_rows()
+    problems = []
+    for field, (variable, _, form) in settings_module._SPECS.items():
+        row = rows.get(variable)
+        if row is None:
+            problems.append(f"  {variable} (init({field}=...)): no row in docs/guide.md")
+            continue
+        if form.startswith("one of "):
+            options = [option.strip() for option in form[len("one of ") :].split(",")]
+            absent = [option for option in options if f"`{option}`" not in row]
+            if absent:
+                problems.append(f"  {variable}: its row does not name {', '.join(absent)}")
+    assert not problems, "docs/guide.md's settings tables fall short of commsched/config.py:\n" + "\n".join(
+        problems
+    )
+
+
+def _marked_blocks(path: Path) -> list[tuple[int, str]]:
+    """(line number, script) of each fenced shell block right after a docs-check: run mark."""
+    lines = path.read_text().splitlines()
+    blocks = []
+    for index, line in enumerate(lines):
+        if line.strip() != RUN_MARK:
+            continue
+        fence = index + 1
+        assert fence < len(lines) and lines[fence].startswith("```"), (
+            f"{path.relative_to(ROOT)}:{index + 1}: {RUN_MARK} must come right before a ``` block"
+        )
+        end = next(i for i in range(fence + 1, len(lines)) if lines[i].startswith("```"))
+        blocks.append((fence + 1, "\n".join(lines[fence + 1 : end])))
+    return blocks
+
+
+RUNNABLE = [
+    pytest.param(path, line, script, id=f"{path.name}:{line}")
+    for path in (README, GUIDE)
+    for line, script in _marked_blocks(path)
+]
+
+
+def _command_bin(directory: Path) -> Path:
+    """`python` and the console scripts of pyproject.toml, running this checkout with this interpreter."""
+    directory.mkdir()
+    (directory / "python").symlink_to(sys.executable)
+    scripts = re.search(
+        r"\[project\.scripts\]\n(.*?)(?:\n\[|\Z)", (ROOT / "pyproject.toml").read_text(), re.DOTALL
+    )
+    assert scripts, "pyproject.toml has no [project.scripts] table"
+    for name, module, function in re.findall(
+        r'^([\w-]+)\s*=\s*"([\w.]+):(\w+)"', scripts.group(1), re.MULTILINE
+    ):
+        wrapper = directory / name
+        wrapper.write_text(
+            f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; sys.argv[0] = \'{name}\'; '
+            f'from {module} import {function}; sys.exit({function}())" "$@"\n'
+        )
+        wrapper.chmod(0o755)
+    return directory
+
+
+def test_one_machine_commands_are_marked_to_run() -> None:
+    """`--help` and commsched-sim lines in shell blocks sit in blocks the docs check runs."""
+    unmarked = []
+    for path in (README, GUIDE):
+        lines = path.read_text().splitlines()
+        inside, marked = False, False
+        for number, line in enumerate(lines, 1):
+            if line.startswith("```"):
+                marked = not inside and number > 1 and lines[number - 2].strip() == RUN_MARK
+                inside = not inside
+            elif inside and not marked and (" --help" in line or line.startswith("commsched-sim ")):
+                unmarked.append(f"  {path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not unmarked, (
+        f"put {RUN_MARK} before the blocks holding these one-machine commands:\n" + "\n".join(unmarked)
+    )
+
+
+@pytest.mark.parametrize(("path", "line", "script"), RUNNABLE)
+def test_documented_command_runs(path: Path, line: int, script: str, tmp_path: Path) -> None:
+    """A block marked runnable exits 0 on one machine, run from the repository root."""
+    binaries = _command_bin(tmp_path / "bin")
+    environment = dict(os.environ)
+    environment["PATH"] = f"{binaries}{os.pathsep}{environment.get('PATH', '')}"
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
+    for launcher_variable in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+    ):
+        environment.pop(launcher_variable, None)  # one rank: loopback
+    result = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=ROOT,
+        env=environment,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 0, (
+        f"{path.relative_to(ROOT)}:{line}: the documented commands exited {result.returncode}\n"
+        f"{script}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    )
+
+
+def test_readme_opens_with_the_demo_and_the_test_command() -> None:
+    """CI runs the test command the README names first; both scripts exist."""
+    text = README.read_text()
+    first_block = re.search(r"```\w*\n(.*?)```", text, re.DOTALL)
+    assert first_block, "README.md has no code block"
+    commands = [line.split("#")[0].strip() for line in first_block.group(1).splitlines()]
+    assert commands[:2] == ["scripts/demo.sh", "scripts/test.sh"], commands
+    for script in commands[:2]:
+        assert os.access(ROOT / script, os.X_OK), f"{script} is not an executable file"
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text(), ".ci/run must run scripts/test.sh"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_relative_links_and_images_resolve() -> None:
+    """Every relative link and image target exists, and every #anchor names a heading there."""
+    broken = []
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                if re.match(r"[a-z]+:", target):
+                    continue  # https:, mailto:
+                file_part, _, anchor = target.partition("#")
+                linked = (path.parent / file_part).resolve() if file_part else path
+                if not linked.exists():
+                    broken.append(f"  {path.relative_to(ROOT)}:{number}: {target} (no such file)")
+                elif anchor and linked.suffix == ".md":
+                    headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.MULTILINE)
+                    if anchor not in {_slug(heading) for heading in headings}:
+                        broken.append(f"  {path.relative_to(ROOT)}:{number}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def _recorded_figures() -> set[float]:
+    return {float(number) for number in re.findall(r"(?<![\w.])\d+\.\d+", MEASUREMENTS.read_text())}
+
+
+def test_readme_results_are_recorded_figures() -> None:
+    """Every decimal figure in the README's results table appears in docs/measurements.md."""
+    text = README.read_text()
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    figures = {float(number) for number in re.findall(r"(?<![\w.])\d+\.\d+", table)}
+    unrecorded = sorted(figures - _recorded_figures())
+    assert figures and not unrecorded, f"README figures not in docs/measurements.md: {unrecorded}"
+
+
+def test_plots_come_from_recorded_figures(tmp_path: Path) -> None:
+    """benchmarks/plots.py redraws the README's plots from figures docs/measurements.md records."""
+    data = ROOT / "docs" / "data" / "headline.json"
+    figures = {float(n) for n in re.findall(r"(?<![\w.\"])\d+\.\d+", data.read_text())}
+    unrecorded = sorted(figures - _recorded_figures())
+    assert not unrecorded, f"{data.relative_to(ROOT)} has figures docs/measurements.md lacks: {unrecorded}"
+    pytest.importorskip("matplotlib")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plots.py"), "--out", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    images = re.findall(r"!\[[^\]]*\]\((docs/img/[\w.-]+\.png)\)", README.read_text())
+    assert images, "the README shows no plot"
+    for image in images:
+        assert (tmp_path / Path(image).name).stat().st_size > 0, f"plots.py does not draw {image}"
+        assert (ROOT / image).stat().st_size < 100 * 1024, f"{image} is over 100 KB"
+
+
+def test_docs_speak_of_the_product_not_of_its_making() -> None:
+    """README.md and docs/ describe the product, not the history of the work on it."""
+    hits = [
+        f"  {path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in DOCS
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if HISTORY_WORDING.search(line)
+    ]
+    assert not hits, "reword as facts about the product:\n" + "\n".join(hits)
