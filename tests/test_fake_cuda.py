@@ -26,13 +26,15 @@ SLOW_US = 300_000  # a producer this late is certainly still running when the ho
 
 @pytest.fixture
 def fake(fake_nccl: tuple[Path, ctypes.CDLL]) -> Iterator[ctypes.CDLL]:
-    """The session's fake library with prototypes declared, an empty log and no per-operation delay."""
+    """The session's fake library with prototypes declared, an empty log and no per-operation delay; later
+    tests find this thread back on device 0."""
     handle = fake_cuda.declare(fake_nccl[1])
     handle.fake_reset()
     handle.fake_set_main_thread()
     fake_cuda.set_delay_us(handle, 0)
     yield handle
     fake_cuda.set_delay_us(handle, 0)
+    handle.cudaSetDevice(0)
 
 
 @pytest.fixture
@@ -261,6 +263,28 @@ def test_the_process_exits_with_workers_alive(fake_nccl: tuple[Path, ctypes.CDLL
     )
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 20
+
+
+def test_a_forked_child_gets_fresh_stream_workers(fake_nccl: tuple[Path, ctypes.CDLL]) -> None:
+    """After fork, the child's streams run (the parent's workers do not exist there) instead of hanging."""
+    program = (
+        "import os, sys, numpy as np; sys.path.insert(0, sys.argv[2]); import fake_cuda\n"
+        "lib = fake_cuda.load(sys.argv[1]); a = np.zeros(4)\n"
+        "fake_cuda.launch_write(lib, 0x5EED, a, np.ones(4), 1000); lib.cudaStreamSynchronize(0x5EED)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    b = np.zeros(4); fake_cuda.launch_write(lib, 0x5EED, b, np.full(4, 2.0), 1000)\n"
+        "    lib.cudaStreamSynchronize(0x5EED); os._exit(0 if (b == 2).all() else 1)\n"
+        "sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(fake_nccl[0]), str(Path(__file__).parent)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_fake_mpix_answers_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
