@@ -167,7 +167,8 @@ def launch_write(
     src_array: np.ndarray | FakeCudaArray,
     delay_us: int,
 ) -> None:
-    """Queues a producer "kernel" on stream: after delay_us, src_array's bytes land in dst_array."""
+    """Queues a producer "kernel" on stream: after delay_us, src_array's bytes (as they are now) land in
+    dst_array, which must stay alive until then."""
     target = dst_array.host if isinstance(dst_array, FakeCudaArray) else dst_array
     source = src_array.host if isinstance(src_array, FakeCudaArray) else src_array
     if target.nbytes != source.nbytes:

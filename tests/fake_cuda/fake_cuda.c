@@ -306,6 +306,31 @@ static fake_stream* stream_acquire(void* handle) {
   return stream;
 }
 
+/* A forked child has none of the parent's worker threads: it forgets the parent's streams (leaked), so
+ * its first use of any handle starts a fresh worker instead of queueing work nobody runs. */
+static void before_fork(void) {
+  pthread_mutex_lock(&registry_lock);
+  pthread_mutex_lock(&event_lock);
+  pthread_mutex_lock(&log_lock);
+}
+
+static void after_fork_in_parent(void) {
+  pthread_mutex_unlock(&log_lock);
+  pthread_mutex_unlock(&event_lock);
+  pthread_mutex_unlock(&registry_lock);
+}
+
+static void after_fork_in_child(void) {
+  registry = NULL;
+  if (per_thread_stream != NULL) pthread_setspecific(per_thread_key, NULL);
+  per_thread_stream = NULL;
+  after_fork_in_parent();
+}
+
+__attribute__((constructor)) static void forget_streams_in_forked_children(void) {
+  pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+}
+
 int fake_stream_enqueue(void* handle, fake_op* op) {
   fake_stream* stream = stream_acquire(handle);
   if (stream == NULL) {

@@ -14,6 +14,7 @@ typedef struct {
   unsigned delay_us; /* slept first, on top of the per-operation delay */
   void (*host_function)(void*);
   void* user_data;
+  char snapshot[]; /* fake_launch_write's source, taken at launch */
 } work_op;
 
 static void run_work(fake_op* base) {
@@ -76,11 +77,17 @@ int cudaLaunchHostFunc(void* stream, void (*function)(void*), void* user_data) {
   return enqueue_work(stream, (work_op){.host_function = function, .user_data = user_data});
 }
 
-/* A test's producer kernel: on stream, sleeps delay_us, then copies bytes from source to target. */
+/* A test's producer kernel: on stream, sleeps delay_us, then writes to target the bytes source held at
+ * launch (copied now, like a kernel's arguments, so the caller may free source at once). */
 int fake_launch_write(void* stream, void* target, const void* source, size_t bytes, unsigned delay_us) {
   char name[32];
   fake_stream_name(stream, name);
   fake_note("write %zu on %s", bytes, name);
   if (bytes > 0 && (target == NULL || source == NULL)) return kCudaErrorInvalidValue;
-  return enqueue_work(stream, (work_op){.target = target, .source = source, .bytes = bytes, .delay_us = delay_us});
+  work_op* op = malloc(sizeof *op + bytes);
+  if (op == NULL) return kCudaErrorMemoryAllocation;
+  *op = (work_op){.base.run = run_work, .target = target, .bytes = bytes, .delay_us = delay_us};
+  memcpy(op->snapshot, source, bytes);
+  op->source = op->snapshot;
+  return fake_stream_enqueue(stream, &op->base);
 }
