@@ -145,6 +145,7 @@ void Runtime::take_refusals() {
 void Runtime::finish_failed(const TensorFailure& failure) {
   auto found = tensors_.find(failure.local_id);
   if (found == tensors_.end()) return;  // this rank refused it: its caller heard at submission
+  logger_.log(LogLevel::kError, failure.message);
   found->second.handle->fail(failure.message, FailureKind::kCollective, failure.refused_by);
   finish_tensor(failure.local_id, failure.message);
 }
