@@ -165,6 +165,7 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
             try:
                 _start(info, comm, process_group, cuda, None)
             except BaseException:
+                _core.stop()  # a core that came up before the failure stops again: nothing half started
                 _state.settings = None  # not initialised: config() must say so
                 raise
     if resolved.autotune:
