@@ -3,6 +3,22 @@
 Gradients go to the core as soon as they are ready; the core partitions, fuses and
 orders them by the priority the next forward pass needs, and every rank launches the
 same collectives in the same order.
+
+Errors. An argument the caller can fix (a bad name, dtype, op, root or priority, a read-only
+or non-contiguous array, a name already in flight) raises TypeError or ValueError at once. A
+tensor refused on one rank fails on every rank: the others' handles for that name raise
+CollectiveError naming the rank and the reason. Everything that goes wrong at run time is a
+CommschedError, whose `rank` attribute names the rank it started on when known:
+
+    CommschedError (RuntimeError)   any failure at run time (a transport error, for one)
+    +-- CollectiveError             one collective failed on every rank, commsched goes on: the ranks
+    |                               submitted different metadata under one name, or a rank refused it
+    +-- NotRunningError             commsched is not running: never initialised, shut down, or stopped;
+        |                           raised by submissions and by handles pending when it stopped
+        +-- RankFailure             it stopped because a rank failed, lost contact or stalled past
+                                    COMMSCHED_STALL_SHUTDOWN
+
+Handle.wait(timeout) raises the builtin TimeoutError when the collective is still running.
 """
 
 from __future__ import annotations
@@ -11,6 +27,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -19,11 +36,14 @@ from typing import Any
 from commsched import _core, buffers, transports
 from commsched import config as _config
 from commsched import launch as _launch
-from commsched._core import CommschedError
+from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
 
 __all__ = [
+    "CollectiveError",
     "CommschedError",
     "Handle",
+    "NotRunningError",
+    "RankFailure",
     "allreduce",
     "allreduce_async",
     "autotune_step",
@@ -67,12 +87,16 @@ _state = _State()
 
 
 class Handle:
-    """A collective in flight; wait() returns the reduced array."""
+    """A collective in flight; wait() returns the reduced array.
+
+    Dropping a handle (and the array) before it finishes is safe: the core keeps the array's
+    memory alive until the collective ends.
+    """
 
     def __init__(self, core_handle: Any, array: Any, view: buffers.BufferView) -> None:
         self._core_handle = core_handle
         self._array = array
-        self._view = view  # keeps the memory alive while the core works on it
+        self._view = view
 
     @property
     def name(self) -> str:
@@ -84,7 +108,7 @@ class Handle:
         return self._core_handle.done()
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until done and returns the array; raises TimeoutError or CommschedError."""
+        """Blocks until done and returns the array; raises TimeoutError or a CommschedError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Wait in slices so Ctrl-C and other signals are handled while a collective hangs.
@@ -140,12 +164,28 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
             try:
                 _start(info, comm, process_group, cuda, None)
             except BaseException:
+                _core.stop()  # a core that came up before the failure stops again: nothing half started
                 _state.settings = None  # not initialised: config() must say so
                 raise
     if resolved.autotune:
-        from commsched import autotune
+        _start_autotune(resolved)
 
+
+def _start_autotune(resolved: _config.Settings) -> None:
+    """Starts the auto-tuner after init(); a failure stops commsched again, naming the variable."""
+    from commsched import autotune
+
+    try:
         autotune.start()
+    except OSError as error:
+        shutdown()  # init() fails as a whole: nothing stays half started
+        raise _config.SettingError(
+            f"COMMSCHED_AUTOTUNE_LOG={resolved.autotune_log!r}: cannot write the log of trials there "
+            f"({error.strerror or error}); use a writable file path, or leave it unset"
+        ) from error
+    except BaseException:
+        shutdown()
+        raise
 
 
 def _gpu_visible() -> bool:
@@ -257,7 +297,7 @@ def local_rank() -> int:
 def config() -> dict[str, Any]:
     """The effective settings, transport and launch details as a dict."""
     if _state.settings is None:
-        raise ValueError("commsched.config() needs commsched.init() first")
+        raise NotRunningError("commsched.config() needs commsched.init() first")
     result = _state.settings.as_dict()
     if _state.pending is not None:
         result.update(transport="auto (chosen at the first tensor)", launcher=_state.launcher)
@@ -322,7 +362,7 @@ def _run_now(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
 ) -> Any:
     """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
-    name = _checked_name(name, kind, op, root, priority)
+    name, root, priority = _checked(name, kind, op, root, priority)
     tuner = _state.tuner
     if _state.pending is None and not _state.device_memory and (tuner is None or not tuner.recording):
         limit = -1.0 if timeout is None else timeout
@@ -347,36 +387,74 @@ def _buffer_outcome(
 
 
 def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priority: int) -> Handle:
-    return _enqueue(array, _checked_name(name, kind, op, root, priority), kind, op, root, priority)
+    name, root, priority = _checked(name, kind, op, root, priority)
+    return _enqueue(array, name, kind, op, root, priority)
 
 
-def _checked_name(name: str | None, kind: str, op: str, root: int, priority: int) -> str:
-    """The tensor's name (numbered when None) once the call's arguments are checked; raises naming the problem."""
+def _checked(name: str | None, kind: str, op: str, root: Any, priority: Any) -> tuple[str, int, int]:
+    """(name, root, priority) once the call's arguments are checked; raises naming the problem.
+
+    A None name is numbered in call order (like Horovod), which must then match across ranks.
+    Once the name is known, a refused call is told to the other ranks, whose collectives under
+    that name then fail instead of waiting for this one.
+    """
     if name is None:
-        # Like Horovod: unnamed tensors are numbered in call order, which must then match across ranks.
         name = f"{kind}.unnamed.{next(_state.unnamed)}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"tensor name must be a non-empty string, not {name!r}")
-    if not isinstance(root, int):
-        raise TypeError(f"root must be a rank number, not {root!r}")
-    if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
-        raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority!r}")
-    if op not in _OPS:
-        raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
-    return name
+    try:
+        root = _integer(root, f"root of '{name}'", "a rank number")
+        priority = _integer(priority, f"priority of '{name}'", "a 32-bit integer")
+        if not -(2**31) <= priority < 2**31:
+            raise TypeError(f"priority of '{name}' must be a 32-bit integer, not {priority}")
+        if not -(2**31) <= root < 2**31:  # smaller ones the core checks against the number of ranks
+            ranks = f"between 0 and {_core.size() - 1}" if _core.running() else "from 0 up"
+            raise ValueError(f"root of '{name}' is {root}, which is not a rank; use a rank {ranks}")
+        if op not in _OPS:
+            raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
+    except (TypeError, ValueError) as error:
+        _refuse(name, error)
+        raise
+    return name, root, priority
+
+
+def _integer(value: Any, what: str, form: str) -> int:
+    """`value` as an int: Python and numpy integers are taken, bools and floats refused."""
+    numpy = sys.modules.get("numpy")
+    if isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_)):
+        raise TypeError(f"{what} must be {form}, not the boolean {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be {form}, not {value!r}") from None
+
+
+def _refuse(name: str, error: BaseException) -> None:
+    """Tells the other ranks this rank refused `name`, so their collectives under it fail now."""
+    if _state.pending is None and _core.running():
+        _core.refuse(name, str(error))
 
 
 def _enqueue(
     array: Any, name: str, kind: str, op: str, root: int, priority: int, waits_next: bool = False
 ) -> Handle:
-    view = buffers.view(array, name)
+    try:
+        view = buffers.view(array, name)
+    except (TypeError, ValueError) as error:
+        _refuse(name, error)
+        raise
     if _state.pending is not None:
         _start_pending(view.on_gpu, view.device)
     if _state.settings is not None:  # else the core's enqueue says to call init() first
-        _check_memory(view, name, _state.device_memory)
+        try:
+            _check_memory(view, name, _state.device_memory)
+        except TypeError as error:
+            _refuse(name, error)
+            raise
     # A caller that waits next runs the core itself: waking the core's thread would only take a
-    # CPU from it. A GPU tensor's stream goes along: the core records there, on this thread, the
-    # point its collectives wait for.
+    # CPU from it. The core holds the owner until the collective ends, even if the handle is
+    # dropped. A GPU tensor's stream goes along: the core records there, on this thread, the point
+    # its collectives wait for.
     core_handle = _core.enqueue(
         name,
         view.address,
@@ -387,6 +465,7 @@ def _enqueue(
         root,
         priority,
         wake_core=not waits_next,
+        owner=view.owner,
         device=view.on_gpu,
         device_id=-1 if view.device is None else view.device,
         stream=view.stream,

@@ -8,6 +8,8 @@ CUDA device; their views carry the CUDA device and the stream on which the bytes
 from __future__ import annotations
 
 import ctypes
+import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +104,20 @@ def _unsupported(what: str, name: str) -> TypeError:
     return TypeError(f"tensor '{name}': {what}; commsched needs a writable, C-contiguous {SUPPORTED} array")
 
 
+def _immutable_scalar(array: Any) -> bool:
+    """True for a Python number or a numpy scalar (numpy.float64(2.5)): values, not memory to write."""
+    numpy = sys.modules.get("numpy")
+    return isinstance(array, numbers.Number) or (numpy is not None and isinstance(array, numpy.generic))
+
+
 def view(array: Any, name: str) -> BufferView:
     """Describes `array` for the core; raises TypeError naming the problem and the fix."""
+    if _immutable_scalar(array):
+        raise TypeError(
+            f"tensor '{name}': a {type(array).__module__}.{type(array).__name__} scalar is immutable, so it "
+            "cannot be reduced in place; pass a 1-element or 0-d array instead, e.g. numpy.array(value) or "
+            "torch.tensor(value)"
+        )
     gpu = _gpu_view(array, name)
     if gpu is not None:
         return gpu
@@ -129,9 +143,12 @@ def view(array: Any, name: str) -> BufferView:
         typestr = interface["typestr"]
         if typestr[0] not in "<|=":
             raise _unsupported(f"byte order {typestr!r} is not native", name)
-        dtype = _KIND_SIZE_TO_DTYPE.get((typestr[1], int(typestr[2:])))
+        item_size = typestr[2:]
+        dtype = _KIND_SIZE_TO_DTYPE.get((typestr[1], int(item_size))) if item_size.isdigit() else None
         if dtype is None:
-            raise _unsupported(f"dtype {typestr!r} is not supported", name)
+            raise _unsupported(
+                f"dtype {getattr(array, 'dtype', typestr)} ({typestr!r}) is not supported", name
+            )
         count = 1
         for extent in interface["shape"]:
             count *= extent

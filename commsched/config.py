@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from typing import Any
 
 _SIZE_UNITS = {
@@ -28,22 +29,33 @@ DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 
 
+# Sizes travel as unsigned 64-bit counts; anything near that is a typo, not a buffer.
+MAX_SIZE_BYTES = 2**62
+
+
 class SettingError(ValueError):
     """A setting's value is not in its accepted form."""
 
 
 def parse_size(text: str | int) -> int:
-    """Parses a byte count with an optional unit (4MiB, 512KB, 1048576)."""
+    """Parses a whole byte count with an optional unit (4MiB, 1.5MiB, 512KB, 1048576)."""
     if isinstance(text, bool):
         raise TypeError("a size, not a boolean")
     if isinstance(text, int):
         if text < 0:
             raise ValueError("negative")
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError("not a size")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+        size = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError("not a size")
+        exact = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]  # 0.1KB is exactly 100
+        if exact.denominator != 1:
+            raise ValueError(f"{float(exact):g} bytes is not a whole number of bytes")
+        size = int(exact)
+    if size > MAX_SIZE_BYTES:
+        raise ValueError(f"{size} bytes is more than the largest size, 2**62 bytes")
+    return size
 
 
 def parse_duration(text: str | float) -> float:
@@ -195,8 +207,8 @@ def resolve(arguments: dict[str, Any], environ: dict[str, str] | None = None) ->
             continue
         try:
             values[field.name] = parse(raw)
-        except (ValueError, TypeError):
-            raise SettingError(f"{source}: {raw!r} is not valid; use {form}") from None
+        except (ValueError, TypeError) as error:
+            raise SettingError(f"{source}: {raw!r} is not valid ({error}); use {form}") from None
     settings = Settings(**values)
     _check_consistency(settings)
     return settings

@@ -200,11 +200,11 @@ def test_misuse_gets_clear_errors(runtime: None, wait: bool) -> None:
 
 def test_calls_before_init_fail_clearly() -> None:
     """Using commsched before init() names the fix."""
-    with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
+    with pytest.raises(commsched.NotRunningError, match=r"needs commsched.init\(\) first"):
         commsched.allreduce_async(np.ones(2), "early")
-    with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
+    with pytest.raises(commsched.NotRunningError, match=r"needs commsched.init\(\) first"):
         commsched.allreduce(np.ones(2), "early")
-    with pytest.raises(ValueError, match=r"needs commsched.init\(\) first"):
+    with pytest.raises(commsched.NotRunningError, match=r"needs commsched.init\(\) first"):
         commsched.config()
 
 

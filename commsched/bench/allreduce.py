@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import os
 import statistics
 import struct
@@ -180,6 +181,29 @@ LAUNCH_HINTS = {
 }
 
 
+# transport -> (the library its raw column needs, how to install it)
+RAW_LIBRARIES = {
+    "mpi": ("mpi4py", "pip install mpi4py mpich (or an mpi4py built against your MPI)"),
+    "gloo": ("torch", "pip install torch"),
+    "grpc": ("grpc", "pip install grpcio"),
+}
+
+
+def check_libraries(transport: str) -> None:
+    """Stops with what to install, or which --transport to use, when `transport` lacks its library."""
+    module, install = RAW_LIBRARIES[transport]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        others = ", ".join(
+            f"--transport {name} ({LAUNCH_HINTS[name]})" for name in RAW_LIBRARIES if name != transport
+        )
+        raise SystemExit(
+            f"allreduce --transport {transport} needs {module}, which this Python cannot import: {install}; "
+            f"or measure another transport: {others}"
+        ) from None
+
+
 def check_launch(transport: str, environ: dict[str, str] | None = None) -> None:
     """Stops with the command to use when the launcher cannot start `transport`'s ranks."""
     from commsched.launch import detect
@@ -233,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     """Times every size through commsched and the raw library; rank 0 prints the table."""
     import commsched
 
+    check_libraries(args.transport)
     check_launch(args.transport)
     # The raw MPI and Gloo libraries come up first (commsched's transports use what they set up);
     # the raw gRPC transport comes up after commsched's, which tells it where to meet.

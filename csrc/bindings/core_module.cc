@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 
+#include "bindings/owner_table.h"
 #include "bindings/runtime_slot.h"
 #include "core/runtime.h"
 #include "transport/loopback/loopback_transport.h"
@@ -32,7 +33,9 @@ std::shared_ptr<Runtime> RuntimeSlot::get() const {
 
 std::shared_ptr<Runtime> RuntimeSlot::require(const char* what) const {
   auto runtime = get();
-  if (!runtime) throw UsageError(std::string("commsched.") + what + "() needs commsched.init() first");
+  if (!runtime) {
+    throw Failure(FailureKind::kNotRunning, std::string("commsched.") + what + "() needs commsched.init() first");
+  }
   return runtime;
 }
 
@@ -52,7 +55,7 @@ RuntimeSlot& runtime_slot() {
 using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
-void register_run_buffer(pybind11::module_& module);
+void register_run_buffer(pybind11::module_& module, std::shared_ptr<OwnerTable> owners);
 
 namespace {
 
@@ -104,22 +107,72 @@ py::dict stats_dict(const RuntimeStats& stats) {
   out["completed_tensors"] = stats.completed_tensors;
   out["failed_tensors"] = stats.failed_tensors;
   out["inline_tensors"] = stats.inline_tensors;
+  out["cached_names"] = stats.cached_names;
   return out;
+}
+
+const char* failure_class(FailureKind kind) {
+  switch (kind) {
+    case FailureKind::kNotRunning: return "NotRunningError";
+    case FailureKind::kRankFailure: return "RankFailure";
+    case FailureKind::kCollective: break;
+  }
+  return "CollectiveError";
+}
+
+// Raises a Failure as its Python class, with `rank` set (None when unknown).
+void raise_failure(const Failure& failure) {
+  py::object type = py::module_::import("commsched._core").attr(failure_class(failure.kind()));
+  py::object error = type(failure.what());
+  error.attr("rank") = failure.rank() >= 0 ? py::object(py::int_(failure.rank())) : py::object(py::none());
+  PyErr_SetObject(type.ptr(), error.ptr());
+}
+
+// Adds an exception class `name` under `base` to the module.
+py::object add_error(py::module_& module, const char* name, py::handle base, const char* doc) {
+  const std::string qualified = std::string("commsched._core.") + name;
+  py::object type =
+      py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base.ptr(), nullptr));
+  if (!type) throw py::error_already_set();
+  module.add_object(name, type);
+  return type;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_core, module) {
   module.doc() = "commsched's C++ scheduling core";
-  // UsageError derives from std::invalid_argument, which pybind11 raises as ValueError.
+  // UsageError derives from std::invalid_argument, which pybind11 raises as ValueError: an
+  // argument the caller can fix. Failures at run time are CommschedError and its subclasses.
   static auto& comm_error = py::register_exception<CommError>(module, "CommschedError", PyExc_RuntimeError);
+  comm_error.attr("__doc__") = "A failure of commsched at run time; `rank` is the rank it started on, if known.";
+  comm_error.attr("rank") = py::none();
+  py::object not_running = add_error(
+      module, "NotRunningError", comm_error,
+      "commsched is not running: never initialised, shut down, or stopped; raised by submissions and by "
+      "handles pending when it stopped.");
+  add_error(module, "RankFailure", not_running,
+            "commsched stopped because a rank failed, lost contact or stalled past COMMSCHED_STALL_SHUTDOWN; "
+            "`rank` names it when known.");
+  add_error(module, "CollectiveError", comm_error,
+            "One collective failed on every rank while commsched goes on: its ranks submitted different "
+            "metadata, or a rank refused it (`rank`).");
+  // Tried before the CommError translator above (pybind11 tries the latest first).
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const Failure& failure) {
+      raise_failure(failure);
+    }
+  });
+  const auto owners = std::make_shared<OwnerTable>();
 
   py::class_<HandleState, std::shared_ptr<HandleState>>(module, "Handle", "Completion of one submitted collective.")
       .def_property_readonly("name", &HandleState::name)
       .def("done", &HandleState::done, "True once the collective finished or failed.")
       .def(
           "wait",
-          [](const HandleState& handle, std::optional<double> timeout_s) {
+          [owners](const HandleState& handle, std::optional<double> timeout_s) {
             bool finished;
             {
               py::gil_scoped_release release;
@@ -128,13 +181,11 @@ PYBIND11_MODULE(_core, module) {
               const std::shared_ptr<Runtime> runtime = runtime_slot().get();
               finished = runtime ? runtime->wait(handle, timeout) : handle.wait(timeout);
             }
-            if (finished && handle.failed()) {
-              PyErr_SetString(comm_error.ptr(), handle.error().c_str());
-              throw py::error_already_set();
-            }
+            if (finished) owners->prune();  // its owner, and others finished meanwhile, may go now
+            if (finished && handle.failed()) handle.throw_failure();
             return finished;
           },
-          py::arg("timeout") = py::none(), "Waits; False on timeout, raises CommschedError if it failed.")
+          py::arg("timeout") = py::none(), "Waits; False on timeout, raises a CommschedError if it failed.")
       .def_property_readonly(
           "error", [](const HandleState& handle) -> std::optional<std::string> {
             if (!handle.failed()) return std::nullopt;
@@ -168,20 +219,23 @@ PYBIND11_MODULE(_core, module) {
 
   module.def(
       "stop",
-      [] {
+      [owners] {
         auto runtime = runtime_slot().release();
         if (!runtime) return;
-        py::gil_scoped_release release;
-        runtime->shutdown();
-        runtime.reset();
+        {
+          py::gil_scoped_release release;
+          runtime->shutdown();
+          runtime.reset();
+        }
+        owners->prune();  // every handle has ended
       },
       "Stops the runtime (called by commsched.shutdown()).");
 
   module.def(
       "enqueue",
-      [](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
-         const std::string& op, const std::string& kind, int root, int priority, bool wake_core, bool device,
-         int device_id, std::optional<uintptr_t> stream) {
+      [owners](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
+               const std::string& op, const std::string& kind, int root, int priority, bool wake_core,
+               py::object owner, bool device, int device_id, std::optional<uintptr_t> stream) {
         TensorSpec spec;
         spec.name = name;
         spec.dtype = dtype_from_name(dtype);
@@ -191,14 +245,26 @@ PYBIND11_MODULE(_core, module) {
         spec.count = count;
         spec.priority = priority;
         const Placement placement{device, device_id, device ? stream : std::nullopt};
-        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address), wake_core,
-                                                                  placement);
+        auto handle = runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address),
+                                                                         wake_core, placement);
+        if (!owner.is_none()) owners->keep(handle, std::move(owner));
+        return handle;
       },
       py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
-      py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, py::arg("device") = false,
-      py::arg("device_id") = -1, py::arg("stream") = py::none(),
-      "Submits a collective on raw memory that the caller keeps alive; GPU memory says its device and the "
-      "stream that produces it (None: no ordering needed).");
+      py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, py::arg("owner") = py::none(),
+      py::arg("device") = false, py::arg("device_id") = -1, py::arg("stream") = py::none(),
+      "Submits a collective on raw memory; `owner` (what keeps that memory alive) is held until it finishes. GPU "
+      "memory says its device and the stream that produces it (None: no ordering needed).");
+  module.def(
+      "refuse",
+      [](const std::string& name, const std::string& reason) {
+        auto runtime = runtime_slot().get();
+        if (runtime) runtime->refuse(name, reason);
+      },
+      py::arg("name"), py::arg("reason"),
+      "Tells every rank this rank refused a submission of `name`, so theirs fail instead of waiting.");
+  module.def("kept_owners", [owners] { return owners->held(); },
+             "How many owners of unfinished collectives the core keeps alive (finished ones are released).");
 
   module.def(
       "reconfigure",
@@ -235,5 +301,5 @@ PYBIND11_MODULE(_core, module) {
   module.def("describe", [](const std::string& name) { return runtime_slot().require("describe")->describe(name); },
              "Where a pending tensor stands.");
   register_simulator(module);
-  register_run_buffer(module);
+  register_run_buffer(module, owners);
 }

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "bindings/owner_table.h"
 #include "bindings/runtime_slot.h"
 #include "core/runtime.h"
 
@@ -66,7 +67,7 @@ std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
 // 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype
 // (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
 int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
-               double timeout_s) {
+               double timeout_s, OwnerTable& owners) {
   HeldBuffer buffer(array.ptr());
   if (!buffer.held() || buffer.view().len == 0) return -1;
   const std::optional<DType> dtype = dtype_of(buffer.view().format, buffer.view().itemsize);
@@ -95,43 +96,57 @@ int run_buffer(py::handle array, const std::string& name, ReduceOp op, Collectiv
       finished = runtime->wait(*handle, std::max(slice, 0.0));
     }
     if (finished) {
-      if (handle->failed()) throw CommError(handle->error());  // raised as commsched.CommschedError
+      if (handle->failed()) handle->throw_failure();  // raised as a commsched.CommschedError
       return 1;
     }
-    if (limited && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s) return 0;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    const bool timed_out = limited && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s;
+    const bool interrupted = !timed_out && PyErr_CheckSignals() != 0;
+    if (timed_out || interrupted) {
+      // The collective goes on without this call: a memoryview keeps the buffer exported (a
+      // bytearray cannot resize, an array cannot be freed) until it finishes.
+      std::optional<py::error_already_set> signal;
+      if (interrupted) signal.emplace();  // fetched first: no Python call may run with it set
+      py::object keeper = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(array.ptr()));
+      if (!keeper) {
+        PyErr_Clear();
+        keeper = py::reinterpret_borrow<py::object>(array);
+      }
+      owners.keep(handle, std::move(keeper));
+      if (signal) throw *signal;
+      return 0;
+    }
   }
 }
 
 }  // namespace
 }  // namespace commsched
 
-void register_run_buffer(py::module_& module) {
+void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTable> owners) {
   // Two functions of at most six arguments each: pybind11 takes up to six without an allocation.
   module.def(
       "allreduce_buffer",
-      [](py::handle array, const std::string& name, py::handle op, py::handle priority_object, double timeout_s) {
+      [owners](py::handle array, const std::string& name, py::handle op, py::handle priority_object, double timeout_s) {
         // Arguments commsched.allreduce has not checked yet: -2 sends the call to the path that
-        // names what is wrong with them.
+        // names what is wrong with them (or takes a numpy integer priority; a bool is refused).
         const bool average = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "average") == 0;
         const bool sum = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "sum") == 0;
         int overflow = 0;
-        const long long priority =
-            PyLong_Check(priority_object.ptr()) ? PyLong_AsLongLongAndOverflow(priority_object.ptr(), &overflow) : 0;
-        const bool priority_fits = PyLong_Check(priority_object.ptr()) && overflow == 0 && priority >= INT32_MIN &&
-                                   priority <= INT32_MAX;
+        const bool exact_int = PyLong_CheckExact(priority_object.ptr());
+        const long long priority = exact_int ? PyLong_AsLongLongAndOverflow(priority_object.ptr(), &overflow) : 0;
+        const bool priority_fits = exact_int && overflow == 0 && priority >= INT32_MIN && priority <= INT32_MAX;
         if (name.empty() || !(sum || average) || !priority_fits) return -2;
         return commsched::run_buffer(array, name, average ? commsched::ReduceOp::kAverage : commsched::ReduceOp::kSum,
-                                     commsched::CollectiveKind::kAllreduce, 0, static_cast<int>(priority), timeout_s);
+                                     commsched::CollectiveKind::kAllreduce, 0, static_cast<int>(priority), timeout_s,
+                                     *owners);
       },
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("timeout_s"),
       "Allreduces a host buffer in place and waits (timeout_s < 0: no limit); 1 done, 0 timed out, "
       "-1 not a host buffer this call takes, -2 a name, op or priority to check in Python.");
   module.def(
       "broadcast_buffer",
-      [](py::handle array, const std::string& name, int root, int priority, double timeout_s) {
+      [owners](py::handle array, const std::string& name, int root, int priority, double timeout_s) {
         return commsched::run_buffer(array, name, commsched::ReduceOp::kSum, commsched::CollectiveKind::kBroadcast,
-                                     root, priority, timeout_s);
+                                     root, priority, timeout_s, *owners);
       },
       py::arg("array"), py::arg("name"), py::arg("root"), py::arg("priority"), py::arg("timeout_s"),
       "Broadcasts a host buffer in place from `root` and waits (timeout_s < 0: no limit); "

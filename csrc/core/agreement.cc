@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 namespace commsched {
@@ -18,8 +19,9 @@ constexpr uint8_t kFlagAbort = 2;
 constexpr uint8_t kFlagSettings = 4;
 constexpr uint8_t kEntryCached = 0;
 constexpr uint8_t kEntryFull = 1;
-constexpr size_t kMaxCachedNames = 1u << 20;
-constexpr size_t kMaxNameBytes = 1u << 16;
+constexpr uint8_t kEntryRefused = 2;
+// Abort and refusal messages are cut to this; they name tensors, so they may run long.
+constexpr size_t kMaxMessageBytes = 1u << 16;
 
 uint64_t zigzag(int64_t value) { return (static_cast<uint64_t>(value) << 1) ^ static_cast<uint64_t>(value >> 63); }
 int64_t unzigzag(uint64_t value) { return static_cast<int64_t>(value >> 1) ^ -static_cast<int64_t>(value & 1); }
@@ -35,9 +37,10 @@ class Writer {
     put_byte(static_cast<uint8_t>(value));
   }
   void put_signed(int64_t value) { put_varint(zigzag(value)); }
-  void put_string(const std::string& text) {
-    put_varint(text.size());
-    out_.append(text);
+  void put_string(const std::string& text, size_t max_bytes = SIZE_MAX) {
+    const size_t length = std::min(text.size(), max_bytes);
+    put_varint(length);
+    out_.append(text, 0, length);
   }
   std::string take() { return std::move(out_); }
 
@@ -110,11 +113,17 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-Agreement::Agreement(int rank, int size) : rank_(rank), size_(size) {}
+Agreement::Agreement(int rank, int size, size_t max_cached_names)
+    : rank_(rank), size_(size), max_cached_names_(std::min<size_t>(max_cached_names, UINT32_MAX)) {}
 
 void Agreement::announce(const TensorSpec& spec, std::string payload, uint64_t local_id) {
-  outbox_.emplace_back(spec, std::move(payload));
-  outbox_ids_.push_back(local_id);
+  outbox_.push_back(Outgoing{spec, std::move(payload), {}, local_id});
+}
+
+void Agreement::refuse(const std::string& name, const std::string& reason) {
+  TensorSpec spec;
+  spec.name = name;
+  outbox_.push_back(Outgoing{std::move(spec), {}, reason.empty() ? "refused" : reason, kNoLocalTensor});
 }
 
 std::string Agreement::build_report(const ReportStatus& status) {
@@ -126,7 +135,7 @@ std::string Agreement::build_report(const ReportStatus& status) {
   writer.put_byte((status.shutdown ? kFlagShutdown : 0) | (status.abort_message.empty() ? 0 : kFlagAbort) |
                   (send_settings ? kFlagSettings : 0));
   writer.put_varint(status.completed_bytes);
-  if (!status.abort_message.empty()) writer.put_string(status.abort_message);
+  if (!status.abort_message.empty()) writer.put_string(status.abort_message, kMaxMessageBytes);
   writer.put_varint(status.settings_epoch);
   if (send_settings) {
     writer.put_byte(static_cast<uint8_t>(status.settings.policy));
@@ -135,9 +144,17 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put_varint(status.settings.fusion_bytes);
   }
   writer.put_varint(outbox_.size());
-  for (const auto& [spec, payload] : outbox_) {
+  for (const Outgoing& outgoing : outbox_) {
+    const TensorSpec& spec = outgoing.spec;
+    const std::string& payload = outgoing.payload;
+    if (!outgoing.refusal.empty()) {
+      writer.put_byte(kEntryRefused);
+      writer.put_string(spec.name);
+      writer.put_string(outgoing.refusal, kMaxMessageBytes);
+      continue;
+    }
     auto cached = cache_ids_.find(spec.name);
-    if (cached != cache_ids_.end() && cache_[cached->second].same_shape_as(spec)) {
+    if (cached != cache_ids_.end() && cache_[cached->second].spec.same_shape_as(spec)) {
       writer.put_byte(kEntryCached);
       writer.put_varint(cached->second);
       writer.put_signed(spec.priority);
@@ -154,9 +171,8 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put_signed(spec.priority);
     writer.put_string(payload);
   }
+  for (const Outgoing& outgoing : outbox_) sent_ids_.push_back(outgoing.local_id);
   outbox_.clear();
-  sent_ids_.insert(sent_ids_.end(), outbox_ids_.begin(), outbox_ids_.end());
-  outbox_ids_.clear();
   return writer.take();
 }
 
@@ -187,6 +203,7 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
                     std::to_string(reports.size()));
   }
   outcome.reset();
+  to_cache_.clear();
   outcome.min_completed_bytes = std::numeric_limits<uint64_t>::max();
   bool root_sent_settings = false;
   for (int from = 0; from < size_; ++from) {
@@ -195,7 +212,7 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
     const uint8_t flags = reader.get_byte();
     if (flags & ~(kFlagShutdown | kFlagAbort | kFlagSettings)) reader.fail("bad flags");
     outcome.min_completed_bytes = std::min(outcome.min_completed_bytes, reader.get_varint());
-    std::string abort_message = (flags & kFlagAbort) ? reader.get_string(kMaxNameBytes) : std::string();
+    std::string abort_message = (flags & kFlagAbort) ? reader.get_string(kMaxMessageBytes) : std::string();
     const uint32_t settings_epoch = reader.get_uint32();
     SchedulingSettings settings;
     if (flags & kFlagSettings) {
@@ -221,14 +238,21 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
     outcome.announcements += entries;
     for (uint32_t i = 0; i < entries; ++i) {
       TensorSpec spec;
+      std::string refusal;
       const uint8_t tag = reader.get_byte();
       if (tag == kEntryCached) {
         const uint32_t id = reader.get_uint32();
-        if (id >= cache_.size()) reader.fail("unknown cached tensor id " + std::to_string(id));
-        spec = cache_[id];
+        if (id >= cache_.size() || cache_[id].spec.name.empty()) {
+          reader.fail("unknown cached tensor id " + std::to_string(id));
+        }
+        spec = cache_[id].spec;
         spec.priority = reader.get_int32();
+      } else if (tag == kEntryRefused) {
+        spec.name = reader.get_string(kMaxTensorNameBytes);
+        refusal = reader.get_string(kMaxMessageBytes);
+        if (refusal.empty()) reader.fail("refusal of '" + spec.name + "' without a reason");
       } else if (tag == kEntryFull) {
-        spec.name = reader.get_string(kMaxNameBytes);
+        spec.name = reader.get_string(kMaxTensorNameBytes);
         const uint8_t dtype = reader.get_byte();
         const uint8_t op = reader.get_byte();
         const uint8_t kind = reader.get_byte();
@@ -242,7 +266,7 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
       } else {
         reader.fail("bad entry tag " + std::to_string(tag));
       }
-      const uint64_t payload_bytes = reader.get_varint();
+      const uint64_t payload_bytes = refusal.empty() ? reader.get_varint() : 0;
       if (payload_bytes != 0 && payload_bytes != spec.bytes()) {
         reader.fail("inline payload of " + std::to_string(payload_bytes) + " bytes for '" + spec.name + "' of " +
                     std::to_string(spec.bytes()));
@@ -253,7 +277,8 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         local_id = sent_ids_.front();
         sent_ids_.pop_front();
       }
-      record(from, std::move(spec), reader.get_bytes(static_cast<size_t>(payload_bytes)), local_id, now_s, outcome);
+      std::string payload = reader.get_bytes(static_cast<size_t>(payload_bytes));
+      record(from, std::move(spec), std::move(payload), std::move(refusal), local_id, now_s, outcome);
     }
     if (!reader.at_end()) reader.fail("trailing bytes");
   }
@@ -263,17 +288,25 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
                     std::to_string(outcome.root_settings_epoch) + " without its settings");
   }
   agreed_settings_epoch_ = std::max(agreed_settings_epoch_, outcome.min_settings_epoch);
+  cache_agreed();
 }
 
-void Agreement::record(int from_rank, TensorSpec spec, std::string payload, uint64_t local_id, double now_s,
-                       CycleOutcome& outcome) {
+void Agreement::record(int from_rank, TensorSpec spec, std::string payload, std::string refusal, uint64_t local_id,
+                       double now_s, CycleOutcome& outcome) {
   auto it = pending_.find(spec.name);
+  if (it != pending_.end() && it->second.by_rank[from_rank] && !it->second.refusals[from_rank].empty()) {
+    // The rank that refused the name submits it again before every rank has: the refusal ends
+    // here for the ranks that reported it, and the new submission starts afresh.
+    close(it, outcome);
+    it = pending_.end();
+  }
   if (it == pending_.end()) {
     // A finished entry's node is reused, vectors and all: most rounds agree what they announce.
     if (spare_.empty()) {
       it = pending_.try_emplace(spec.name).first;
       it->second.by_rank.resize(size_);
       it->second.payloads.resize(size_);
+      it->second.refusals.resize(size_);
     } else {
       spare_.key() = spec.name;
       it = pending_.insert(std::move(spare_)).position;
@@ -288,20 +321,43 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, uint
   }
   entry.by_rank[from_rank] = std::move(spec);
   entry.payloads[from_rank] = std::move(payload);
+  entry.refusals[from_rank] = std::move(refusal);
   if (from_rank == rank_) {
     ++own_pending_;
     entry.local_id = local_id;
   }
-  if (++entry.reported == size_) {
-    --own_pending_;
-    finish(name, entry, outcome);
-    spare_ = pending_.extract(it);
-    Pending& reused = spare_.mapped();
-    reused.reported = 0;
-    reused.local_id = 0;
-    for (std::optional<TensorSpec>& spec_of_rank : reused.by_rank) spec_of_rank.reset();
-    reused.payloads.assign(size_, std::string());
+  if (++entry.reported == size_) close(it, outcome);
+}
+
+void Agreement::close(PendingMap::iterator it, CycleOutcome& outcome) {
+  Pending& entry = it->second;
+  if (entry.by_rank[rank_]) --own_pending_;
+  const bool refused = std::any_of(entry.refusals.begin(), entry.refusals.end(),
+                                   [](const std::string& reason) { return !reason.empty(); });
+  if (refused) {
+    fail_refused(it->first, entry, outcome);
+  } else {
+    finish(it->first, entry, outcome);
   }
+  spare_ = pending_.extract(it);
+  Pending& reused = spare_.mapped();
+  reused.reported = 0;
+  reused.local_id = kNoLocalTensor;
+  for (std::optional<TensorSpec>& spec_of_rank : reused.by_rank) spec_of_rank.reset();
+  reused.payloads.assign(size_, std::string());
+  reused.refusals.assign(size_, std::string());
+}
+
+void Agreement::fail_refused(const std::string& name, const Pending& entry, CycleOutcome& outcome) {
+  std::string message = "tensor '" + name + "' was refused";
+  int first = -1;
+  for (int r = 0; r < size_; ++r) {
+    if (entry.refusals[r].empty()) continue;
+    message += (first < 0 ? " on rank " : "; on rank ") + std::to_string(r) + ": " + entry.refusals[r];
+    if (first < 0) first = r;
+  }
+  message += ". Every rank must submit it with valid arguments; it failed on every rank.";
+  outcome.failures.push_back({name, std::move(message), entry.local_id, first});
 }
 
 void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& outcome) {
@@ -330,12 +386,15 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
       message += (i ? "; " : " ") + rank_list(variants[i].second) + " submitted " + variants[i].first;
     }
     message += ". Every rank must submit the same dtype, element count, op and root under one name.";
-    outcome.failures.push_back({name, std::move(message), entry.local_id});
+    outcome.failures.push_back({name, std::move(message), entry.local_id, -1});
     return;
   }
-  if (cache_ids_.find(name) == cache_ids_.end() && cache_.size() < kMaxCachedNames) {
-    cache_ids_.emplace(name, static_cast<uint32_t>(cache_.size()));
-    cache_.push_back(agreed);
+  ++agreements_;
+  auto cached = cache_ids_.find(name);
+  if (cached != cache_ids_.end() && cache_[cached->second].spec.same_shape_as(agreed)) {
+    cache_[cached->second].last_agreed = agreements_;
+  } else {
+    to_cache_.push_back(agreed);
   }
   // Inline only when the result follows from the payloads alone; else every rank launches it.
   const bool complete =
@@ -345,6 +404,46 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   outcome.inline_payloads.push_back(complete ? std::move(entry.payloads) : std::vector<std::string>{});
   outcome.agreed.push_back(std::move(agreed));
   outcome.agreed_ids.push_back(entry.local_id);
+}
+
+void Agreement::cache_agreed() {
+  for (TensorSpec& spec : to_cache_) {
+    auto found = cache_ids_.find(spec.name);
+    if (found != cache_ids_.end()) {  // a new shape under a cached name
+      cache_[found->second] = CachedName{std::move(spec), agreements_};
+      continue;
+    }
+    if (max_cached_names_ == 0) break;
+    if (cache_ids_.size() >= max_cached_names_) forget_least_recent();
+    uint32_t id;
+    if (free_ids_.empty()) {
+      id = static_cast<uint32_t>(cache_.size());
+      cache_.push_back(CachedName{std::move(spec), agreements_});
+    } else {
+      id = free_ids_.back();
+      free_ids_.pop_back();
+      cache_[id] = CachedName{std::move(spec), agreements_};
+    }
+    cache_ids_.emplace(cache_[id].spec.name, id);
+  }
+  to_cache_.clear();
+}
+
+void Agreement::forget_least_recent() {
+  // A quarter at a time, so the sort is paid once per many new names. Every rank holds the same
+  // cache and the (last agreed, id) keys are unique, so every rank forgets the same names.
+  std::vector<std::pair<uint64_t, uint32_t>> ages;
+  ages.reserve(cache_ids_.size());
+  for (const auto& [name, id] : cache_ids_) ages.emplace_back(cache_[id].last_agreed, id);
+  const size_t forget = std::min(ages.size(), std::max<size_t>(1, max_cached_names_ / 4));
+  std::nth_element(ages.begin(), ages.begin() + static_cast<std::ptrdiff_t>(forget - 1), ages.end());
+  for (size_t i = 0; i < forget; ++i) {
+    CachedName& entry = cache_[ages[i].second];
+    cache_ids_.erase(entry.spec.name);
+    entry = CachedName{};  // frees the name; an empty name marks the id unused
+    free_ids_.push_back(ages[i].second);
+  }
+  std::sort(free_ids_.begin(), free_ids_.end(), std::greater<uint32_t>());
 }
 
 std::vector<StalledTensor> Agreement::stalled(double now_s, double older_than_s) const {

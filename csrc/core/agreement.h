@@ -4,7 +4,9 @@
 // last report, its completed byte count, shutdown/abort flags); all ranks exchange
 // reports in one transport exchange and apply them in rank order, so every rank derives the
 // same agreed tensors in the same order. A name agreed once is cached under a small
-// id, so a steady-state report costs a few bytes per tensor instead of its metadata.
+// id, so a steady-state report costs a few bytes per tensor instead of its metadata. The cache
+// is bounded: past its size, every rank forgets the same least recently agreed names in the
+// same round, so a job that keeps inventing names does not grow without end.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,15 @@
 
 namespace commsched {
 
+// The longest tensor name a rank may submit: names travel in full until cached, and every rank
+// receives every rank's report.
+inline constexpr size_t kMaxTensorNameBytes = 4096;
+// Names cached under small ids unless told otherwise; a model with more tensors still works, its
+// least recently agreed names just travel in full again.
+inline constexpr size_t kDefaultMaxCachedNames = 16384;
+// The local id of an entry that stands for no local tensor (a refusal).
+inline constexpr uint64_t kNoLocalTensor = UINT64_MAX;
+
 struct ReportStatus {
   uint64_t completed_bytes = 0;
   bool shutdown = false;
@@ -32,7 +43,8 @@ struct ReportStatus {
 struct TensorFailure {
   std::string name;
   std::string message;
-  uint64_t local_id = 0;  // what this rank passed to announce()
+  uint64_t local_id = kNoLocalTensor;  // what this rank passed to announce(); kNoLocalTensor: none
+  int refused_by = -1;  // the (lowest) rank that refused the tensor at submission; -1: a mismatch
 };
 
 struct CycleOutcome {
@@ -65,12 +77,16 @@ struct StalledTensor {
 
 class Agreement {
  public:
-  Agreement(int rank, int size);
+  Agreement(int rank, int size, size_t max_cached_names = kDefaultMaxCachedNames);
 
   // Records that a tensor became ready on this rank; it goes out with the next report, with
   // `payload` (the tensor's bytes, or empty) inline. The outcome names it by `local_id`, so the
   // caller needs no map from names back to its own tensors.
   void announce(const TensorSpec& spec, std::string payload = {}, uint64_t local_id = 0);
+  // Records that this rank refused a submission of `name` (bad arguments on this rank only). It
+  // stands in for this rank's announcement: once every rank has announced the name, the tensor
+  // fails on every rank with `reason` and this rank named, instead of the others waiting for it.
+  void refuse(const std::string& name, const std::string& reason);
   bool has_announcements() const { return !outbox_.empty(); }
 
   // Serialises this rank's report and clears the announcements it carries.
@@ -86,31 +102,53 @@ class Agreement {
   size_t pending() const { return pending_.size(); }
   // True while this rank announced a tensor that another rank has not: agreement is worth retrying soon.
   bool waiting_on_others() const { return own_pending_ > 0; }
-  size_t cached_names() const { return cache_.size(); }
+  size_t cached_names() const { return cache_ids_.size(); }
 
  private:
+  struct Outgoing {
+    TensorSpec spec;
+    std::string payload;
+    std::string refusal;  // non-empty: this rank refused the tensor, for this reason
+    uint64_t local_id = kNoLocalTensor;
+  };
   struct Pending {
     std::vector<std::optional<TensorSpec>> by_rank;
     std::vector<std::string> payloads;
+    std::vector<std::string> refusals;  // by rank; non-empty where that rank refused it
     int reported = 0;
     double first_seen_s = 0;
-    uint64_t local_id = 0;
+    uint64_t local_id = kNoLocalTensor;
   };
+  struct CachedName {
+    TensorSpec spec;
+    uint64_t last_agreed = 0;  // agreements_ when it was last agreed: the same on every rank
+  };
+  using PendingMap = std::map<std::string, Pending>;
 
-  void record(int from_rank, TensorSpec spec, std::string payload, uint64_t local_id, double now_s,
-              CycleOutcome& outcome);
+  void record(int from_rank, TensorSpec spec, std::string payload, std::string refusal, uint64_t local_id,
+              double now_s, CycleOutcome& outcome);
+  // Ends a pending entry (every rank reported, or a refusing rank submits the name again) and
+  // keeps its node for the next name.
+  void close(PendingMap::iterator it, CycleOutcome& outcome);
   void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
+  void fail_refused(const std::string& name, const Pending& entry, CycleOutcome& outcome);
+  // Caches what this round agreed, once every report is read: an id is only reused after every
+  // report that could name it by its old meaning has been applied.
+  void cache_agreed();
+  void forget_least_recent();
 
   int rank_;
   int size_;
-  std::vector<std::pair<TensorSpec, std::string>> outbox_;
-  std::vector<uint64_t> outbox_ids_;
+  size_t max_cached_names_;
+  std::vector<Outgoing> outbox_;
   // Local ids of the entries in this rank's reports, in report order: apply() meets them in
   // that order in its own report.
   std::deque<uint64_t> sent_ids_;
   std::unordered_map<std::string, uint32_t> cache_ids_;
-  std::vector<TensorSpec> cache_;
-  using PendingMap = std::map<std::string, Pending>;
+  std::vector<CachedName> cache_;  // by id; a forgotten name's id goes to free_ids_
+  std::vector<uint32_t> free_ids_;  // largest first, so the smallest is reused first
+  std::vector<TensorSpec> to_cache_;
+  uint64_t agreements_ = 0;
   PendingMap pending_;
   PendingMap::node_type spare_;  // the last finished entry, emptied for the next name
   size_t own_pending_ = 0;

@@ -6,12 +6,14 @@ namespace commsched {
 
 void HandleState::complete() { fail(""); }
 
-void HandleState::fail(const std::string& message) {
+void HandleState::fail(const std::string& message, FailureKind kind, int rank) {
   std::vector<Callback> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
     error_ = message;
+    kind_ = kind;
+    failed_rank_ = rank;
     done_.store(true, std::memory_order_release);
     callbacks.swap(callbacks_);
   }
@@ -36,6 +38,11 @@ bool HandleState::done() const { return done_.load(std::memory_order_acquire); }
 
 // error_ is written once, before done_ is set, and never again: once done, it reads without the lock.
 bool HandleState::failed() const { return done() && !error_.empty(); }
+
+void HandleState::throw_failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throw Failure(kind_, error_, failed_rank_);
+}
 
 std::string HandleState::error() const {
   if (done()) return error_;

@@ -8,14 +8,40 @@
 #include <string>
 #include <vector>
 
+#include "core/types.h"
+
 namespace commsched {
+
+// What ended a collective, or refused a call, at run time; each surfaces in Python as its own
+// subclass of commsched.CommschedError.
+enum class FailureKind : uint8_t {
+  kCollective,   // this collective failed on every rank (mismatch, refused on a rank); commsched goes on
+  kNotRunning,   // commsched is not running: never started, or shut down
+  kRankFailure,  // commsched stopped because a rank failed or lost contact
+};
+
+// A classified runtime failure; `rank` is where it started (the refusing or failed rank), -1 if unknown.
+class Failure : public CommError {
+ public:
+  Failure(FailureKind kind, const std::string& message, int rank = -1)
+      : CommError(message), kind_(kind), rank_(rank) {}
+  FailureKind kind() const { return kind_; }
+  int rank() const { return rank_; }
+
+ private:
+  FailureKind kind_;
+  int rank_;
+};
 
 class HandleState {
  public:
   explicit HandleState(std::string name) : name_(std::move(name)) {}
 
   void complete();
-  void fail(const std::string& message);
+  // Ends the collective with an error; the first end wins, later calls change nothing.
+  void fail(const std::string& message, FailureKind kind = FailureKind::kCollective, int rank = -1);
+  // Throws the Failure this handle ended with; only for a failed handle.
+  [[noreturn]] void throw_failure() const;
   bool done() const;
   // Blocks until done; a negative timeout waits without limit. Returns false on timeout.
   bool wait(double timeout_s) const;
@@ -37,6 +63,8 @@ class HandleState {
   // core checks its handle after every pass.
   std::atomic<bool> done_{false};
   std::string error_;
+  FailureKind kind_ = FailureKind::kCollective;
+  int failed_rank_ = -1;
   std::vector<Callback> callbacks_;
 };
 

@@ -65,46 +65,108 @@ Runtime::~Runtime() {
   doorbell_->disconnect();
 }
 
-std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core,
-                                              const Placement& placement) {
-  if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
-    throw UsageError("broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
-                     " is not a rank; use a root between 0 and " + std::to_string(size_ - 1));
+namespace {
+
+// Why this rank cannot take `spec` although another rank may: empty when it can.
+std::string local_refusal(const TensorSpec& spec, int size) {
+  if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size)) {
+    return "broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
+           " is not a rank; use a root between 0 and " + std::to_string(size - 1);
   }
   if (spec.kind == CollectiveKind::kAllreduce && spec.op == ReduceOp::kAverage && !dtype_is_floating(spec.dtype)) {
-    throw UsageError("allreduce of '" + spec.name + "': op=\"average\" needs a floating dtype, not " +
-                     dtype_name(spec.dtype) + "; use op=\"sum\" for integers");
+    return "allreduce of '" + spec.name + "': op=\"average\" needs a floating dtype, not " + dtype_name(spec.dtype) +
+           "; use op=\"sum\" for integers";
   }
-  try {
-    // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
-    transport_->prepare(spec, data, placement);
-  } catch (const std::invalid_argument& refused) {
-    throw UsageError("tensor '" + spec.name + "': " + refused.what());
+  return {};
+}
+
+}  // namespace
+
+std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core,
+                                              const Placement& placement) {
+  if (spec.name.size() > kMaxTensorNameBytes) {
+    // Too long to tell the other ranks about, so refused here alone.
+    throw UsageError("tensor name '" + spec.name.substr(0, 64) + "...' is " + std::to_string(spec.name.size()) +
+                     " bytes long; tensor names are limited to " + std::to_string(kMaxTensorNameBytes) +
+                     " bytes: use a shorter name");
   }
-  auto handle = std::make_shared<HandleState>(spec.name);
+  std::string refusal = local_refusal(spec, size_);
+  bool prepared = false;
+  if (refusal.empty()) {
+    try {
+      // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
+      transport_->prepare(spec, data, placement);
+      prepared = true;
+    } catch (const std::invalid_argument& refused) {
+      refusal = "tensor '" + spec.name + "': " + refused.what();
+    }
+  }
+  auto handle = refusal.empty() ? std::make_shared<HandleState>(spec.name) : nullptr;
   {
     std::unique_lock<std::mutex> lock(inbox_mutex_);
-    std::string refusal;
     if (stopped_ || shutdown_requested_) {
-      refusal = "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
-                "; call commsched.init() before submitting '" + spec.name + "'";
-    } else {
-      auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
-      if (inserted) {
-        inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
-      } else {
-        refusal = "tensor name '" + spec.name + "' is already in flight (" + it->second +
-                  "); wait for its handle before submitting it again, or give this one another name";
-      }
+      const FailureKind kind = stopped_ ? stop_kind_ : FailureKind::kNotRunning;
+      const int rank = stopped_ ? stop_rank_ : -1;
+      const std::string message = "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
+                                  "; call commsched.init() before submitting '" + spec.name + "'";
+      lock.unlock();
+      if (prepared) transport_->forget(data);
+      throw Failure(kind, message, rank);
+    }
+    auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
+    if (!inserted) {
+      const std::string message = "tensor name '" + spec.name + "' is already in flight (" + it->second +
+                                  "); wait for its handle before submitting it again, or give this one another name";
+      lock.unlock();
+      if (prepared) transport_->forget(data);
+      throw UsageError(message);
     }
     if (!refusal.empty()) {
-      lock.unlock();
-      transport_->forget(data);
-      throw UsageError(refusal);
+      // The other ranks may have submitted this name correctly: they hear of the refusal in the
+      // next round and fail, instead of waiting for COMMSCHED_STALL_SHUTDOWN.
+      name_nodes_.erase(active_names_, it);
+      refusals_.emplace_back(spec.name, refusal);
+      refusals_waiting_ = true;
+    } else {
+      inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
     }
+  }
+  if (!refusal.empty()) {
+    wake_all();
+    throw UsageError(refusal + " (every rank's collective under this name fails with this error)");
   }
   if (wake_core || !callers_drive_) wake_all();
   return handle;
+}
+
+void Runtime::refuse(const std::string& name, const std::string& reason) {
+  if (name.empty() || name.size() > kMaxTensorNameBytes) return;  // no other rank can know it
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (stopped_ || shutdown_requested_ || active_names_.count(name) != 0) return;
+    refusals_.emplace_back(name, reason);
+    refusals_waiting_ = true;
+  }
+  wake_all();
+}
+
+void Runtime::take_refusals() {
+  if (!refusals_waiting_.load()) return;
+  std::vector<std::pair<std::string, std::string>> refusals;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    refusals.swap(refusals_);
+    refusals_waiting_ = false;
+  }
+  for (const auto& [name, reason] : refusals) agreement_.refuse(name, reason);
+}
+
+void Runtime::finish_failed(const TensorFailure& failure) {
+  auto found = tensors_.find(failure.local_id);
+  if (found == tensors_.end()) return;  // this rank refused it: its caller heard at submission
+  logger_.log(LogLevel::kError, failure.message);
+  found->second.handle->fail(failure.message, FailureKind::kCollective, failure.refused_by);
+  finish_tensor(failure.local_id, failure.message);
 }
 
 void Runtime::shutdown() {
@@ -115,7 +177,10 @@ void Runtime::shutdown() {
 
 void Runtime::request_settings(const SchedulingSettings& settings) {
   std::lock_guard<std::mutex> lock(inbox_mutex_);
-  if (stopped_) throw UsageError("commsched is not running; call commsched.init() before reconfigure()");
+  if (stopped_) {
+    throw Failure(stop_kind_, "commsched is not running (" + stop_reason_ + "); call commsched.init() before reconfigure()",
+                  stop_rank_);
+  }
   ++requested_epoch_;
   requested_settings_ = settings;
 }
@@ -137,6 +202,7 @@ RuntimeStats LiveStats::snapshot() const {
   out.completed_tensors = completed_tensors.load(std::memory_order_relaxed);
   out.failed_tensors = failed_tensors.load(std::memory_order_relaxed);
   out.inline_tensors = inline_tensors.load(std::memory_order_relaxed);
+  out.cached_names = cached_names.load(std::memory_order_relaxed);
   return out;
 }
 
@@ -156,6 +222,12 @@ void Runtime::check_stalls(double now) {
   if (stalled.empty()) {
     stall_warned_at_s_.clear();
     return;
+  }
+  // Forget names no longer stalled, so a long run of stalls does not keep every name it saw.
+  for (auto warned = stall_warned_at_s_.begin(); warned != stall_warned_at_s_.end();) {
+    const bool still = std::any_of(stalled.begin(), stalled.end(),
+                                   [&](const StalledTensor& tensor) { return tensor.name == warned->first; });
+    warned = still ? std::next(warned) : stall_warned_at_s_.erase(warned);
   }
   std::string lines;
   std::string worst;
@@ -198,28 +270,36 @@ void Runtime::drain_in_flight(double timeout_s) {
   }
 }
 
-void Runtime::stop_everything(const std::string& reason) {
+void Runtime::stop_everything(const std::string& reason, int failed_rank) {
   // Buffers must be out of the transport's hands before their handles fail.
   drain_in_flight(settings_.stall_timeout_s);
+  const bool clean = reason.rfind("commsched.shutdown()", 0) == 0;
+  const FailureKind kind = clean ? FailureKind::kNotRunning : FailureKind::kRankFailure;
+  const int rank = clean ? -1 : failed_rank;
   std::vector<Submission> unclaimed;
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     stop_reason_ = reason;
+    stop_kind_ = kind;
+    stop_rank_ = rank;
     stopped_ = true;
     unclaimed.swap(inbox_);
+    refusals_.clear();
   }
   wake_all();  // a parked core thread and waiting callers see the stop
-  const bool clean = reason.rfind("commsched.shutdown()", 0) == 0;
   if (!clean) logger_.log(LogLevel::kError, "stopping: " + reason);
   for (Submission& submission : unclaimed) {
-    submission.handle->fail("commsched stopped before '" + submission.spec.name + "' was sent: " + reason);
+    submission.handle->fail("commsched stopped before '" + submission.spec.name + "' was sent: " + reason, kind,
+                            rank);
   }
   std::vector<uint64_t> ids;
   for (const auto& [id, tensor] : tensors_) ids.push_back(id);
   for (uint64_t id : ids) {
-    const std::string name = tensors_.at(id).spec.name;
-    finish_tensor(id, "commsched stopped before '" + name + "' finished: " + reason +
-                          (clean ? "; wait for every handle before calling shutdown()" : ""));
+    LocalTensor& tensor = tensors_.at(id);
+    const std::string message = "commsched stopped before '" + tensor.spec.name + "' finished: " + reason +
+                                (clean ? "; wait for every handle before calling shutdown()" : "");
+    tensor.handle->fail(message, kind, rank);  // classified here; finish_tensor's own fail() is then a no-op
+    finish_tensor(id, message);
   }
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);

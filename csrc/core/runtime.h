@@ -37,6 +37,7 @@ struct RuntimeStats {
   uint64_t completed_tensors = 0;
   uint64_t failed_tensors = 0;
   uint64_t inline_tensors = 0;  // completed from the agreement reports, without a collective
+  uint64_t cached_names = 0;  // tensor names the agreement remembers (bounded, see Agreement)
 };
 
 // The counters behind RuntimeStats: bumped by the driver and read from any thread, as relaxed
@@ -52,6 +53,7 @@ struct LiveStats {
   std::atomic<uint64_t> completed_tensors{0};
   std::atomic<uint64_t> failed_tensors{0};
   std::atomic<uint64_t> inline_tensors{0};
+  std::atomic<uint64_t> cached_names{0};
 
   RuntimeStats snapshot() const;
 };
@@ -64,11 +66,17 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   // Submits a collective on `data` (in place). Thread-safe. Throws UsageError when the
-  // name is already in flight or the runtime has stopped. `wake_core` false leaves the core's
+  // name is already in flight or the arguments are wrong (then every rank hears of the refusal,
+  // see refuse()), Failure when the runtime has stopped. `wake_core` false leaves the core's
   // thread asleep: for a caller that waits for the handle next and so runs the core itself.
   // `placement` says where the bytes live (GPU tensors: the stream that produces them).
   std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data, bool wake_core = true,
                                        const Placement& placement = {});
+
+  // Tells every rank that this rank refused a submission of `name` for `reason`, so their
+  // collectives under that name fail with it instead of waiting. Nothing happens while the
+  // name is in flight here (that submission goes on) or when the runtime has stopped.
+  void refuse(const std::string& name, const std::string& reason);
 
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
@@ -157,7 +165,12 @@ class Runtime {
   void finish(InFlight& done);
   void finish_tensor(uint64_t id, const std::string& error);
   void check_stalls(double now_s);
-  void stop_everything(const std::string& reason);
+  // Hands the refusals callers left to the agreement (driver only), ahead of the submissions.
+  void take_refusals();
+  // Ends a tensor the agreement failed on every rank, its handle told which rank refused it.
+  void finish_failed(const TensorFailure& failure);
+  // `failed_rank`: the rank whose failure stops everything (-1: unknown); ignored for shutdown().
+  void stop_everything(const std::string& reason, int failed_rank = -1);
   void drain_in_flight(double timeout_s);
 
   const RuntimeSettings settings_;
@@ -191,6 +204,10 @@ class Runtime {
   std::unordered_map<std::string, const char*> active_names_;  // name -> phase (a literal: no allocation per tensor)
   NodeRecycler<std::unordered_map<std::string, const char*>> name_nodes_;  // guarded by inbox_mutex_
   std::string stop_reason_;
+  FailureKind stop_kind_ = FailureKind::kNotRunning;  // guarded by inbox_mutex_, like stop_reason_
+  int stop_rank_ = -1;
+  std::vector<std::pair<std::string, std::string>> refusals_;  // (name, reason); guarded by inbox_mutex_
+  std::atomic<bool> refusals_waiting_{false};  // spares the driver the lock when there are none
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
   bool doorbell_rang_ = false;  // guarded by inbox_mutex_

@@ -43,7 +43,7 @@ void Runtime::loop() {
 }
 
 bool Runtime::round_due_locked(Clock::time_point now) const {
-  return !inbox_.empty() || shutdown_requested_ || !abort_message_.empty() || now >= next_round_;
+  return !inbox_.empty() || refusals_waiting_ || shutdown_requested_ || !abort_message_.empty() || now >= next_round_;
 }
 
 bool Runtime::poll_for_news() {
@@ -210,6 +210,7 @@ bool Runtime::run_round() {
   Clock::time_point after_exchange;
   try {
     ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+    take_refusals();
     take_submissions(status);
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
@@ -221,13 +222,15 @@ bool Runtime::run_round() {
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
     }
     stats_.cycles.fetch_add(1, std::memory_order_relaxed);
+    stats_.cached_names.store(agreement_.cached_names(), std::memory_order_relaxed);
   } catch (const std::exception& error) {
     // The control path itself failed: nobody can be told, so stop here.
     stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());
     return false;
   }
   if (outcome.abort_rank >= 0) {
-    stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message);
+    stop_everything("rank " + std::to_string(outcome.abort_rank) + " failed: " + outcome.abort_message,
+                    outcome.abort_rank);
     return false;
   }
   bool credit_news = false;

@@ -68,8 +68,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     applied_settings_ = outcome.root_settings;
   }
   for (const TensorFailure& failure : outcome.failures) {
-    logger_.log(LogLevel::kError, failure.message);
-    finish_tensor(failure.local_id, failure.message);
+    finish_failed(failure);
   }
   const uint64_t now_us = timeline_.stamp_us();
   std::vector<const char**> queued_phases;

@@ -300,3 +300,92 @@ TEST_CASE(inline_payload_of_the_wrong_size_is_rejected) {
   world.ranks[1].announce(spec("small", 2), std::string(8, 'x'));
   EXPECT_THROWS(world.cycle(), CommError, "inline payload of 7 bytes for 'small'");
 }
+
+TEST_CASE(a_refusal_fails_the_tensor_on_every_rank_naming_the_rank_and_reason) {
+  World world(3);
+  world.ranks[0].announce(spec("g", 4), {}, 7);
+  world.ranks[1].refuse("g", "op=\"average\" needs a floating dtype");
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) EXPECT(outcome.failures.empty());  // rank 2 has not submitted
+  world.ranks[2].announce(spec("g", 4), {}, 9);
+  outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) {
+    EXPECT(outcome.agreed.empty());
+    EXPECT_EQ(outcome.failures.size(), 1u);
+    EXPECT_EQ(outcome.failures[0].refused_by, 1);
+    EXPECT(outcome.failures[0].message.find("'g' was refused on rank 1: op=\"average\" needs a floating dtype") !=
+           std::string::npos);
+  }
+  EXPECT_EQ(outcomes[0].failures[0].local_id, 7u);
+  EXPECT_EQ(outcomes[1].failures[0].local_id, kNoLocalTensor);
+  EXPECT_EQ(outcomes[2].failures[0].local_id, 9u);
+  for (const Agreement& rank : world.ranks) EXPECT(!rank.waiting_on_others());
+  // The name is free again on every rank.
+  for (Agreement& rank : world.ranks) rank.announce(spec("g", 4));
+  for (const CycleOutcome& outcome : world.cycle()) EXPECT(names(outcome) == std::vector<std::string>{"g"});
+}
+
+TEST_CASE(a_refusing_rank_that_submits_again_ends_its_refusal_for_the_ranks_that_reported) {
+  World world(3);
+  world.ranks[0].announce(spec("g", 4), {}, 1);
+  world.ranks[1].refuse("g", "bad root");
+  world.ranks[1].announce(spec("g", 4), {}, 2);  // fixed, before rank 2 submitted
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT_EQ(outcomes[0].failures.size(), 1u);
+  EXPECT_EQ(outcomes[0].failures[0].local_id, 1u);
+  world.ranks[0].announce(spec("g", 4), {}, 3);
+  world.ranks[2].announce(spec("g", 4), {}, 4);
+  outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) EXPECT(names(outcome) == std::vector<std::string>{"g"});
+  EXPECT(outcomes[1].agreed_ids == std::vector<uint64_t>{2});
+}
+
+TEST_CASE(overlong_names_and_messages_are_cut_or_rejected) {
+  World world(2);
+  world.ranks[0].refuse("x", std::string(200000, 'r'));  // a message is cut to fit, not malformed
+  world.ranks[1].announce(spec("x", 1));
+  const std::vector<CycleOutcome> outcomes = world.cycle();
+  EXPECT_EQ(outcomes[1].failures.size(), 1u);
+  Agreement receiver(0, 2);
+  Agreement sender(1, 2);
+  sender.announce(spec(std::string(kMaxTensorNameBytes + 1, 'n'), 1));
+  EXPECT_THROWS(receiver.apply({receiver.build_report({}), sender.build_report({})}, 0), CommError, "string of");
+}
+
+TEST_CASE(the_name_cache_forgets_the_least_recently_agreed_names_alike_on_every_rank) {
+  const size_t cap = 8;
+  std::vector<Agreement> ranks;
+  for (int r = 0; r < 3; ++r) ranks.emplace_back(r, 3, cap);
+  std::mt19937 random(11);
+  std::vector<std::string> agreed_names;
+  // A few names used every round stay cached while a stream of new names passes through.
+  for (int round = 0; round < 200; ++round) {
+    std::vector<std::string> batch = {"hot0", "hot1", "new" + std::to_string(round)};
+    if (round % 3 == 0) batch.push_back("new" + std::to_string(random() % (round + 1)));  // an old one, maybe forgotten
+    std::sort(batch.begin(), batch.end());
+    batch.erase(std::unique(batch.begin(), batch.end()), batch.end());
+    std::vector<std::string> reports;
+    for (Agreement& rank : ranks) {
+      std::vector<std::string> order = batch;
+      std::shuffle(order.begin(), order.end(), random);
+      for (const std::string& name : order) rank.announce(spec(name, name.size()));
+      reports.push_back(rank.build_report({}));
+    }
+    std::vector<std::vector<std::string>> outcomes;
+    for (Agreement& rank : ranks) outcomes.push_back(names(rank.apply(reports, 0)));
+    for (size_t r = 1; r < ranks.size(); ++r) EXPECT(outcomes[r] == outcomes[0]);
+    std::vector<std::string> sorted = outcomes[0];
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT(sorted == batch);
+    for (const Agreement& rank : ranks) EXPECT(rank.cached_names() <= cap);
+  }
+  // The hot names travel as cached ids: a report of both is far smaller than their names.
+  for (Agreement& rank : ranks) {
+    rank.announce(spec("hot0", 4));
+    rank.announce(spec("hot1", 4));
+  }
+  std::vector<std::string> reports;
+  for (Agreement& rank : ranks) reports.push_back(rank.build_report({}));
+  EXPECT(reports[0].size() <= 14u);
+  for (Agreement& rank : ranks) EXPECT_EQ(rank.apply(reports, 0).agreed.size(), 2u);
+}

@@ -72,19 +72,25 @@ def stall_shutdown() -> None:
     if commsched.rank() != 1:
         try:
             commsched.allreduce(np.ones(2), "never", timeout=60)
-        except commsched.CommschedError as error:
+        except commsched.RankFailure as error:  # pending when it stopped
             assert "never" in str(error) and "not on ranks 1" in str(error), error
+            assert isinstance(error.rank, int), error.rank
         else:
             raise AssertionError("a stalled tensor completed")
     else:
         while commsched.is_initialized() and time.monotonic() - started < 60:
             time.sleep(0.05)
+    # Submitted after the stop: the same class as a handle pending at the stop, on every path.
+    for submit in (commsched.allreduce, commsched.allreduce_async):
         try:
-            commsched.allreduce(np.ones(2), "never", timeout=60)
-        except ValueError as error:
+            submit(np.ones(2), "never")
+        except commsched.RankFailure as error:
             assert "not running" in str(error) and "stall" in str(error).lower(), error
+            assert isinstance(error, commsched.NotRunningError) and isinstance(
+                error, commsched.CommschedError
+            )
         else:
-            raise AssertionError("rank 1 could still submit after the stall shutdown")
+            raise AssertionError("a rank could still submit after the stall shutdown")
     assert time.monotonic() - started < 30, "the stall shutdown took too long"
     commsched.shutdown()
 
@@ -97,8 +103,9 @@ def shutdown_pending() -> None:
         commsched.shutdown()
         try:
             handle.wait(timeout=10)
-        except commsched.CommschedError as error:
+        except commsched.NotRunningError as error:
             assert "shutdown() was called on rank 0" in str(error) and "orphan" in str(error), error
+            assert not isinstance(error, commsched.RankFailure), "a clean shutdown is no rank's failure"
         else:
             raise AssertionError("a pending handle completed although rank 1 never submitted it")
     else:
@@ -107,7 +114,7 @@ def shutdown_pending() -> None:
             time.sleep(0.02)
         try:
             commsched.allreduce_async(np.ones(2), "orphan")
-        except ValueError as error:
+        except commsched.NotRunningError as error:
             assert "shutdown() was called on rank 0" in str(error), error
         else:
             raise AssertionError("rank 1 could submit after rank 0 shut down")

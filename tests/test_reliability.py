@@ -1,0 +1,231 @@
+"""Reliability: memory safety of dropped handles, refusals that reach every rank, the error
+hierarchy, clear messages for bad input, no half-started state, bounded per-name state."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpirun import run_ranks
+
+import commsched
+from commsched import _core
+from commsched.config import SettingError, parse_size, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_CACHED_NAMES = 16384  # kDefaultMaxCachedNames in csrc/core/agreement.h
+
+
+@pytest.fixture
+def runtime():
+    """A loopback runtime, shut down after the test."""
+    commsched.init(transport="loopback")
+    yield
+    commsched.shutdown()
+
+
+def _ranks(scenario: str, ranks: int, *args: str, timeout: float = 180) -> None:
+    pytest.importorskip("mpi4py")
+    result = run_ranks(ranks, "reliability_scenarios.py", scenario, *args, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == ranks, result.stdout + result.stderr
+
+
+# 1. Use after free
+
+
+def test_dropped_handles_never_write_into_freed_memory() -> None:
+    """numpy, torch, broadcast and the one-call path, dropped in flight: new arrays stay intact."""
+    pytest.importorskip("torch")
+    _ranks("dropped_handles", 2)
+
+
+def test_owners_are_released_once_collectives_finish(runtime: None) -> None:
+    """The core keeps owners only while their collectives run; a dropped array goes once done."""
+    dropped = np.ones(1 << 16, np.float32)
+    commsched.allreduce_async(dropped, "dropped")
+    kept = commsched.allreduce_async(np.ones(4), "kept")
+    kept.wait(timeout=10)
+    commsched.allreduce(np.ones(1), "settle")
+    assert _core.kept_owners() == 0
+    assert sys.getrefcount(dropped) == 2  # this frame and getrefcount's argument: the core let go
+    handles = [commsched.allreduce_async(np.ones(8), f"many{i}") for i in range(500)]
+    del handles
+    gc.collect()
+    commsched.allreduce(np.ones(1), "settle again")
+    assert _core.kept_owners() == 0
+
+
+# 2. A refusal on one rank reaches every rank
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_refusal_on_one_rank_fails_every_rank_at_once(ranks: int) -> None:
+    """Integer average, a root that is no rank, a read-only array: on one rank only."""
+    _ranks("refused_on_one_rank", ranks)
+
+
+# 3. Tensor names are limited
+
+
+@pytest.mark.parametrize("length", [4097, 70_000])
+def test_overlong_name_is_refused_at_submit_naming_the_limit(runtime: None, length: int) -> None:
+    """A name past 4 KiB is refused where it is submitted; commsched keeps running."""
+    for submit in (commsched.allreduce, commsched.allreduce_async):
+        with pytest.raises(
+            ValueError, match=f"is {length} bytes long; tensor names are limited to 4096 bytes"
+        ):
+            submit(np.ones(2), "n" * length)
+    assert commsched.allreduce(np.ones(2), "n" * 4096).tolist() == [1.0, 1.0]
+    assert _core.running()
+
+
+# 4. Scalars
+
+
+def test_zero_dim_arrays_are_reduced_and_scalars_refused() -> None:
+    """0-d numpy arrays and torch tensors reduce in place on every rank; np.float64(2.5) is refused."""
+    pytest.importorskip("torch")
+    _ranks("zero_dim", 2)
+
+
+@pytest.mark.parametrize("scalar", [np.float64(2.5), np.int32(3), 2.5, 7], ids=repr)
+def test_immutable_scalars_are_refused_with_the_fix(runtime: None, scalar: object) -> None:
+    """A value with no memory to write into is refused, saying what to pass instead."""
+    for submit in (commsched.allreduce, commsched.allreduce_async):
+        with pytest.raises(TypeError, match="immutable.*1-element or 0-d array"):
+            submit(scalar, "scalar")
+
+
+# 5. One exception hierarchy
+
+
+def test_runtime_errors_form_one_hierarchy() -> None:
+    """Every runtime failure is a CommschedError; argument errors stay TypeError/ValueError."""
+    assert issubclass(commsched.CommschedError, RuntimeError)
+    assert issubclass(commsched.CollectiveError, commsched.CommschedError)
+    assert issubclass(commsched.NotRunningError, commsched.CommschedError)
+    assert issubclass(commsched.RankFailure, commsched.NotRunningError)
+    assert not issubclass(commsched.NotRunningError, ValueError)
+    for call in (
+        lambda: commsched.allreduce_async(np.ones(2), "early"),
+        lambda: commsched.allreduce(np.ones(2), "early"),
+        lambda: commsched.broadcast(np.ones(2), 0, "early"),
+        commsched.config,
+        commsched.rank,
+    ):
+        with pytest.raises(commsched.NotRunningError, match=r"needs commsched.init\(\) first") as caught:
+            call()
+        assert caught.value.rank is None
+
+
+def test_submitting_after_shutdown_is_not_running() -> None:
+    """After shutdown() every path raises NotRunningError, not ValueError."""
+    commsched.init(transport="loopback")
+    commsched.shutdown()
+    for call in (
+        lambda: commsched.allreduce_async(np.ones(2), "late"),
+        lambda: commsched.allreduce(np.ones(2), "late"),
+        lambda: commsched.reconfigure(policy="fifo"),
+    ):
+        with pytest.raises(commsched.NotRunningError):
+            call()
+
+
+# 6. Clear messages
+
+
+def test_object_dtype_names_the_dtype(runtime: None) -> None:
+    """An object array says its dtype is unsupported, not that int() failed."""
+    with pytest.raises(TypeError, match=r"tensor 'objects': dtype object .*not supported"):
+        commsched.allreduce(np.array([1, "a"], dtype=object), "objects")
+
+
+def test_huge_sizes_roots_and_fractional_bytes_are_refused_by_name(runtime: None) -> None:
+    """Sizes past 2**62, roots past 32 bits and fractional byte counts name the setting or argument."""
+    with pytest.raises(
+        SettingError, match=r"init\(partition_bytes=...\): 99999999999999999999999 is not valid"
+    ):
+        resolve({"partition_bytes": 99999999999999999999999}, {})
+    with pytest.raises(
+        SettingError, match=r"COMMSCHED_CREDIT_BYTES: '1.5' is not valid \(1.5 bytes is not a whole"
+    ):
+        resolve({}, {"COMMSCHED_CREDIT_BYTES": "1.5"})
+    assert parse_size("1.5MiB") == 1572864 and parse_size("0.1KB") == 100
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_size("1.0001KiB")
+    for root in (2**40, -(2**40)):
+        with pytest.raises(
+            ValueError, match=f"root of 'b' is {root}, which is not a rank; use a rank between 0 and 0"
+        ):
+            commsched.broadcast(np.ones(2), root, "b")
+    with pytest.raises(TypeError, match="root of 'b' must be a rank number"):
+        commsched.broadcast(np.ones(2), 0.0, "b")  # type: ignore[arg-type]
+
+
+def test_numpy_integer_priorities_are_taken_and_bools_refused(runtime: None) -> None:
+    """np.int64 works as a priority or root; True and np.True_ are refused on every path."""
+    assert commsched.allreduce(np.ones(2), "p", priority=np.int64(3)).tolist() == [1.0, 1.0]
+    commsched.allreduce_async(np.ones(2), "pa", priority=np.int32(-2)).wait(timeout=10)
+    commsched.broadcast(np.ones(2), np.int64(0), "r")
+    for flag in (True, np.True_):
+        for submit in (commsched.allreduce, commsched.allreduce_async):
+            with pytest.raises(TypeError, match="priority of 'p' must be a 32-bit integer, not the boolean"):
+                submit(np.ones(2), "p", priority=flag)
+
+
+def test_bench_without_mpi4py_says_what_to_install() -> None:
+    """commsched-bench allreduce where mpi4py cannot be imported: the fix, not a traceback."""
+    program = (
+        "import sys; sys.modules['mpi4py'] = None\n"  # makes `import mpi4py` fail as if not installed
+        "from commsched.bench.cli import main\n"
+        "sys.exit(main(['allreduce']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "needs mpi4py" in result.stderr and "pip install mpi4py" in result.stderr, result.stderr
+    assert "--transport grpc" in result.stderr and "--transport gloo" in result.stderr
+
+
+# 7. No half-started state
+
+
+def test_failed_autotune_log_leaves_commsched_not_initialised(tmp_path: Path) -> None:
+    """An unwritable COMMSCHED_AUTOTUNE_LOG fails init() naming it, and the next init() works."""
+    pytest.importorskip("optuna")
+    log = tmp_path / "missing-dir" / "trials.csv"
+    with pytest.raises(SettingError, match=f"COMMSCHED_AUTOTUNE_LOG='{log}': cannot write"):
+        commsched.init(transport="loopback", autotune=True, autotune_log=str(log))
+    assert not commsched.is_initialized() and not _core.running()
+    with pytest.raises(commsched.NotRunningError):
+        commsched.config()
+    commsched.init(transport="loopback")
+    commsched.shutdown()
+
+
+# 8. Bounded per-name state
+
+
+def test_name_cache_stays_bounded(runtime: None) -> None:
+    """Past the cache's size, distinct names stop growing the core's per-name state."""
+    names = MAX_CACHED_NAMES + 3000
+    for step in range(names):
+        commsched.allreduce(np.ones(1, np.float32), f"step{step}")
+    cached = commsched.stats()["cached_names"]
+    assert MAX_CACHED_NAMES * 3 // 4 <= cached <= MAX_CACHED_NAMES, cached
+    for step in range(names):  # every name again, forgotten or not
+        commsched.allreduce(np.ones(1, np.float32), f"step{step}")
+    assert commsched.stats()["cached_names"] <= MAX_CACHED_NAMES
+    assert commsched.stats()["completed_tensors"] == 2 * names
+
+
+def test_name_cache_forgets_alike_on_every_rank() -> None:
+    """Two ranks past the cache's size, then old and new names mixed in flight: results stay exact."""
+    _ranks("many_names", 2, str(MAX_CACHED_NAMES + 1000), str(MAX_CACHED_NAMES), timeout=400)
