@@ -16,7 +16,8 @@ pytest.importorskip("mpi4py")
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_device_collectives_are_exact(ranks: int, fake_nccl: tuple[Path, ctypes.CDLL]) -> None:
     """Both policies, partitioned and fused, average and broadcast, and a producer that writes late on a
-    side stream: every rank's every tensor equals the numpy reference."""
+    side stream: every rank's every tensor equals the numpy reference. A tensor the transport refuses on
+    one rank fails on every rank at once."""
     library = str(fake_nccl[0])
     # One GPU per rank, as NCCL wants: the fake shows as many devices as asked.
     env = {"COMMSCHED_NCCL_LIBRARY": library, "COMMSCHED_CUDART_LIBRARY": library, "FAKE_CUDA_DEVICES": "4"}
@@ -25,6 +26,7 @@ def test_device_collectives_are_exact(ranks: int, fake_nccl: tuple[Path, ctypes.
     assert result.returncode == 0, output
     assert result.stdout.count("DEVICE ALL OK") == ranks, output
     assert result.stdout.count("DEVICE OK late-producer") == ranks, output
+    assert result.stdout.count("DEVICE OK refusal") == ranks, output
 
 
 def test_cuda_aware_mpi_takes_device_buffers(fake_nccl: tuple[Path, ctypes.CDLL], tmp_path: Path) -> None:

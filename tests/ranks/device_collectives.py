@@ -106,6 +106,29 @@ def late_producer(size: int, rank: int, library: ctypes.CDLL, delay_us: int) -> 
     print(f"DEVICE OK late-producer fused={stats['fused_launches']}", flush=True)
 
 
+def refusal_reaches_every_rank(size: int, rank: int) -> None:
+    """A tensor the device transport refuses on one rank (on another GPU there) fails on every rank at
+    once, naming that rank, instead of leaving the others waiting for it."""
+    wrong = rank == size - 1
+    array = FakeCudaArray(np.ones(8, np.float32), stream=None, device_id=3 if wrong else None)
+    if wrong:
+        try:
+            commsched.allreduce_async(array, name="elsewhere")
+        except ValueError as error:
+            assert "cuda:3" in str(error), error
+        else:
+            raise AssertionError("a tensor on another GPU was accepted")
+    else:
+        handle = commsched.allreduce_async(array, name="elsewhere")
+        try:
+            handle.wait(20)  # far below COMMSCHED_STALL_SHUTDOWN
+        except commsched.CollectiveError as error:
+            assert error.rank == size - 1 and "cuda:3" in str(error), error
+        else:
+            raise AssertionError("the other ranks' collective did not fail")
+    print("DEVICE OK refusal", flush=True)
+
+
 def main() -> None:
     """Runs the cases named on the command line on this rank."""
     parser = argparse.ArgumentParser()
@@ -125,6 +148,7 @@ def main() -> None:
         if policy == "priority":
             average_and_broadcast(size, rank)
             late_producer(size, rank, library, args.delay_us)
+            refusal_reaches_every_rank(size, rank)
         commsched.shutdown()
     print("DEVICE ALL OK", flush=True)
 
