@@ -67,14 +67,17 @@ if mpi:
             "commsched._mpi",
             [
                 "csrc/transport/mpi/mpi_transport.cc",
+                "csrc/transport/mpi/cuda_aware_mpi.cc",
                 "csrc/transport/mpi/mpi_module.cc",
+                "csrc/transport/nccl/nccl_loader.cc",
+                "csrc/transport/nccl/cuda_objects.cc",
                 "csrc/core/elementwise.cc",
                 "csrc/core/types.cc",
             ],
             include_dirs=["csrc", *includes],
             library_dirs=libdirs,
             runtime_library_dirs=libdirs,
-            libraries=libs,
+            libraries=[*libs, "dl"],
             cxx_std=17,
             extra_compile_args=COMPILE_ARGS,
         )
@@ -86,7 +89,8 @@ else:
 extensions.append(
     Pybind11Extension(
         "commsched._nccl",
-        sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc")),
+        sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "transport" / "nccl").glob("*.cc"))
+        + ["csrc/core/elementwise.cc", "csrc/core/types.cc"],
         include_dirs=["csrc", "commsched/include"],
         libraries=["dl"],
         cxx_std=17,

@@ -57,9 +57,8 @@ class _State:
         self.unnamed = itertools.count()
         self.user_given: frozenset[str] = frozenset()  # settings the auto-tuner must leave alone
         self.tuner: Any = None  # commsched.autotune.Tuner while tuning
-        # The transport of GPU tensors (NCCL), told about each one as it is submitted; None while
-        # the transport takes host memory.
-        self.device_transport: Any = None
+        # True while the transport moves GPU memory (NCCL): host tensors are refused then.
+        self.device_memory = False
         # init() whose transport waits for the first tensor: (launch info, rank, size).
         self.pending: tuple[_launch.LaunchInfo, int, int] | None = None
 
@@ -166,13 +165,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     resolved = _state.settings
     assert resolved is not None
     kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
-    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device)
-    if kind == "nccl" and resolved.fusion_bytes:
-        # The core's fusion buffer is host memory and NCCL needs device memory: device tensors go
-        # unfused, each collective straight on the tensor's own memory.
-        if "fusion_bytes" in _state.user_given:
-            log.warning("COMMSCHED_FUSION_BYTES is ignored: the NCCL transport does not fuse GPU tensors")
-        resolved = dataclasses.replace(resolved, fusion_bytes=0)
+    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device, device_memory=cuda)
     rank, size = _probe_rank_size(core_kind, argument, info)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
@@ -191,7 +184,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     )
     _state.settings = resolved
     _state.transport = kind
-    _state.device_transport = argument if kind == "nccl" else None
+    _state.device_memory = core_kind == "device"
     _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
     _state.pending = None
 
@@ -205,6 +198,8 @@ def _start_pending(cuda: bool, device: int | None = None) -> None:
 
 def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:
     """Rank and size as the transport will see them, needed before the core starts (timeline path)."""
+    if core_kind == "device":  # NCCL around a host transport, which knows the ranks
+        return _probe_rank_size(argument[1], argument[2], info)
     if core_kind == "python":
         return argument.rank, argument.size
     if core_kind == "native":
@@ -229,7 +224,7 @@ def shutdown() -> None:
         _core.stop()
         _state.settings = None
         _state.pending = None
-        _state.device_transport = None
+        _state.device_memory = False
 
 
 atexit.register(shutdown)
@@ -295,8 +290,6 @@ def reconfigure(**settings: Any) -> None:
     current = config()
     merged = {name: current[name] for name in allowed}
     merged.update({name: value for name, value in settings.items() if value is not None})
-    if _state.device_transport is not None:
-        merged["fusion_bytes"] = 0  # GPU tensors are never fused (see init)
     resolved = _config.resolve(merged, environ={})
     with _state.lock:
         if _state.pending is not None and _state.settings is not None:
@@ -331,7 +324,7 @@ def _run_now(
     """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
     name = _checked_name(name, kind, op, root, priority)
     tuner = _state.tuner
-    if _state.pending is None and _state.device_transport is None and (tuner is None or not tuner.recording):
+    if _state.pending is None and not _state.device_memory and (tuner is None or not tuner.recording):
         limit = -1.0 if timeout is None else timeout
         if kind == "broadcast":
             done = _core.broadcast_buffer(array, name, root, priority, limit)
@@ -379,23 +372,25 @@ def _enqueue(
     view = buffers.view(array, name)
     if _state.pending is not None:
         _start_pending(view.on_gpu, view.device)
-    device_transport = _state.device_transport
     if _state.settings is not None:  # else the core's enqueue says to call init() first
-        _check_memory(view, name, device_transport is not None)
-    announce = device_transport if view.on_gpu else None
-    if announce is not None:
-        # Here, on the caller's thread: the event goes on the stream that produced the bytes.
-        announce.submitted(view, name, op)
-    try:
-        # A caller that waits next runs the core itself: waking the core's thread would only
-        # take a CPU from it.
-        core_handle = _core.enqueue(
-            name, view.address, view.count, view.dtype, op, kind, root, priority, wake_core=not waits_next
-        )
-    except BaseException:
-        if announce is not None:
-            announce.forget(view)
-        raise
+        _check_memory(view, name, _state.device_memory)
+    # A caller that waits next runs the core itself: waking the core's thread would only take a
+    # CPU from it. A GPU tensor's stream goes along: the core records there, on this thread, the
+    # point its collectives wait for.
+    core_handle = _core.enqueue(
+        name,
+        view.address,
+        view.count,
+        view.dtype,
+        op,
+        kind,
+        root,
+        priority,
+        wake_core=not waits_next,
+        device=view.on_gpu,
+        device_id=-1 if view.device is None else view.device,
+        stream=view.stream,
+    )
     tuner = _state.tuner
     if tuner is not None and tuner.recording:
         tuner.observe(name, view.count, view.dtype, priority, core_handle)
@@ -412,8 +407,8 @@ def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -
         )
     if not view.on_gpu and device_transport:
         raise TypeError(
-            f"tensor '{name}' is in host memory, but commsched runs the nccl transport, which moves GPU "
-            "memory only; move it to the GPU (tensor.cuda(), cupy.asarray), or use init(device='cpu') in a "
+            f"tensor '{name}' is in host memory, but commsched runs the {_state.transport} transport on GPU "
+            "memory (init(device='cuda')); move it to the GPU (tensor.cuda(), cupy.asarray), or use init(device='cpu') in a "
             "job whose tensors all stay on the CPU"
         )
 
@@ -434,7 +429,7 @@ def allreduce(
         type(name) is str
         and type(priority) is int
         and _state.pending is None
-        and _state.device_transport is None
+        and not _state.device_memory
         and _state.tuner is None
     ):
         done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)

@@ -330,10 +330,6 @@ class Tuner:
     def _start_search(self) -> tuple[int, dict[str, Any]]:
         subs = self._recorded
         fixed = dict(self.fixed)
-        if self.comm.settings().get("transport") == "nccl":
-            # GPU tensors are never fused (the fusion buffer is host memory): on NCCL every fusion
-            # size is the same setting, and trials spent on it would only repeat each other.
-            fixed["fusion_bytes"] = 0
         space = Space.for_model(fixed, max((s.nbytes for s in subs), default=0), sum(s.nbytes for s in subs))
         seeds: list[dict[str, Any]] = []
         layers = sim_layers(subs)

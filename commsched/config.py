@@ -224,10 +224,10 @@ def _check_consistency(settings: Settings) -> None:
         raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
     if settings.cycle_time <= 0 or settings.cycle_time > 1.0:
         raise SettingError("COMMSCHED_CYCLE_TIME must be above 0 and at most 1s; use e.g. 1ms")
-    if settings.device == "cuda" and settings.transport not in ("auto", "nccl"):
+    if settings.device == "cuda" and settings.transport not in ("auto", "nccl", "mpi"):
         raise SettingError(
-            f"COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl or auto, not {settings.transport} "
-            "(which moves host memory only)"
+            f"COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl, auto, or mpi (a CUDA-aware MPI), not "
+            f"{settings.transport} (which moves host memory only)"
         )
     if settings.device == "cpu" and settings.transport == "nccl":
         raise SettingError(

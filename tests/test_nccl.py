@@ -41,8 +41,7 @@ def test_nccl_on_the_real_gpu_or_skip() -> None:
 
     comm = _nccl.Communicator(api, _nccl.unique_id(api), 0, 1, 0)
     data = torch.arange(1000, dtype=torch.float32, device="cuda")
-    comm.submitted(data.data_ptr(), 4000, False, torch.cuda.current_stream().cuda_stream)
-    work = comm.allreduce(data.data_ptr(), 1000, "float32")
+    work = comm.allreduce(data.data_ptr(), 1000, "float32", stream=torch.cuda.current_stream().cuda_stream)
     while not work.test():
         pass
     assert torch.equal(data.cpu(), torch.arange(1000, dtype=torch.float32))
@@ -78,21 +77,18 @@ def test_fake_library_plumbing_through_the_core(nccl_env: ctypes.CDLL) -> None:
     try:
         data = FakeCudaArray(np.arange(5000, dtype=np.float32))
         commsched.allreduce(data, name="grad", timeout=30)
-        # The fake acts as two identical ranks: a sum doubles.
-        assert np.array_equal(data.host, 2 * np.arange(5000, dtype=np.float32))
+        assert np.array_equal(data.host, np.arange(5000, dtype=np.float32))  # one rank
         value = FakeCudaArray(np.ones(10, np.int64))
         commsched.broadcast(value, root=0, name="weights", timeout=30)
         assert commsched.config()["transport"] == "nccl"
     finally:
         commsched.shutdown()
     log = calls(nccl_env)
-    assert log[:2] == ["uniqueid", "init on device 0"], log
-    first = log.index("allreduce 5000 type 7 op 0 other")
+    assert "init on device 0" in log, log
+    first = next(i for i, c in enumerate(log) if c.startswith("allreduce 5000 type 7 op 0 "))
     # record at submit (main thread, the array's stream), wait on that same event, NCCL, completion event
-    assert log[first - 2 : first + 2] == [
-        "record ev1 on 0xabc main device 0",
-        "wait own ev1",
-        "allreduce 5000 type 7 op 0 other",
-        "record ev2 on own other device 0",
-    ], log
+    submit = log[first - 2]
+    assert submit.startswith("record ev") and submit.endswith("on 0xabc main device 0"), log
+    assert log[first - 1] == f"wait own {submit.split()[1]}", log
+    assert log[first + 1].startswith("record ev") and " on own " in log[first + 1], log
     assert "broadcast 10 root 0" in log and log[-1] == "destroy", log

@@ -65,16 +65,20 @@ def build(
     process_group: Any,
     settings: Any = None,
     device: int | None = None,
+    device_memory: bool = False,
 ) -> tuple[str, Any]:
     """Returns the (transport kind, argument) pair that commsched._core.start() takes.
 
-    `device`: the CUDA device for NCCL (None or -1: the local rank).
+    `device`: the CUDA device for NCCL or CUDA-aware MPI (None or -1: the local rank).
+    `device_memory`: the tensors live on a GPU (init(device="cuda")); MPI then needs CUDA support.
     """
     if kind == "loopback":
         return "loopback", None
     if kind == "mpi":
-        from commsched.transports.mpi import factory_and_handle
+        from commsched.transports.mpi import cuda_aware_build, factory_and_handle
 
+        if device_memory:
+            return cuda_aware_build(comm, launch.local_rank if device is None or device < 0 else device)
         return "native", factory_and_handle(comm)
     if kind == "gloo":
         from commsched.transports.gloo import GlooTransport
@@ -83,9 +87,9 @@ def build(
     if kind == "grpc":
         return "python", _grpc(launch, settings)
     if kind == "nccl":
-        from commsched.transports.nccl import NcclTransport
+        from commsched.transports import nccl
 
-        return "python", NcclTransport.from_launch(launch, comm, process_group, settings, device)
+        return nccl.build(launch, comm, process_group, settings, device)
     raise ValueError(f"unknown transport {kind!r}")
 
 

@@ -24,6 +24,23 @@ def factory_and_handle(comm: Any) -> tuple[Any, int]:
     return _mpi.transport_factory(), int(MPI._handleof(communicator))
 
 
+def cuda_aware_build(comm: Any, device: int) -> tuple[str, Any]:
+    """MPI on GPU memory: (kind, argument) for commsched._core.start(), if the MPI library is CUDA-aware."""
+    mpi_factory = factory_and_handle(comm)
+    from commsched import _mpi
+
+    if not _mpi.cuda_aware():
+        raise RuntimeError(
+            "init(device='cuda') with COMMSCHED_TRANSPORT=mpi needs a CUDA-aware MPI, but this MPI library does not "
+            "report CUDA support (MPIX_Query_cuda_support); use COMMSCHED_TRANSPORT=nccl for GPU tensors, or an MPI "
+            f"built with CUDA support (linked: {_mpi.library_version().splitlines()[0].strip()})"
+        )
+    from commsched.transports.nccl import library_candidates
+
+    maker = _mpi.CudaAwareMaker(library_candidates()[1], device)
+    return "device", (maker.capsule(), "native", mpi_factory, maker)
+
+
 def local_rank(comm: Any) -> int:
     """The rank among the processes of this host."""
     from mpi4py import MPI

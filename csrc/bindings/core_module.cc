@@ -78,6 +78,17 @@ std::unique_ptr<Transport> make_transport(const std::string& kind, py::object ar
     auto factory = reinterpret_cast<TransportFactory>(capsule.get_pointer());
     return factory(pair[1].cast<uint64_t>());
   }
+  if (kind == "device") {
+    // (maker capsule, control kind, control argument): the host transport first, then the device
+    // transport around it. The caller keeps the maker's owner alive during this call.
+    auto triple = argument.cast<py::tuple>();
+    auto capsule = triple[0].cast<py::capsule>();
+    if (std::string(capsule.name()) != kDeviceTransportMakerCapsule) {
+      throw UsageError("not a commsched device transport maker");
+    }
+    auto control = make_transport(triple[1].cast<std::string>(), triple[2]);
+    return static_cast<DeviceTransportMaker*>(capsule.get_pointer())->make(std::move(control));
+  }
   throw UsageError("unknown transport kind '" + kind + "'");
 }
 
@@ -169,7 +180,8 @@ PYBIND11_MODULE(_core, module) {
   module.def(
       "enqueue",
       [](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
-         const std::string& op, const std::string& kind, int root, int priority, bool wake_core) {
+         const std::string& op, const std::string& kind, int root, int priority, bool wake_core, bool device,
+         int device_id, std::optional<uintptr_t> stream) {
         TensorSpec spec;
         spec.name = name;
         spec.dtype = dtype_from_name(dtype);
@@ -178,10 +190,15 @@ PYBIND11_MODULE(_core, module) {
         spec.root = root;
         spec.count = count;
         spec.priority = priority;
-        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address), wake_core);
+        const Placement placement{device, device_id, device ? stream : std::nullopt};
+        return runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address), wake_core,
+                                                                  placement);
       },
       py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
-      py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, "Submits a collective on raw memory that the caller keeps alive.");
+      py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, py::arg("device") = false,
+      py::arg("device_id") = -1, py::arg("stream") = py::none(),
+      "Submits a collective on raw memory that the caller keeps alive; GPU memory says its device and the "
+      "stream that produces it (None: no ordering needed).");
 
   module.def(
       "reconfigure",

@@ -32,6 +32,8 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       transport_name_(transport_->name()),
       poll_interval_(transport_->poll_interval()),
       callers_drive_(transport_->any_thread()),
+      stages_fusion_(transport_->stages_fusion()),
+      transport_averages_(transport_->averages()),
       inline_limit_bytes_(transport_->host_memory()
                               ? std::min<uint64_t>(settings.inline_bytes, kInlineRoundBudgetBytes / size_)
                               : 0),
@@ -63,7 +65,8 @@ Runtime::~Runtime() {
   doorbell_->disconnect();
 }
 
-std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core) {
+std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core,
+                                              const Placement& placement) {
   if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
     throw UsageError("broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
                      " is not a rank; use a root between 0 and " + std::to_string(size_ - 1));
@@ -72,19 +75,33 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
     throw UsageError("allreduce of '" + spec.name + "': op=\"average\" needs a floating dtype, not " +
                      dtype_name(spec.dtype) + "; use op=\"sum\" for integers");
   }
+  try {
+    // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
+    transport_->prepare(spec, data, placement);
+  } catch (const std::invalid_argument& refused) {
+    throw UsageError("tensor '" + spec.name + "': " + refused.what());
+  }
   auto handle = std::make_shared<HandleState>(spec.name);
   {
-    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    std::unique_lock<std::mutex> lock(inbox_mutex_);
+    std::string refusal;
     if (stopped_ || shutdown_requested_) {
-      throw UsageError("commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
-                       "; call commsched.init() before submitting '" + spec.name + "'");
+      refusal = "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
+                "; call commsched.init() before submitting '" + spec.name + "'";
+    } else {
+      auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
+      if (inserted) {
+        inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
+      } else {
+        refusal = "tensor name '" + spec.name + "' is already in flight (" + it->second +
+                  "); wait for its handle before submitting it again, or give this one another name";
+      }
     }
-    auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
-    if (!inserted) {
-      throw UsageError("tensor name '" + spec.name + "' is already in flight (" + it->second +
-                       "); wait for its handle before submitting it again, or give this one another name");
+    if (!refusal.empty()) {
+      lock.unlock();
+      transport_->forget(data);
+      throw UsageError(refusal);
     }
-    inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
   }
   if (wake_core || !callers_drive_) wake_all();
   return handle;

@@ -66,7 +66,9 @@ class Runtime {
   // Submits a collective on `data` (in place). Thread-safe. Throws UsageError when the
   // name is already in flight or the runtime has stopped. `wake_core` false leaves the core's
   // thread asleep: for a caller that waits for the handle next and so runs the core itself.
-  std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data, bool wake_core = true);
+  // `placement` says where the bytes live (GPU tensors: the stream that produces them).
+  std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data, bool wake_core = true,
+                                       const Placement& placement = {});
 
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
@@ -111,8 +113,10 @@ class Runtime {
   };
   struct InFlight {
     Launch launch;
+    // Before `op`, so it outlives it: an op dropped unfinished (a failed job) ends its device work
+    // when destroyed, and only then may the memory it used go.
+    std::unique_ptr<FusionBuffer> fusion_buffer;  // null for an unfused launch
     std::unique_ptr<PendingOp> op;
-    std::vector<uint8_t> fusion_buffer;  // empty for an unfused launch
     void* wire_data = nullptr;
     uint64_t started_us = 0;
   };
@@ -147,6 +151,8 @@ class Runtime {
   // Launches whatever the agreed credit admits.
   void launch_ready();
   void launch(Launch launch);
+  // A pooled fusion buffer of at least `bytes`, allocated through the transport when none fits.
+  std::unique_ptr<FusionBuffer> take_fusion_buffer(size_t bytes);
   bool poll_in_flight();
   void finish(InFlight& done);
   void finish_tensor(uint64_t id, const std::string& error);
@@ -161,6 +167,8 @@ class Runtime {
   const std::string transport_name_;
   const std::chrono::microseconds poll_interval_;
   const bool callers_drive_;
+  const bool stages_fusion_;      // the transport copies fused segments itself (device streams)
+  const bool transport_averages_;  // the transport applies op="average" itself
   const uint64_t inline_limit_bytes_;  // tensors up to this size ride in the agreement report
   const Clock::duration cycle_;
   const double exchange_timeout_s_;
@@ -205,7 +213,8 @@ class Runtime {
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;
   uint64_t agreed_completed_bytes_ = 0;  // the least any rank has completed, per the last round
-  std::vector<std::vector<uint8_t>> buffer_pool_;
+  // Fusion buffers of finished launches, for the next ones (allocated through the transport).
+  std::vector<std::unique_ptr<FusionBuffer>> buffer_pool_;
   std::vector<uint64_t> inline_sum_, inline_addend_;  // complete_inline's scratch
   uint64_t next_tensor_id_ = 0;
   uint64_t completed_bytes_ = 0;

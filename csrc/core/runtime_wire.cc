@@ -123,6 +123,23 @@ void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::ve
   finish_tensor(id, "");
 }
 
+std::unique_ptr<FusionBuffer> Runtime::take_fusion_buffer(size_t bytes) {
+  // The pool's largest buffer first: a launch that fits reuses it, and one that does not replaces
+  // it, so the pool converges on buffers of the largest fused launch and allocates no more.
+  std::unique_ptr<FusionBuffer> buffer;
+  if (!buffer_pool_.empty()) {
+    auto largest = std::max_element(buffer_pool_.begin(), buffer_pool_.end(),
+                                    [](const auto& a, const auto& b) { return a->capacity() < b->capacity(); });
+    buffer = std::move(*largest);
+    buffer_pool_.erase(largest);
+  }
+  if (!buffer || buffer->capacity() < bytes) {
+    buffer.reset();  // freed before the bigger one is made: device memory may be tight
+    buffer = transport_->allocate_fusion_buffer(bytes);
+  }
+  return buffer;
+}
+
 void Runtime::launch_ready() {
   // The credit is what every rank has completed, so every rank pops the same units here.
   scheduler_.set_completed_bytes(agreed_completed_bytes_);
@@ -134,25 +151,31 @@ void Runtime::launch(Launch next) {
   flight.launch = std::move(next);
   const Launch& plan = flight.launch;
   const size_t elem_size = dtype_size(plan.dtype);
-  WireOp op{plan.kind, plan.dtype, plan.root, nullptr, plan.bytes / elem_size};
+  WireOp op;
+  op.kind = plan.kind;
+  op.dtype = plan.dtype;
+  op.op = plan.op;
+  op.root = plan.root;
+  op.count = plan.bytes / elem_size;
   if (plan.chunks.size() == 1) {
     const ChunkRef& chunk = plan.chunks.front();
     op.data = static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size;
   } else {
     // Fusion copies small tensors into one buffer so the latency is paid once.
-    if (!buffer_pool_.empty()) {
-      flight.fusion_buffer = std::move(buffer_pool_.back());
-      buffer_pool_.pop_back();
-    }
-    flight.fusion_buffer.resize(std::max<size_t>(plan.bytes, 1));
+    flight.fusion_buffer = take_fusion_buffer(std::max<size_t>(plan.bytes, 1));
+    char* buffer = static_cast<char*>(flight.fusion_buffer->data());
     size_t offset = 0;
     for (const ChunkRef& chunk : plan.chunks) {
       const size_t bytes = chunk.elem_count * elem_size;
-      transport_->copy(flight.fusion_buffer.data() + offset,
-                       static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size, bytes);
+      char* source = static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size;
+      if (stages_fusion_) {
+        op.fused.push_back(Segment{source, bytes});  // copied on the transport's stream, in order
+      } else {
+        transport_->copy(buffer + offset, source, bytes);
+      }
       offset += bytes;
     }
-    op.data = flight.fusion_buffer.data();
+    op.data = buffer;
   }
   flight.wire_data = op.data;
   flight.started_us = timeline_.stamp_us();
@@ -199,7 +222,7 @@ bool Runtime::poll_in_flight() {
 void Runtime::finish(InFlight& done) {
   const Launch& plan = done.launch;
   const size_t elem_size = dtype_size(plan.dtype);
-  if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage) {
+  if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage && !transport_averages_) {
     transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
   }
   const uint64_t now_us = timeline_.stamp_us();
@@ -208,9 +231,9 @@ void Runtime::finish(InFlight& done) {
   for (const ChunkRef& chunk : plan.chunks) {
     LocalTensor& tensor = tensors_.at(chunk.tensor_id);
     const size_t bytes = chunk.elem_count * elem_size;
-    if (!done.fusion_buffer.empty()) {
+    if (done.fusion_buffer && !stages_fusion_) {
       transport_->copy(static_cast<char*>(tensor.data) + chunk.elem_offset * elem_size,
-                       done.fusion_buffer.data() + offset, bytes);
+                       static_cast<char*>(done.fusion_buffer->data()) + offset, bytes);
     }
     offset += bytes;
     if (timeline_.enabled()) {
@@ -229,7 +252,7 @@ void Runtime::finish(InFlight& done) {
                            ",\"chunks\":[" + members + "]}");
     timeline_.counter("bytes in flight", now_us, static_cast<double>(bytes_in_flight_));
   }
-  if (!done.fusion_buffer.empty()) buffer_pool_.push_back(std::move(done.fusion_buffer));
+  if (done.fusion_buffer) buffer_pool_.push_back(std::move(done.fusion_buffer));
 }
 
 void Runtime::finish_tensor(uint64_t id, const std::string& error) {

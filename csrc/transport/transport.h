@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,13 +16,51 @@
 
 namespace commsched {
 
-// One collective on the wire. Allreduce always sums; the core applies "average" with scale().
+// A piece of a tensor in a fused launch, in the order it sits in the fusion buffer.
+struct Segment {
+  void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// One collective on the wire. Allreduce sums, unless the transport averages() itself; otherwise
+// the core applies "average" with scale().
 struct WireOp {
   CollectiveKind kind = CollectiveKind::kAllreduce;
   DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
   int root = 0;
-  void* data = nullptr;
+  void* data = nullptr;  // the tensor's own memory, or the fusion buffer of a fused launch
   uint64_t count = 0;
+  // A fused launch on a transport that stages_fusion(): the tensors' memory that goes in and out of
+  // `data`. Empty otherwise (the core has copied already).
+  std::vector<Segment> fused;
+};
+
+// Where a submitted tensor's bytes live and on which stream they are produced.
+struct Placement {
+  bool device = false;  // GPU memory
+  int device_id = -1;   // -1: the producer did not say
+  // The CUDA stream that produces the bytes; nullopt: no ordering needed (or host memory).
+  std::optional<uintptr_t> stream;
+};
+
+// Memory for fused launches, in the transport's memory space (host or device). The core keeps a
+// pool of them and asks for a bigger one when a launch outgrows what it holds.
+class FusionBuffer {
+ public:
+  virtual ~FusionBuffer() = default;
+  virtual void* data() = 0;
+  virtual size_t capacity() const = 0;
+};
+
+class HostFusionBuffer : public FusionBuffer {
+ public:
+  explicit HostFusionBuffer(size_t bytes) : bytes_(bytes) {}
+  void* data() override { return bytes_.data(); }
+  size_t capacity() const override { return bytes_.size(); }
+
+ private:
+  std::vector<uint8_t> bytes_;
 };
 
 // An operation in flight. test() returns true once the data is final; it throws
@@ -81,6 +120,25 @@ class Transport {
   // travel inside the agreement reports and are reduced there, without a collective of their own.
   virtual bool host_memory() const { return true; }
 
+  // Called on the submitting thread (any thread, concurrently with the core's), before the core
+  // sees the tensor: a device transport records there the point on the producer's stream that the
+  // collectives over this memory must wait for. Throws std::invalid_argument to refuse the tensor.
+  virtual void prepare(const TensorSpec& spec, void* data, const Placement& placement) {
+    (void)spec, (void)data, (void)placement;
+  }
+  // Drops what prepare() recorded, for a tensor the core then refused. Any thread.
+  virtual void forget(void* data) { (void)data; }
+
+  // Fusion buffers live in the transport's memory: host memory unless it says otherwise.
+  virtual std::unique_ptr<FusionBuffer> allocate_fusion_buffer(size_t bytes) {
+    return std::make_unique<HostFusionBuffer>(bytes);
+  }
+  // True when start() copies a fused launch's segments in and out itself, in order with the
+  // collective (a device stream): the core then neither copies nor waits between the steps.
+  virtual bool stages_fusion() const { return false; }
+  // True when start() applies ReduceOp::kAverage itself (NCCL's ncclAvg): the core never calls scale().
+  virtual bool averages() const { return false; }
+
   // Transports that can tell when a collective completes ring this; their poll interval
   // is then only a fallback.
   virtual void set_doorbell(std::shared_ptr<Doorbell> doorbell) { (void)doorbell; }
@@ -104,5 +162,14 @@ namespace commsched {
 // a factory through a capsule of this name: the module is loaded only when chosen.
 using TransportFactory = std::unique_ptr<Transport> (*)(uint64_t handle);
 inline constexpr const char* kTransportFactoryCapsule = "commsched.transport_factory";
+
+// A device transport (NCCL) moves the data and leaves the agreement, and its own bootstrap, to a
+// host transport it wraps. Its module hands the core one of these through a capsule of this name.
+class DeviceTransportMaker {
+ public:
+  virtual ~DeviceTransportMaker() = default;
+  virtual std::unique_ptr<Transport> make(std::unique_ptr<Transport> control) = 0;
+};
+inline constexpr const char* kDeviceTransportMakerCapsule = "commsched.device_transport_maker";
 
 }  // namespace commsched

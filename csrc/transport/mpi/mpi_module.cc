@@ -1,10 +1,12 @@
 // The `commsched._mpi` extension: the only part of commsched linked against libmpi,
 // so the core imports and runs (torchrun, Gloo, loopback) where MPI is absent.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "transport/mpi/cuda_aware_mpi.h"
 #include "transport/mpi/mpi_transport.h"
 
 namespace {
@@ -32,6 +34,22 @@ PYBIND11_MODULE(_mpi, module) {
       "transport_factory",
       [] { return pybind11::capsule(reinterpret_cast<void*>(&create_mpi_transport), commsched::kTransportFactoryCapsule); },
       "Returns a capsule holding the factory the core calls to build the MPI transport.");
+  module.def("cuda_aware", &commsched::mpi_is_cuda_aware,
+             "True when the MPI library reports CUDA support (MPIX_Query_cuda_support).");
+  pybind11::class_<commsched::CudaAwareMpiMaker>(module, "CudaAwareMaker",
+                                                 "Wraps the MPI transport for GPU memory (CUDA-aware MPI).")
+      .def(pybind11::init([](const std::vector<std::string>& cuda_candidates, int device) {
+             auto api = std::make_shared<commsched::nccl::Api>(commsched::nccl::Api::load_cuda(cuda_candidates));
+             return std::make_unique<commsched::CudaAwareMpiMaker>(std::move(api), device);
+           }),
+           pybind11::arg("cuda_candidates"), pybind11::arg("device"))
+      .def(
+          "capsule",
+          [](commsched::CudaAwareMpiMaker& maker) {
+            return pybind11::capsule(static_cast<commsched::DeviceTransportMaker*>(&maker),
+                                     commsched::kDeviceTransportMakerCapsule);
+          },
+          "The capsule commsched._core.start takes; valid while this maker lives (keep it referenced).");
   module.def(
       "library_version",
       [] {

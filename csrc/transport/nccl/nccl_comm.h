@@ -1,64 +1,46 @@
 // An NCCL communicator with its own CUDA stream. A tensor is announced with submitted() on the
 // thread that enqueues it, which records an event on that caller's stream; each collective over
-// the tensor later makes commsched's stream wait on that event, runs NCCL there and ends with an
-// event the core polls.
+// the tensor later makes commsched's stream wait on that event, runs NCCL there (with a fused
+// launch's copies in and out around it, on the same stream) and ends with an event the core polls.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
+#include <vector>
 
-#include "transport/nccl/nccl_loader.h"
+#include "core/types.h"
+#include "transport/transport.h"
+#include "transport/nccl/cuda_objects.h"
 
 namespace commsched::nccl {
 
-// Makes `device` current for the calling thread and restores the previous one on exit: the
-// current device is per thread, and the user's, the core's and the init thread all call in here.
-class DeviceGuard {
- public:
-  DeviceGuard(const Api& api, int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+class Communicator;
 
- private:
-  const Api& api_;
-  int previous_ = -1;
-};
-
-// A CUDA event, destroyed with the API that made it.
-class Event {
- public:
-  explicit Event(std::shared_ptr<const Api> api);
-  ~Event();
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  std::shared_ptr<const Api> api_;
-  cudaEvent_t event_ = nullptr;
-};
-
-// One collective on the communicator's stream; test() is a non-blocking event query.
+// One launch on the communicator's stream; test() is a non-blocking event query. Dropped before
+// its event completed (a failed job), it aborts the communicator, so no kernel keeps running on
+// memory that is about to be freed.
 class Work {
  public:
-  Work(std::shared_ptr<const Api> api, ncclComm_t comm, std::unique_ptr<Event> done);
+  Work(std::shared_ptr<Communicator> comm, std::unique_ptr<Event> done);
+  ~Work();
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
   bool test();  // true once the GPU finished; throws with NCCL's message if the communicator failed
 
  private:
-  std::shared_ptr<const Api> api_;
-  ncclComm_t comm_;
+  std::shared_ptr<Communicator> comm_;
   std::unique_ptr<Event> done_;
+  bool finished_ = false;
 };
 
-class Communicator {
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
-  // `unique_id` comes from rank 0's unique_id(), carried to every rank by the core's bootstrap.
+  // `unique_id` comes from rank 0's unique_id(), carried to every rank by the host transport.
   Communicator(std::shared_ptr<const Api> api, const std::string& unique_id, int rank, int size, int device);
   ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -66,51 +48,32 @@ class Communicator {
 
   // Called on the submitting thread before the core sees the tensor: records an event on `stream`
   // (the caller's stream, where the bytes are produced; nullopt: the producer says none is needed),
-  // which every later collective or copy over [data, data + bytes) waits on. `average` makes the
-  // allreduces over it use ncclAvg; throws std::invalid_argument if this NCCL lacks it (< 2.10).
+  // which every later collective or copy over [data, data + bytes) waits on. `average` needs
+  // ncclAvg; throws std::invalid_argument if this NCCL lacks it (< 2.10).
   void submitted(uintptr_t data, uint64_t bytes, bool average, std::optional<uintptr_t> stream);
   // Drops what submitted() recorded at `data`, for a tensor the core refused.
   void forget(uintptr_t data);
 
-  // In-place allreduce (SUM, or AVG for tensors submitted with average) / broadcast of `count`
-  // elements at `data`, which must lie in a submitted tensor: fusion buffers of the core are host
-  // memory and are refused, so fusion must be off for device tensors.
-  std::unique_ptr<Work> allreduce(uintptr_t data, uint64_t count, const std::string& dtype);
-  std::unique_ptr<Work> broadcast(uintptr_t data, uint64_t count, const std::string& dtype, int root);
-  // The core's copy hook: cudaMemcpyAsync on commsched's stream (after the source's submit event),
-  // then a stream synchronize, because the core uses the bytes as soon as this returns.
-  void copy(uintptr_t dst, uintptr_t src, uint64_t bytes);
-  // The core's average hook: a no-op for data NCCL already averaged; anything else is refused.
-  void scale(uintptr_t data, uint64_t count, const std::string& dtype, double divisor);
-  // Ends the communicator at once (NCCL's abort), for failures elsewhere in the job.
+  // Queues `op` on commsched's stream: for each piece of submitted memory, a wait on its submit
+  // event; then, for a fused launch, the copies into op.data, the collective, and the copies back
+  // out; then the event the returned Work polls. Nothing here waits for the GPU.
+  std::unique_ptr<Work> launch(const WireOp& op);
+  // Ends the communicator at once (NCCL's abort), for failures anywhere in the job.
   void abort();
+  // Throws with NCCL's message if the communicator failed asynchronously (a peer died), aborting it.
+  void check_async_error();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
   int version() const { return version_; }
+  const std::shared_ptr<const Api>& api() const { return api_; }
   bool supports_average() const { return version_ >= kNcclFirstVersionWithAvg; }
-  size_t submitted_count() const;  // tensors announced and not yet wholly started (for tests)
+  size_t submitted_count() const;  // tensors announced and not yet wholly launched (for tests)
 
  private:
-  // A tensor announced by submitted() and not yet wholly on the wire.
-  struct Submitted {
-    uintptr_t end = 0;
-    uint64_t bytes_left = 0;
-    bool average = false;
-    std::shared_ptr<Event> ready;  // null when the producer needs no ordering
-  };
-  // What one collective needs of its tensor.
-  struct Claim {
-    bool average = false;
-    std::shared_ptr<Event> ready;
-  };
-
-  // The submitted tensor holding `data`; `consume` bytes of it go on the wire now.
-  Claim claim(uintptr_t data, uint64_t consume, const char* what);
-  std::map<uintptr_t, Submitted>::iterator find(uintptr_t data);  // caller holds mutex_
-  void order_after(const Event* ready);
-  std::unique_ptr<Work> finish();
+  void wait_for(const Event* ready);
+  void copy_on_stream(void* dst, const void* src, uint64_t bytes);
 
   std::shared_ptr<const Api> api_;
   ncclComm_t comm_ = nullptr;
@@ -119,16 +82,12 @@ class Communicator {
   int size_;
   int device_;
   int version_ = 0;
-  bool aborted_ = false;
-
-  // submitted() runs on the callers' threads, everything else on the core's thread.
-  mutable std::mutex mutex_;
-  std::map<uintptr_t, Submitted> submitted_;  // by start address
-  std::multiset<uintptr_t> averaged_;          // chunks NCCL averaged, awaiting the core's scale()
+  std::atomic<bool> aborted_{false};
+  ReadyEvents ready_;
 };
 
-int nccl_dtype(const std::string& dtype);  // throws std::invalid_argument for unknown names
-size_t nccl_dtype_size(int type);
+int nccl_dtype(DType dtype);
 std::string unique_id(const Api& api);
+std::string version_text(int code);
 
 }  // namespace commsched::nccl

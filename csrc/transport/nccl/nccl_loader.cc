@@ -36,10 +36,33 @@ void bind(const SharedLibrary& library, Function& slot, const char* name) {
 
 }  // namespace
 
-Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates) {
+Api Api::load_cuda(const std::vector<std::string>& cuda_candidates) {
   Api api;
-  // The CUDA runtime first: NCCL needs it loaded, and a missing runtime is the likelier problem.
   api.cuda_library = SharedLibrary::open_first(cuda_candidates, "the CUDA runtime (libcudart)");
+  const SharedLibrary& c = *api.cuda_library;
+  bind(c, api.cudaGetDeviceCount, "cudaGetDeviceCount");
+  bind(c, api.cudaSetDevice, "cudaSetDevice");
+  bind(c, api.cudaGetDevice, "cudaGetDevice");
+  bind(c, api.cudaStreamCreateWithFlags, "cudaStreamCreateWithFlags");
+  bind(c, api.cudaStreamDestroy, "cudaStreamDestroy");
+  bind(c, api.cudaStreamWaitEvent, "cudaStreamWaitEvent");
+  bind(c, api.cudaStreamSynchronize, "cudaStreamSynchronize");
+  bind(c, api.cudaMemcpyAsync, "cudaMemcpyAsync");
+  bind(c, api.cudaMemcpy, "cudaMemcpy");
+  bind(c, api.cudaMalloc, "cudaMalloc");
+  bind(c, api.cudaFree, "cudaFree");
+  bind(c, api.cudaEventCreateWithFlags, "cudaEventCreateWithFlags");
+  bind(c, api.cudaEventRecord, "cudaEventRecord");
+  bind(c, api.cudaEventQuery, "cudaEventQuery");
+  bind(c, api.cudaEventSynchronize, "cudaEventSynchronize");
+  bind(c, api.cudaEventDestroy, "cudaEventDestroy");
+  bind(c, api.cudaGetErrorString, "cudaGetErrorString");
+  return api;
+}
+
+Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates) {
+  // The CUDA runtime first: NCCL needs it loaded, and a missing runtime is the likelier problem.
+  Api api = load_cuda(cuda_candidates);
   api.nccl_library = SharedLibrary::open_first(nccl_candidates, "NCCL (libnccl)");
   const SharedLibrary& n = *api.nccl_library;
   bind(n, api.ncclGetVersion, "ncclGetVersion");
@@ -51,20 +74,6 @@ Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector
   bind(n, api.ncclAllReduce, "ncclAllReduce");
   bind(n, api.ncclBroadcast, "ncclBroadcast");
   bind(n, api.ncclGetErrorString, "ncclGetErrorString");
-  const SharedLibrary& c = *api.cuda_library;
-  bind(c, api.cudaGetDeviceCount, "cudaGetDeviceCount");
-  bind(c, api.cudaSetDevice, "cudaSetDevice");
-  bind(c, api.cudaGetDevice, "cudaGetDevice");
-  bind(c, api.cudaStreamCreateWithFlags, "cudaStreamCreateWithFlags");
-  bind(c, api.cudaStreamDestroy, "cudaStreamDestroy");
-  bind(c, api.cudaStreamWaitEvent, "cudaStreamWaitEvent");
-  bind(c, api.cudaStreamSynchronize, "cudaStreamSynchronize");
-  bind(c, api.cudaMemcpyAsync, "cudaMemcpyAsync");
-  bind(c, api.cudaEventCreateWithFlags, "cudaEventCreateWithFlags");
-  bind(c, api.cudaEventRecord, "cudaEventRecord");
-  bind(c, api.cudaEventQuery, "cudaEventQuery");
-  bind(c, api.cudaEventDestroy, "cudaEventDestroy");
-  bind(c, api.cudaGetErrorString, "cudaGetErrorString");
   return api;
 }
 

@@ -76,12 +76,18 @@ struct Api {
   cudaError_t (*cudaStreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
   cudaError_t (*cudaStreamSynchronize)(cudaStream_t) = nullptr;
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, int, cudaStream_t) = nullptr;
+  cudaError_t (*cudaMemcpy)(void*, const void*, size_t, int) = nullptr;
+  cudaError_t (*cudaMalloc)(void**, size_t) = nullptr;
+  cudaError_t (*cudaFree)(void*) = nullptr;
   cudaError_t (*cudaEventCreateWithFlags)(cudaEvent_t*, unsigned) = nullptr;
   cudaError_t (*cudaEventRecord)(cudaEvent_t, cudaStream_t) = nullptr;
   cudaError_t (*cudaEventQuery)(cudaEvent_t) = nullptr;
+  cudaError_t (*cudaEventSynchronize)(cudaEvent_t) = nullptr;
   cudaError_t (*cudaEventDestroy)(cudaEvent_t) = nullptr;
   const char* (*cudaGetErrorString)(cudaError_t) = nullptr;
 
+  // The CUDA runtime alone (CUDA-aware MPI needs no NCCL); the NCCL entry points stay null.
+  static Api load_cuda(const std::vector<std::string>& cuda_candidates);
   // Loads both libraries from the first candidate path that opens; throws naming every try.
   static Api load(const std::vector<std::string>& nccl_candidates, const std::vector<std::string>& cuda_candidates);
   void check(ncclResult_t result, const char* what) const;  // throws std::runtime_error
