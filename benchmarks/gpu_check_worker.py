@@ -34,6 +34,7 @@ TIMEOUT_S = 60.0
 # Elements per ordinary check: odd, so no chunk or vector width divides it evenly.
 COUNT = 1031
 SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep before a late write: tens of milliseconds
+FAKE_WRITE_DELAY_US = 20_000  # the fake's producer writes this long after it is queued
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 Row = dict[str, Any]
 Submit = Callable[[Any], commsched.Handle]
@@ -125,25 +126,17 @@ class TorchKit:
 
 # -- arrays on the fake library ----------------------------------------------------------------
 class FakeKit:
-    """FakeCudaArray objects over host memory, written with the fake's cudaMemcpyAsync on a stream."""
+    """FakeCudaArray objects over host memory; late writes are the fake's delayed producer on a stream."""
 
     name = "fake"
 
     def __init__(self) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from fake_cuda import FakeCudaArray
+        import fake_cuda
 
-        self.array_type = FakeCudaArray
-        self.lib = ctypes.CDLL(os.environ["COMMSCHED_CUDART_LIBRARY"])
-        self.lib.cudaMemcpyAsync.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        self.lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        self._kept: list[Any] = []
+        self.fake_cuda = fake_cuda
+        self.array_type = fake_cuda.FakeCudaArray
+        self.lib = fake_cuda.declare(ctypes.CDLL(os.environ["COMMSCHED_CUDART_LIBRARY"]))
 
     def tidy(self) -> None:
         """Empties the fake's call log: it has room for a few hundred calls, and writes past its end after."""
@@ -188,11 +181,8 @@ class FakeKit:
         else:
             stream = 2
         device = np.zeros_like(host)
-        self._check(
-            self.lib.cudaMemcpyAsync(device.ctypes.data, host.ctypes.data, host.nbytes, 4, stream),
-            "cudaMemcpyAsync",
-        )
-        self._kept.append(host)  # the copy may still read it
+        # A producer "kernel" on that stream that writes the values only after FAKE_WRITE_DELAY_US.
+        self.fake_cuda.launch_write(self.lib, stream, device, host, FAKE_WRITE_DELAY_US)
         array = self.array(device, dtype, stream)
         return submit(array), lambda: self.values(array.host, dtype)
 
@@ -314,7 +304,9 @@ class Checks:
         self.fused()
         for place in self.kit.places():
             self.reduce("late write", "float32", "sum", 1 << 20, place)
-            self.reduce("late write", "bfloat16", "average", COUNT, place)
+            # CuPy has no bfloat16: its half-precision check is float16.
+            half = "float16" if place.endswith("(CuPy)") else "bfloat16"
+            self.reduce("late write", half, "average", COUNT, place)
         return self.rows
 
 
@@ -382,41 +374,27 @@ class _TorchRaw:
             self._dist.destroy_process_group()
 
 
-class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
-
-
 class _FakeRaw:
     """The fake library's own ncclAllReduce on a communicator of all ranks, called through ctypes."""
 
     name = "fake ncclAllReduce"
 
     def __init__(self, kit: FakeKit, rank: int, size: int) -> None:
-        lib = ctypes.CDLL(os.environ["COMMSCHED_NCCL_LIBRARY"])
+        lib, fake = kit.lib, kit.fake_cuda
         self._lib, self._kit = lib, kit
-        lib.ncclCommInitRank.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_int,
-            _UniqueId,
-            ctypes.c_int,
-        ]
-        lib.ncclAllReduce.argtypes = (
-            [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
-        )
-        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cudaSetDevice(ctypes.c_int(commsched.local_rank()))  # the device commsched uses too
-        unique = _UniqueId()
-        if rank == 0:
-            lib.ncclGetUniqueId(ctypes.byref(unique))
+        lib.cudaSetDevice(commsched.local_rank())  # the device commsched uses too
+        unique = fake.unique_id(lib) if rank == 0 else b""
         if size > 1:
             from mpi4py import MPI
 
-            unique = _UniqueId.from_buffer_copy(MPI.COMM_WORLD.bcast(bytes(unique), root=0))
+            unique = MPI.COMM_WORLD.bcast(unique, root=0)
         self._comm = ctypes.c_void_p()
-        FakeKit._check(lib.ncclCommInitRank(ctypes.byref(self._comm), size, unique, rank), "ncclCommInitRank")
-        stream = ctypes.c_void_p()
-        FakeKit._check(lib.cudaStreamCreateWithFlags(ctypes.byref(stream), 1), "cudaStreamCreateWithFlags")
-        self._stream = stream
+        status = lib.ncclCommInitRank(ctypes.byref(self._comm), size, fake.unique_id_from(unique), rank)
+        FakeKit._check(status, "ncclCommInitRank")
+        self._stream = ctypes.c_void_p()
+        FakeKit._check(
+            lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), 1), "cudaStreamCreateWithFlags"
+        )
 
     def array(self, count: int) -> Any:
         """A float32 FakeCudaArray of `count` elements."""
@@ -431,8 +409,9 @@ class _FakeRaw:
         FakeKit._check(self._lib.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
     def close(self) -> None:
-        """Destroys the raw communicator."""
+        """Destroys the raw communicator and its stream."""
         self._lib.ncclCommDestroy(self._comm)
+        self._lib.cudaStreamDestroy(self._stream)
 
 
 def sweep(kit: Any, raw: Any, largest: int, fake: bool) -> list[Row]:

@@ -129,32 +129,40 @@ def training_device(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return "cuda" if on_gpu is not None else "cpu"
 
 
+def _running_memory() -> str:
+    """What the running transport moves: "cuda" (NCCL, CUDA-aware MPI), "cpu", or "auto" (not chosen yet)."""
+    settings = commsched.config()
+    transport = str(settings["transport"])
+    if transport.startswith("auto"):
+        return "auto"  # the first tensor submitted chooses the transport, so it will fit
+    return "cuda" if transport == "nccl" or settings.get("device") == "cuda" else "cpu"
+
+
 def check_transport(device: str, example: str) -> None:
     """Refuses gradients on `device` when the running transport cannot move them, naming `example`."""
-    transport = str(commsched.config()["transport"])
-    if transport.startswith("auto"):
-        return  # the first tensor chooses the transport, so it will fit
-    if device == "cuda" and transport != "nccl":
+    memory = _running_memory()
+    if memory in ("auto", device):
+        return
+    transport = commsched.config()["transport"]
+    if device == "cuda":
         raise TypeError(
             f"commsched.torch: parameter '{example}' is on a GPU, but commsched runs the {transport} "
-            "transport, which moves host memory only; start commsched with init(device='cuda') (or let "
+            "transport on host memory; start commsched with init(device='cuda') (or let "
             "DistributedOptimizer start it: do not call commsched.init first), or train on the CPU"
         )
-    if device == "cpu" and transport == "nccl":
-        raise TypeError(
-            f"commsched.torch: parameter '{example}' is on the CPU, but commsched runs the nccl transport, "
-            "which moves GPU memory only; move the model to the GPU (model.to('cuda')) or start commsched "
-            "with init(device='cpu')"
-        )
+    raise TypeError(
+        f"commsched.torch: parameter '{example}' is on the CPU, but commsched runs the {transport} transport "
+        "on GPU memory; move the model to the GPU (model.to('cuda')) or start commsched with init(device='cpu')"
+    )
 
 
 def wire_device(tensors: Iterable[torch.Tensor]) -> torch.device:
-    """Where collective bytes must live under the running transport: a GPU for NCCL, else the CPU."""
+    """Where collective bytes must live under the running transport: a GPU for GPU transports, else the CPU."""
     on_gpu = next((t.device for t in tensors if t.is_cuda), None)
-    transport = str(commsched.config()["transport"])
-    if transport == "nccl":
+    memory = _running_memory()
+    if memory == "cuda":
         return on_gpu if on_gpu is not None else torch.device("cuda", torch.cuda.current_device())
-    if transport.startswith("auto"):  # the first tensor submitted chooses: keep GPU tensors there
+    if memory == "auto":  # keep GPU tensors where they are: the first one makes the transport NCCL
         return on_gpu if on_gpu is not None else torch.device("cpu")
     return torch.device("cpu")
 
