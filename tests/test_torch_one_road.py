@@ -28,6 +28,7 @@ import commsched
 from commsched import buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
+from fake_gpu import CudaParameter, claim_cuda, device_view
 from torch_common import Net, data, max_difference, shard, skips
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce_coalesced", "reduce")
@@ -68,35 +69,10 @@ def submitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, int]
     return seen
 
 
-class CudaParameter(torch.nn.Parameter):
-    """A parameter that says it lives on a GPU: the plug-in must treat it as a CUDA one."""
-
-    @property
-    def is_cuda(self) -> bool:  # type: ignore[override]
-        return True
-
-
-def _claim_cuda(model: torch.nn.Module) -> torch.nn.Module:
-    """Replaces every parameter of `model` with a CudaParameter holding the same values."""
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = CudaParameter(param.detach().clone(), param.requires_grad)
-    return model
-
-
 @pytest.fixture
 def torch_as_device_memory(nccl_env: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
     """commsched sees torch tensors as CUDA memory ready on the legacy default stream (the fake NCCL
     reduces host memory); yields the fake library's handle."""
-
-    def device_view(array: Any, name: str) -> buffers.BufferView | None:
-        if not isinstance(array, torch.Tensor):
-            return None
-        assert array.is_contiguous(), f"'{name}' reached commsched non-contiguous"
-        dtype = str(array.dtype).removeprefix("torch.")
-        return buffers.BufferView(array.data_ptr(), array.numel(), dtype, array, 0, buffers.LEGACY_STREAM)
-
     monkeypatch.setattr(buffers, "_gpu_view", device_view)
     return nccl_env
 
@@ -161,7 +137,7 @@ def test_cuda_gradients_go_through_commsched_nccl(
     the wire dtype when compressed) and the used counts travel through it; the weights equal a plain
     optimizer's (one rank: the average is the gradient itself)."""
     torch.manual_seed(0)
-    model = _claim_cuda(Net())
+    model = claim_cuda(Net())
     plain_model = copy.deepcopy(model)
     plain = torch.optim.Adam(plain_model.parameters(), lr=1e-2)
     wrapped = ct.DistributedOptimizer(
@@ -191,7 +167,7 @@ def test_cuda_broadcasts_go_through_commsched_nccl(
     """broadcast_parameters and broadcast_optimizer_state of CUDA tensors use commsched's broadcast; on
     one rank the state comes back unchanged, and Adam's step stays a CPU tensor."""
     torch.manual_seed(0)
-    model = _claim_cuda(Net())
+    model = claim_cuda(Net())
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()
@@ -238,7 +214,7 @@ def test_mixing_cpu_and_cuda_parameters_is_refused() -> None:
 def test_cuda_parameters_under_a_host_transport_are_refused() -> None:
     """commsched already running a host transport: CUDA parameters are refused with the fix, at once."""
     commsched.init(transport="loopback")
-    model = _claim_cuda(torch.nn.Linear(2, 2))
+    model = claim_cuda(torch.nn.Linear(2, 2))
     with pytest.raises(
         TypeError,
         match=r"'weight' is on a GPU, but commsched runs the loopback transport on host memory.*device='cuda'",
