@@ -25,9 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from xml.etree import ElementTree
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "gpu_check_worker.py"
