@@ -45,6 +45,14 @@ def test_mpiexec_three_ranks() -> None:
     _check(launch("mpiexec", 3, "equivalence.py", "--optimizers", "sgd,adamw"), ranks=3, configs=8)
 
 
+@needs_mpi
+def test_mpiexec_two_ranks_cuda_path_over_the_fake_nccl(fake_nccl: tuple[Path, object]) -> None:
+    """The CUDA path (CUDA parameters, commsched's NCCL transport, device fusion) on the fake library,
+    whose NCCL sums across the two processes: every mode, accumulation, clipping and compression."""
+    library = str(fake_nccl[0])
+    _check(launch("mpiexec", 2, "equivalence.py", "--extras", "--fake-gpu", library), ranks=2, configs=13)
+
+
 def test_torchrun_gloo_two_ranks() -> None:
     """Under torchrun: the Gloo transport, no MPI involved."""
     _check(launch("torchrun", 2, "equivalence.py", "--broadcast"), ranks=2, configs=8, broadcast=True)

@@ -7,8 +7,9 @@
 Each gradient goes to the scheduler the moment backward accumulates it; its priority is
 the position where the first forward pass reached its parameter. ``overlap_forward=True``
 applies each update as soon as its gradient is reduced and lets the next forward wait
-module by module. CPU tensors travel over the commsched core (MPI under mpiexec, Gloo
-under torchrun); CUDA tensors over the torch.distributed NCCL group, without scheduling.
+module by module. Every tensor travels over the commsched core: CPU ones over MPI (under
+mpiexec) or Gloo (under torchrun), CUDA ones over NCCL, with the same priorities, partitions
+and credit. CUDA parameters start commsched with device="cuda" unless it is already running.
 """
 
 from __future__ import annotations

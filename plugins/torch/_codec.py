@@ -21,6 +21,7 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
             "x": len(tensors) - 1,
             "dtype": str(value.dtype).removeprefix("torch."),
             "shape": list(value.shape),
+            "device": value.device.type,
         }
     if isinstance(value, _SCALARS):
         return value
@@ -42,14 +43,14 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps(skeleton, separators=(",", ":")).encode(), tensors
 
 
-def tensor_specs(skeleton: bytes) -> list[tuple[torch.dtype, list[int]]]:
-    """(dtype, shape) of each tensor the skeleton refers to, in index order."""
-    specs: dict[int, tuple[torch.dtype, list[int]]] = {}
+def _tensor_nodes(skeleton: bytes) -> list[dict[str, Any]]:
+    """The skeleton's tensor placeholders, in index order."""
+    nodes: dict[int, dict[str, Any]] = {}
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             if "x" in node:
-                specs[node["x"]] = (getattr(torch, node["dtype"]), node["shape"])
+                nodes[node["x"]] = node
             else:
                 for child in node.values():
                     walk(child)
@@ -58,7 +59,17 @@ def tensor_specs(skeleton: bytes) -> list[tuple[torch.dtype, list[int]]]:
                 walk(child)
 
     walk(json.loads(skeleton))
-    return [specs[i] for i in range(len(specs))]
+    return [nodes[i] for i in range(len(nodes))]
+
+
+def tensor_specs(skeleton: bytes) -> list[tuple[torch.dtype, list[int]]]:
+    """(dtype, shape) of each tensor the skeleton refers to, in index order."""
+    return [(getattr(torch, node["dtype"]), node["shape"]) for node in _tensor_nodes(skeleton)]
+
+
+def tensor_devices(skeleton: bytes) -> list[str]:
+    """The device type ("cpu", "cuda") each tensor had when encoded, in index order."""
+    return [node.get("device", "cpu") for node in _tensor_nodes(skeleton)]
 
 
 def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:

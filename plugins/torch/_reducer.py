@@ -9,7 +9,7 @@ parameter that no rank used keeps its gradient untouched (DDP's find_unused_para
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.torch import _guard, _wire
@@ -55,8 +55,9 @@ class ReducerOptions:
     op: str = "average"
     backward_passes_per_step: int = 1
     wire_dtype: torch.dtype | None = None
-    process_group: Any = None
     overlap: bool = False
+    # Where the used counts travel: the parameters' device (a GPU under NCCL, else the CPU).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: float | None = None
 
 
@@ -119,12 +120,7 @@ class Reducer:
         else:
             grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
         out = _wire.start_allreduce(
-            grad,
-            self.options.prefix + slot.label,
-            slot.priority,
-            self.options.op,
-            self.options.wire_dtype,
-            self.options.process_group,
+            grad, self.options.prefix + slot.label, slot.priority, self.options.op, self.options.wire_dtype
         )
         record = _Record(out, used, self._iteration)
         if used:
@@ -150,6 +146,7 @@ class Reducer:
         # The previous iteration's counts are long done by now; their name is about to be reused.
         self.finish_masks()
         name = f"{self.options.prefix}used"
+        counts = counts.to(self.options.device)
         self._masks[self._iteration] = _Mask(counts, _wire.start_allreduce(counts, name, -1, "sum"))
         self._iteration += 1
         self._closed = True
@@ -161,6 +158,7 @@ class Reducer:
         mask = self._masks[record.iteration]
         if not mask.done:
             mask.out.finish(self.options.timeout)
+            mask.counts = mask.counts.cpu()  # one copy, not one device read per parameter
             mask.done = True
         return bool(mask.counts[slot.index] > 0)
 

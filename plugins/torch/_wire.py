@@ -1,62 +1,33 @@
-"""Where a gradient's bytes go: the commsched core (CPU) or a torch.distributed NCCL group (CUDA).
+"""Where a tensor's bytes go: the commsched core, for CPU and CUDA tensors alike.
 
-CUDA tensors bypass the scheduler for now: the core has no NCCL transport yet, so they are
-reduced with ``dist.all_reduce(async_op=True)`` on the NCCL process group, launched in the
-order they are submitted (the same on every rank for the same graph). Priority, partition
-and credit do not apply to them. This file is the only place that knows about that path.
+There is one road. A CUDA gradient is submitted from its grad hook, where torch's current
+stream is the one that produced it; commsched records its ordering event on that stream at
+submit, so the collective (on commsched's own stream) runs after the kernel that wrote the
+gradient, with no host synchronisation. A handle completes only once the GPU finished the
+collective, so after wait() any stream, the current one included, may read the result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import commsched
 import torch
 
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-_CORE_DTYPES = {
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-}
-_CORE_DTYPES.add(torch.int8)
-
-
-class Work(Protocol):
-    """A reduction in flight."""
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until the reduction is done."""
-
-    def done(self) -> bool:
-        """True once the reduction finished."""
-
-
-class _DistWork:
-    """A torch.distributed Work seen as a commsched Handle."""
-
-    def __init__(self, work: Any, name: str) -> None:
-        self._work = work
-        self._name = name
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until done; raises if the collective failed."""
-        if timeout is not None:
-            import datetime
-
-            self._work.wait(datetime.timedelta(seconds=timeout))
-        else:
-            self._work.wait()
-        return None
-
-    def done(self) -> bool:
-        """True once the collective finished."""
-        return bool(self._work.is_completed())
+_CORE_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.int8,
+    }
+)
 
 
 def compression_dtype(compression: str | None) -> torch.dtype | None:
@@ -68,28 +39,40 @@ def compression_dtype(compression: str | None) -> torch.dtype | None:
 
 @dataclass
 class Outgoing:
-    """One tensor on the wire: `wire` is reduced, then copied back into `target` if they differ."""
+    """One tensor on the wire: `wire` is reduced, then copied back into `target` if they differ.
+
+    A temporary wire (a contiguous or compressed copy, or a copy on the transport's device) is
+    allocated on the current stream and then read and written by commsched's stream. The caching
+    allocator would hand its block to the next allocation on the current stream as soon as the
+    last reference went, even while commsched's stream still used it; ``wire.record_stream()`` is
+    the usual cure. It is not needed here: this object (and the handle) hold the wire until
+    finish(), and the handle completes only when the GPU finished the collective, so the block is
+    never freed while commsched's stream uses it, and its reuse is not delayed past that point.
+    """
 
     target: torch.Tensor
     wire: torch.Tensor
-    work: Work
+    work: commsched.Handle
 
     def finish(self, timeout: float | None = None) -> torch.Tensor:
         """Waits and returns `target` holding the reduced values."""
         self.work.wait(timeout)
         if self.wire is not self.target:
+            # Queued on the current stream; the collective already finished on the GPU, so no wait.
             self.target.copy_(self.wire)
         return self.target
 
 
 def _wire_tensor(
-    tensor: torch.Tensor, op: str, wire_dtype: torch.dtype | None, cuda: bool, size: int
+    tensor: torch.Tensor, op: str, wire_dtype: torch.dtype | None, device: torch.device | None
 ) -> tuple[torch.Tensor, str]:
     """The tensor that goes on the wire and the op to run on it (no copy when none is needed)."""
+    if device is not None and tensor.device != device:
+        tensor = tensor.to(device)
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
-        scaled = tensor / size if op == "average" else tensor
+        scaled = tensor / commsched.size() if op == "average" else tensor
         return scaled.to(wire_dtype).contiguous(), "sum"  # prescaled in full precision: no fp16 overflow
-    if not cuda and tensor.dtype not in _CORE_DTYPES:
+    if tensor.dtype not in _CORE_DTYPES:
         raise TypeError(f"commsched.torch cannot reduce {tensor.dtype} tensors; use a float or integer dtype")
     if not tensor.is_contiguous():
         return tensor.contiguous(), op
@@ -102,39 +85,96 @@ def start_allreduce(
     priority: int,
     op: str,
     wire_dtype: torch.dtype | None = None,
-    process_group: Any = None,
+    device: torch.device | None = None,
 ) -> Outgoing:
-    """Starts an in-place allreduce of `tensor`; the result lands in `tensor` on finish()."""
-    cuda = tensor.is_cuda
-    if cuda:
-        import torch.distributed as dist
+    """Starts an in-place allreduce of `tensor` through commsched; the result lands in it on finish().
 
-        wire, wire_op = _wire_tensor(tensor, op, wire_dtype, cuda, dist.get_world_size(process_group))
-
-        reduce_op = dist.ReduceOp.AVG if wire_op == "average" else dist.ReduceOp.SUM
-        work: Work = _DistWork(dist.all_reduce(wire, op=reduce_op, group=process_group, async_op=True), name)
-    else:
-        wire, wire_op = _wire_tensor(tensor, op, wire_dtype, cuda, commsched.size())
-        work = commsched.allreduce_async(wire, name=name, priority=priority, op=wire_op)
+    `device`: where the bytes must be for the running transport (None: where they are).
+    """
+    wire, wire_op = _wire_tensor(tensor, op, wire_dtype, device)
+    work = commsched.allreduce_async(wire, name=name, priority=priority, op=wire_op)
     return Outgoing(tensor, wire, work)
 
 
-def start_broadcast(tensor: torch.Tensor, name: str, root: int, process_group: Any = None) -> Outgoing:
-    """Starts an in-place broadcast of `tensor` from `root` (a commsched rank)."""
-    wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if tensor.dtype == torch.bool:
-        wire = tensor.to(torch.uint8)
-    if tensor.is_cuda:
-        import torch.distributed as dist
-
-        source = dist.get_global_rank(process_group, root) if process_group is not None else root
-        work: Work = _DistWork(dist.broadcast(wire, src=source, group=process_group, async_op=True), name)
-    else:
-        work = commsched.broadcast_async(wire, root=root, name=name)
+def start_broadcast(
+    tensor: torch.Tensor, name: str, root: int, device: torch.device | None = None
+) -> Outgoing:
+    """Starts an in-place broadcast of `tensor` from `root` (a commsched rank) through commsched."""
+    wire = tensor
+    if device is not None and wire.device != device:
+        wire = wire.to(device)
+    if wire.dtype == torch.bool:
+        wire = wire.to(torch.uint8)
+    if not wire.is_contiguous():
+        wire = wire.contiguous()
+    work = commsched.broadcast_async(wire, root=root, name=name)
     return Outgoing(tensor, wire, work)
 
 
-def ensure_initialized(process_group: Any = None) -> None:
-    """Starts commsched (transport chosen from the launcher) unless the user already did."""
-    if not commsched.is_initialized():
+def training_device(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """ "cuda" when the tensors live on GPUs, "cpu" when none does; ValueError naming one of each if mixed."""
+    on_gpu: str | None = None
+    on_cpu: str | None = None
+    for name, tensor in named:
+        if tensor.is_cuda:
+            on_gpu = name if on_gpu is None else on_gpu
+        else:
+            on_cpu = name if on_cpu is None else on_cpu
+    if on_gpu is not None and on_cpu is not None:
+        raise ValueError(
+            f"commsched.torch: parameter '{on_gpu}' is on a GPU but parameter '{on_cpu}' is on the CPU; "
+            "commsched moves either GPU memory (NCCL) or host memory in one job, not both. Move the whole "
+            "model to one device (model.to('cuda') or model.cpu()) before building the optimizer"
+        )
+    return "cuda" if on_gpu is not None else "cpu"
+
+
+def _running_memory() -> str:
+    """What the running transport moves: "cuda" (NCCL, CUDA-aware MPI), "cpu", or "auto" (not chosen yet)."""
+    settings = commsched.config()
+    transport = str(settings["transport"])
+    if transport.startswith("auto"):
+        return "auto"  # the first tensor submitted chooses the transport, so it will fit
+    return "cuda" if transport == "nccl" or settings.get("device") == "cuda" else "cpu"
+
+
+def check_transport(device: str, example: str) -> None:
+    """Refuses gradients on `device` when the running transport cannot move them, naming `example`."""
+    memory = _running_memory()
+    if memory in ("auto", device):
+        return
+    transport = commsched.config()["transport"]
+    if device == "cuda":
+        raise TypeError(
+            f"commsched.torch: parameter '{example}' is on a GPU, but commsched runs the {transport} "
+            "transport on host memory; start commsched with init(device='cuda') (or let "
+            "DistributedOptimizer start it: do not call commsched.init first), or train on the CPU"
+        )
+    raise TypeError(
+        f"commsched.torch: parameter '{example}' is on the CPU, but commsched runs the {transport} transport "
+        "on GPU memory; move the model to the GPU (model.to('cuda')) or start commsched with init(device='cpu')"
+    )
+
+
+def wire_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """Where collective bytes must live under the running transport: a GPU for GPU transports, else the CPU."""
+    on_gpu = next((t.device for t in tensors if t.is_cuda), None)
+    memory = _running_memory()
+    if memory == "cuda":
+        return on_gpu if on_gpu is not None else torch.device("cuda", torch.cuda.current_device())
+    if memory == "auto":  # keep GPU tensors where they are: the first one makes the transport NCCL
+        return on_gpu if on_gpu is not None else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def ensure_initialized(process_group: object = None, device: str | None = None) -> None:
+    """Starts commsched unless the user already did: with device="cuda" (NCCL) for GPU tensors.
+
+    `process_group` carries commsched's control messages (agreement, NCCL's unique id).
+    """
+    if commsched.is_initialized():
+        return
+    if device == "cuda":
+        commsched.init(process_group=process_group, device="cuda")
+    else:
         commsched.init(process_group=process_group)

@@ -24,66 +24,72 @@ def _named(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
     return items
 
 
+def _device_of(tensors: Iterable[Any]) -> str | None:
+    """ "cuda" when any of these tensors is on a GPU (commsched then starts on NCCL), else None."""
+    return "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) else None
+
+
 def broadcast_parameters(
     params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     root_rank: int = 0,
     process_group: Any = None,
 ) -> None:
     """Overwrites every tensor in `params` (a state_dict or named_parameters) with root_rank's values."""
-    _wire.ensure_initialized(process_group)
+    named = [(name, t) for name, t in _named(params) if isinstance(t, torch.Tensor)]  # skips _extra_state
+    _wire.ensure_initialized(process_group, _device_of(t for _, t in named))
+    device = _wire.wire_device(t for _, t in named)
     call = next(_calls)
-    pending = []
     with torch.no_grad():
-        for name, tensor in _named(params):
-            if not isinstance(tensor, torch.Tensor):
-                continue  # state_dict extras (e.g. _extra_state) are not tensors
-            data = tensor.detach()
-            pending.append(_wire.start_broadcast(data, f"torch.bcast{call}.{name}", root_rank, process_group))
+        pending = [
+            _wire.start_broadcast(t.detach(), f"torch.bcast{call}.{name}", root_rank, device)
+            for name, t in named
+        ]
         for out in pending:
-            out.work.wait()
-            if out.wire is not out.target:
-                out.target.copy_(out.wire)
+            out.finish()
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Makes every rank's optimizer state (hyper-parameters, momentum, moments) equal to root_rank's."""
-    _wire.ensure_initialized()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _wire.ensure_initialized(None, _device_of(params))
+    device = _wire.wire_device(params)  # under NCCL, even the skeleton travels in GPU memory
     call = next(_calls)
     prefix = f"torch.optstate{call}."
-    if commsched.rank() == root_rank:
-        skeleton, tensors = _codec.encode(optimizer.state_dict())
-    else:
-        skeleton, tensors = b"", []
-    length = torch.tensor([len(skeleton)], dtype=torch.int64)
-    commsched.broadcast(length, root=root_rank, name=prefix + "length")
-    text = torch.zeros(int(length.item()), dtype=torch.uint8)
-    if commsched.rank() == root_rank:
+    root = commsched.rank() == root_rank
+    skeleton, tensors = _codec.encode(optimizer.state_dict()) if root else (b"", [])
+    length = torch.tensor([len(skeleton)], dtype=torch.int64, device=device)
+    _wire.start_broadcast(length, prefix + "length", root_rank).finish()
+    text = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if root:
         text.copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-    commsched.broadcast(text, root=root_rank, name=prefix + "skeleton")
-    skeleton = bytes(text.numpy().tobytes())
-    if commsched.rank() == root_rank:
-        wires = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
+    _wire.start_broadcast(text, prefix + "skeleton", root_rank).finish()
+    skeleton = bytes(text.cpu().numpy().tobytes())
+    if root:
+        wires = [t.detach().to(device, copy=True) for t in tensors]
     else:
-        wires = [torch.empty(shape, dtype=dtype) for dtype, shape in _codec.tensor_specs(skeleton)]
+        wires = [
+            torch.empty(shape, dtype=dtype, device=device) for dtype, shape in _codec.tensor_specs(skeleton)
+        ]
     outs = [_wire.start_broadcast(w, f"{prefix}{i}", root_rank) for i, w in enumerate(wires)]
     for out in outs:
-        out.work.wait()
-        if out.wire is not out.target:
-            out.target.copy_(out.wire)
-    if commsched.rank() != root_rank:
-        # load_state_dict moves each state tensor to its parameter's device and dtype
-        optimizer.load_state_dict(_codec.decode(skeleton, wires))
+        out.finish()
+    if not root:
+        # Tensors the root kept on the CPU (Adam's step) stay there; load_state_dict moves every other
+        # one to its parameter's device and dtype.
+        kinds = _codec.tensor_devices(skeleton)
+        received = [w.cpu() if kind == "cpu" else w for w, kind in zip(wires, kinds)]
+        optimizer.load_state_dict(_codec.decode(skeleton, received))
 
 
 def allreduce(
     tensor: torch.Tensor, name: str | None = None, op: str = "average", process_group: Any = None
 ) -> torch.Tensor:
-    """Returns the reduction of `tensor` over all ranks (a new tensor; the input is left as is)."""
-    _wire.ensure_initialized(process_group)
+    """Returns the reduction of `tensor` over all ranks (a new tensor on its device; the input is left as is)."""
+    _wire.ensure_initialized(process_group, _device_of([tensor]))
     if name is None:
         name = f"torch.allreduce.{next(_calls)}"
     result = tensor.detach().clone(memory_format=torch.contiguous_format)
-    _wire.start_allreduce(result, name, 0, op, None, process_group).finish()
+    _wire.start_allreduce(result, name, 0, op, None, _wire.wire_device([tensor])).finish()
     return result
 
 
@@ -91,8 +97,8 @@ def allreduce_(
     tensor: torch.Tensor, name: str | None = None, op: str = "average", process_group: Any = None
 ) -> torch.Tensor:
     """Reduces `tensor` over all ranks in place and returns it."""
-    _wire.ensure_initialized(process_group)
+    _wire.ensure_initialized(process_group, _device_of([tensor]))
     if name is None:
         name = f"torch.allreduce.{next(_calls)}"
     with torch.no_grad():
-        return _wire.start_allreduce(tensor.detach(), name, 0, op, None, process_group).finish()
+        return _wire.start_allreduce(tensor.detach(), name, 0, op, None, _wire.wire_device([tensor])).finish()

@@ -75,17 +75,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "cannot apply updates per parameter; use barrier mode: overlap_forward=False"
                 )
         wire_dtype = _wire.compression_dtype(compression)
-        _wire.ensure_initialized(process_group)
         self._inner = optimizer
         self._overlap = overlap_forward
         self._model = model
         self._named = list(named_parameters) if named_parameters is not None else None
+        # CUDA parameters start commsched on NCCL; a mix of CPU and CUDA ones is refused here.
+        _wire.ensure_initialized(process_group, _wire.training_device(self._labelled_parameters()))
         self._options = ReducerOptions(
             prefix=f"torch.opt{next(_instances)}.",
             op=op,
             backward_passes_per_step=backward_passes_per_step,
             wire_dtype=wire_dtype,
-            process_group=process_group,
             overlap=overlap_forward,
         )
         # What torch.optim.Optimizer.__init__ would set; the hooks run around this wrapper's step().
@@ -155,17 +155,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             labels[id(param)] = name
         return labels
 
-    def _build_reducer(self) -> Reducer:
+    def _labelled_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(wire label, parameter) for every parameter of the wrapped optimizer, in group order."""
         labels = self._labels()
-        slots: list[Slot] = []
+        labelled: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for g, group in enumerate(self._inner.param_groups):
             for i, param in enumerate(group["params"]):
                 if id(param) in seen:
                     raise ValueError("a parameter appears in two parameter groups")
                 seen.add(id(param))
-                label = labels.get(id(param), f"param.{g}.{i}")
-                slots.append(Slot(param, label, len(slots), g, len(slots)))
+                labelled.append((labels.get(id(param), f"param.{g}.{i}"), param))
+        return labelled
+
+    def _build_reducer(self) -> Reducer:
+        labelled = self._labelled_parameters()
+        device = _wire.training_device(labelled)
+        if labelled:
+            _wire.check_transport(device, labelled[0][0])
+        self._options.device = labelled[0][1].device if device == "cuda" else torch.device("cpu")
+        slots: list[Slot] = []
+        group_of = {id(p): g for g, group in enumerate(self._inner.param_groups) for p in group["params"]}
+        for label, param in labelled:
+            slots.append(Slot(param, label, len(slots), group_of[id(param)], len(slots)))
         reducer = Reducer(slots, self._options, self._apply, _overlap_error)
         if self._forward_order is not None:
             reducer.set_priorities(self._forward_order)

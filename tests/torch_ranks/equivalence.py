@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 
 import commsched.torch as ct
@@ -92,7 +93,21 @@ def main() -> int:
     parser.add_argument(
         "--broadcast", action="store_true", help="also broadcast of weights and optimizer state"
     )
+    parser.add_argument(
+        "--fake-gpu",
+        metavar="LIBRARY",
+        help="the CUDA path: CUDA-claiming parameters over commsched's NCCL transport on this fake library",
+    )
     args = parser.parse_args()
+    device = "auto"
+    if args.fake_gpu:
+        from fake_gpu import claim_cuda, device_view
+
+        from commsched import buffers
+
+        os.environ["COMMSCHED_NCCL_LIBRARY"] = os.environ["COMMSCHED_CUDART_LIBRARY"] = args.fake_gpu
+        buffers._gpu_view = device_view
+        device = "cuda"
     configs = [
         (policy, name, mode == "overlap", 1, None, None)
         for policy in args.policies.split(",")
@@ -110,10 +125,10 @@ def main() -> int:
     failed = 0
     for policy, name, overlap, passes, clip, compression in configs:
         # Small partitions and credit so several chunks and scheduling decisions happen even on a tiny model.
-        commsched.init(policy=policy, partition_bytes=256, credit_bytes=1024, stall_timeout=10)
+        commsched.init(policy=policy, partition_bytes=256, credit_bytes=1024, stall_timeout=10, device=device)
         size = commsched.size()
         torch.manual_seed(0)
-        model = Net()
+        model = claim_cuda(Net()) if args.fake_gpu else Net()
         expected = reference(copy.deepcopy(model), OPTIMIZERS[name], size, args.iterations, passes, clip)
         optimizer = train(model, name, overlap, args.iterations, passes, clip, compression)
         priorities = optimizer.priorities()

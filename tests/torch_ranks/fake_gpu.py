@@ -1,0 +1,39 @@
+"""Runs the torch plug-in's CUDA path without a GPU: parameters that report is_cuda=True, and torch
+tensors handed to commsched as device memory, so they travel through its NCCL transport over the fake
+libcudart/libnccl of tests/fake_cuda.py (host memory stands in for device memory; the fake's NCCL
+reduces across real processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from commsched import buffers
+
+
+class CudaParameter(torch.nn.Parameter):
+    """A parameter that says it lives on a GPU: the plug-in must treat it as a CUDA one."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def claim_cuda(model: torch.nn.Module) -> torch.nn.Module:
+    """Replaces every parameter of `model` with a CudaParameter holding the same values; returns it."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = CudaParameter(param.detach().clone(), param.requires_grad)
+    return model
+
+
+def device_view(array: Any, name: str) -> buffers.BufferView | None:
+    """commsched.buffers._gpu_view for this setting: a torch tensor is device memory (of the rank's own
+    device: -1, unknown) ready on the legacy default stream; anything else is left to the usual parsing."""
+    if not isinstance(array, torch.Tensor):
+        return None
+    assert array.is_contiguous(), f"'{name}' reached commsched non-contiguous"
+    dtype = str(array.dtype).removeprefix("torch.")
+    return buffers.BufferView(array.data_ptr(), array.numel(), dtype, array, -1, buffers.LEGACY_STREAM)
