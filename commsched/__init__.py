@@ -160,9 +160,10 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
                 "is submitted (init(device='cuda' or 'cpu') chooses now)"
             )
         else:
-            cuda = resolved.device == "cuda" or resolved.transport == "nccl"
+            cuda = resolved.device.startswith("cuda") or resolved.transport == "nccl"
+            index = int(resolved.device.split(":")[1]) if resolved.device.startswith("cuda:") else None
             try:
-                _start(info, comm, process_group, cuda, None)
+                _start(info, comm, process_group, cuda, index)
             except BaseException:
                 _core.stop()  # a core that came up before the failure stops again: nothing half started
                 _state.settings = None  # not initialised: config() must say so

@@ -82,6 +82,13 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+def _device(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text in DEVICES or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise ValueError("not a device")
+
+
 def _path(value: Any) -> str:
     return str(value).strip()
 
@@ -105,7 +112,7 @@ class Settings:
     fusion_bytes: int = 1024**2
     inline_bytes: int = 4096  # tensors up to this size ride in the agreement round (host memory)
     transport: str = "auto"
-    device: str = "auto"  # where the tensors live: cpu, cuda, or auto (the first submitted tensor decides)
+    device: str = "auto"  # where the tensors live: cpu, cuda, cuda:N, or auto (the first submitted tensor decides)
     timeline: str = ""
     stall_timeout: float = 60.0
     stall_shutdown: float = 300.0
@@ -160,7 +167,7 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         _SIZE_FORM + " up to 64KiB (0 sends every tensor as a collective of its own)",
     ),
     "transport": ("COMMSCHED_TRANSPORT", _choice(TRANSPORTS), "one of " + ", ".join(TRANSPORTS)),
-    "device": ("COMMSCHED_DEVICE", _choice(DEVICES), "one of " + ", ".join(DEVICES)),
+    "device": ("COMMSCHED_DEVICE", _device, "one of " + ", ".join(DEVICES) + ", cuda:N"),
     "timeline": ("COMMSCHED_TIMELINE", _path, "a file path for the Chrome trace"),
     "stall_timeout": ("COMMSCHED_STALL_TIMEOUT", parse_duration, _DURATION_FORM),
     "stall_shutdown": (
@@ -236,9 +243,9 @@ def _check_consistency(settings: Settings) -> None:
         raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
     if settings.cycle_time <= 0 or settings.cycle_time > 1.0:
         raise SettingError("COMMSCHED_CYCLE_TIME must be above 0 and at most 1s; use e.g. 1ms")
-    if settings.device == "cuda" and settings.transport not in ("auto", "nccl", "mpi"):
+    if settings.device.startswith("cuda") and settings.transport not in ("auto", "nccl", "mpi"):
         raise SettingError(
-            f"COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl, auto, or mpi (a CUDA-aware MPI), not "
+            f"COMMSCHED_DEVICE={settings.device} needs COMMSCHED_TRANSPORT=nccl, auto, or mpi (a CUDA-aware MPI), not "
             f"{settings.transport} (which moves host memory only)"
         )
     if settings.device == "cpu" and settings.transport == "nccl":

@@ -203,6 +203,16 @@ def test_first_host_tensor_makes_auto_choose_a_host_transport(
         commsched.allreduce(FakeCudaArray(np.ones(4, np.float32)), name="later")
 
 
+def test_device_index_chooses_the_gpu(nccl_runtime: ctypes.CDLL) -> None:
+    """init(device="cuda:1") puts the communicator on GPU 1 whatever the local rank; a tensor there is taken."""
+    commsched.init(device="cuda:1")
+    data = FakeCudaArray(np.ones(8, np.float32), device_id=1)
+    commsched.allreduce(data, name="on_one", timeout=30)
+    assert "init on device 1" in calls(nccl_runtime)
+    with pytest.raises(SettingError, match=r"COMMSCHED_DEVICE: 'gpu1'.*cuda:N"):
+        resolve({}, {"COMMSCHED_DEVICE": "gpu1"})
+
+
 def test_device_and_transport_must_agree() -> None:
     """device="cuda" needs NCCL, auto or a CUDA-aware MPI; NCCL needs GPU tensors."""
     with pytest.raises(SettingError, match="COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl, auto, or mpi"):

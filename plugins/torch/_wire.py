@@ -168,13 +168,22 @@ def wire_device(tensors: Iterable[torch.Tensor]) -> torch.device:
 
 
 def ensure_initialized(process_group: object = None, device: str | None = None) -> None:
-    """Starts commsched unless the user already did: with device="cuda" (NCCL) for GPU tensors.
+    """Starts commsched unless the user already did: with device="cuda:N" (NCCL on GPU N) for GPU tensors.
 
     `process_group` carries commsched's control messages (agreement, NCCL's unique id).
     """
     if commsched.is_initialized():
         return
-    if device == "cuda":
-        commsched.init(process_group=process_group, device="cuda")
+    if device is not None and device.startswith("cuda"):
+        commsched.init(process_group=process_group, device=device)
     else:
         commsched.init(process_group=process_group)
+
+
+def cuda_device_name(tensors: Iterable[torch.Tensor]) -> str | None:
+    """ "cuda:N" of the first tensor on a GPU (commsched's NCCL communicator goes there), else None."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            index = tensor.get_device()
+            return f"cuda:{index}" if index >= 0 else "cuda"
+    return None

@@ -25,8 +25,8 @@ def _named(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
 
 
 def _device_of(tensors: Iterable[Any]) -> str | None:
-    """ "cuda" when any of these tensors is on a GPU (commsched then starts on NCCL), else None."""
-    return "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) else None
+    """ "cuda:N" when one of these tensors is on GPU N (commsched then starts NCCL there), else None."""
+    return _wire.cuda_device_name(tensors)
 
 
 def broadcast_parameters(

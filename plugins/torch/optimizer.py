@@ -80,7 +80,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._model = model
         self._named = list(named_parameters) if named_parameters is not None else None
         # CUDA parameters start commsched on NCCL; a mix of CPU and CUDA ones is refused here.
-        _wire.ensure_initialized(process_group, _wire.training_device(self._labelled_parameters()))
+        labelled = self._labelled_parameters()
+        if _wire.training_device(labelled) == "cuda":
+            _wire.ensure_initialized(process_group, _wire.cuda_device_name(p for _, p in labelled))
+        else:
+            _wire.ensure_initialized(process_group, "cpu")
         self._options = ReducerOptions(
             prefix=f"torch.opt{next(_instances)}.",
             op=op,
