@@ -227,7 +227,8 @@ class Checkpointer:
                 manifest["extra"][name] = fmt.to_json(value, f"save(extra={{{name!r}: ...}})")
         for entry in entries:
             fmt.dtype_name(entry.dtype)  # refuses what the format cannot hold, on the caller's thread
-        pieces = fmt.plan(entries, self._size)
+        rank_local = frozenset(key for key, (owner, _) in sources.items() if owner is None)
+        pieces = fmt.plan(entries, self._size, rank_local)
         placed = fmt.arrange(pieces[self._rank])
         buffer = self._host_buffer(sum(p.nbytes for p, _ in placed), params)
         path = self.directory / fmt.version_name(step, self._run)
@@ -350,11 +351,11 @@ class Checkpointer:
                 try:
                     self._write_manifest(job, shards)
                     committed[0] = 1
+                    # Before the commit: no rank can start the next save (whose folder this would see).
+                    self._remove_old(job)
                 except Exception as error:  # noqa: BLE001 - reported by wait() on every rank
                     job.error = error
         committed = self._allreduce(committed, f"{job.step}.commit")
-        if committed[0] and self._rank == 0:
-            self._remove_old(job)
         if not committed[0] and job.error is None:
             job.error = RuntimeError(f"checkpoint {job.path}: another rank failed to write its shard")
         job.durable_after = time.perf_counter() - job.started

@@ -103,16 +103,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPES[dtype]
 
 
-def plan(entries: list[Entry], ranks: int) -> list[list[Piece]]:
+def plan(entries: list[Entry], ranks: int, first: frozenset[str] = frozenset()) -> list[list[Piece]]:
     """Splits the entries between ranks by bytes, in order, cutting big tensors between rows.
 
-    Every rank computes the same plan from the same entries, so nobody sends it.
+    Entries named in `first` (state that may differ between ranks, e.g. batch-norm statistics)
+    go whole to rank 0, as torch.save on rank 0 would keep them. Every rank computes the same
+    plan from the same entries, so nobody sends it.
     """
     total = sum(e.nbytes for e in entries)
     boundaries = [total * (r + 1) / ranks for r in range(ranks)]
     pieces: list[list[Piece]] = [[] for _ in range(ranks)]
-    rank, filled = 0, 0
     for entry in entries:
+        if entry.key in first:
+            pieces[0].append(Piece(entry, 0, entry.rows))
+    rank, filled = 0, sum(p.nbytes for p in pieces[0])
+    for entry in entries:
+        if entry.key in first:
+            continue
         rows, start = entry.rows, 0
         row_bytes = entry.nbytes // rows if rows else 0
         if rows == 0 or row_bytes == 0:

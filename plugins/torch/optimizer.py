@@ -266,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         from torch.utils.hooks import RemovableHandle
 
-        hooks = self.__dict__.setdefault("_param_update_hooks", ({}, {}))
+        hooks = self.__dict__.setdefault("_param_update_hooks", (OrderedDict(), OrderedDict()))
         handle = RemovableHandle(hooks[0])
         hooks[0][handle.id] = hook
         return handle
@@ -275,7 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Calls hook(optimizer, params) right after the wrapped optimizer updated `params`."""
         from torch.utils.hooks import RemovableHandle
 
-        hooks = self.__dict__.setdefault("_param_update_hooks", ({}, {}))
+        hooks = self.__dict__.setdefault("_param_update_hooks", (OrderedDict(), OrderedDict()))
         handle = RemovableHandle(hooks[1])
         hooks[1][handle.id] = hook
         return handle
