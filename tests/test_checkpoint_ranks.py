@@ -46,9 +46,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("checkpoints")
     output = _run(2, "reference", "--dir", str(root))
     assert sorted(_passes(output, "reference")) == sorted(COMBOS * 2), output[-3000:]
-    output = _run(2, "train", "--dir", str(root))
+    output = _run(2, "train", "--dir", str(root), "--timeline", str(root / "trace.json"))
     assert sorted(_passes(output, "train")) == sorted(COMBOS * 2), output[-3000:]
     return root
+
+
+def test_timeline_has_a_checkpoint_track(trained: Path) -> None:
+    """COMMSCHED_TIMELINE shows capture and write of every save on a track named "checkpoint"."""
+    text = (trained / "trace.json").read_text().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    tracks = {e["tid"] for e in events if e.get("name") == "thread_name" and e["args"]["name"] == "checkpoint"}
+    assert len(tracks) == 1, "no checkpoint track"
+    spans = {e["name"] for e in events if e.get("tid") in tracks and e.get("ph") == "X"}
+    for step in (2, 5, 8, 11):
+        assert {f"save {step}", f"capture {step}", f"write {step}"} <= spans, sorted(spans)
 
 
 def test_versions_are_balanced_safetensors_shards(trained: Path) -> None:
@@ -97,7 +108,7 @@ def test_damaged_version_is_skipped(trained: Path) -> None:
     """A flipped byte in the newest version's shard: warning naming it, the previous version loads."""
     work = trained.parent / "damaged"
     shutil.copytree(trained, work)
-    newest = sorted((work / KILLED).iterdir())[-1]
+    newest = max((work / KILLED).iterdir())
     shard = newest / "shard-00001-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40

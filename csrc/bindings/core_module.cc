@@ -53,6 +53,7 @@ using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
 void register_run_buffer(pybind11::module_& module);
+void register_timeline(pybind11::module_& module);
 
 namespace {
 
@@ -236,4 +237,5 @@ PYBIND11_MODULE(_core, module) {
              "Where a pending tensor stands.");
   register_simulator(module);
   register_run_buffer(module);
+  register_timeline(module);
 }

@@ -89,7 +89,9 @@ def assert_equal_state(got: dict[str, Any], want: dict[str, Any], what: str, buf
         if not buffers and "running_" in key:
             continue
         assert torch.equal(got["model"][key], value), f"{what}: model {key} differs"
-    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"], f"{what}: param_groups differ"
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"], (
+        f"{what}: param_groups differ"
+    )
     assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys(), f"{what}: state keys differ"
     for index, state in want["optimizer"]["state"].items():
         for key, value in state.items():
@@ -161,7 +163,9 @@ def train(args: argparse.Namespace, combo: str) -> None:
     for iteration in range(args.train_iterations):
         loss = iterate(model, optimizer, scheduler, iteration)
         if commsched.rank() == 0:
-            assert loss == ref["losses"][iteration], f"{combo}: loss {iteration} {loss} != {ref['losses'][iteration]}"
+            assert loss == ref["losses"][iteration], (
+                f"{combo}: loss {iteration} {loss} != {ref['losses'][iteration]}"
+            )
         if (iteration + 1) % args.save_every == 0:
             checkpointer.save(iteration, extra={"iteration": iteration, "tag": ("t", iteration)})
             if kill_here and args.kill == "timer" and iteration == args.kill_step:
@@ -179,7 +183,9 @@ def resume(args: argparse.Namespace, combo: str, directory: Path) -> None:
     restored = checkpointer.load()
     assert restored is not None, f"{directory}: nothing loaded"
     ref = torch.load(args.dir / f"{combo}.ref", weights_only=False)
-    assert_equal_state(snapshot(model, optimizer, scheduler), ref["states"][restored.step], f"{combo}@{restored.step}")
+    assert_equal_state(
+        snapshot(model, optimizer, scheduler), ref["states"][restored.step], f"{combo}@{restored.step}"
+    )
     assert restored.extra == {"iteration": restored.step, "tag": ("t", restored.step)}, restored.extra
     for iteration in range(restored.step + 1, args.iterations):
         loss = iterate(model, optimizer, scheduler, iteration)
@@ -215,8 +221,9 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=8)
     parser.add_argument("--kill-ranks", default="all")
     parser.add_argument("--kill-window", type=float, default=0.05)
+    parser.add_argument("--timeline", default="", help="COMMSCHED_TIMELINE for this job")
     args = parser.parse_args()
-    commsched.init()
+    commsched.init(timeline=args.timeline or None)
     for combo in args.combos.split(","):
         if args.phase == "reference":
             reference(args, combo)
