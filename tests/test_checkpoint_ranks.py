@@ -55,7 +55,9 @@ def test_timeline_has_a_checkpoint_track(trained: Path) -> None:
     """COMMSCHED_TIMELINE shows capture and write of every save on a track named "checkpoint"."""
     text = (trained / "trace.json").read_text().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")
-    tracks = {e["tid"] for e in events if e.get("name") == "thread_name" and e["args"]["name"] == "checkpoint"}
+    tracks = {
+        e["tid"] for e in events if e.get("name") == "thread_name" and e["args"]["name"] == "checkpoint"
+    }
     assert len(tracks) == 1, "no checkpoint track"
     spans = {e["name"] for e in events if e.get("tid") in tracks and e.get("ph") == "X"}
     for step in (2, 5, 8, 11):
@@ -125,7 +127,7 @@ KILLS = [
     ("manifest-middle", "0", 5),  # torn manifest
     ("after-manifest", "0", 8),  # manifest durable: the version counts
     ("removing", "0", 8),  # old version half removed after the new one completed
-    ("timer", "all", None),  # random moment within 50 ms of save(8), whole job
+    ("timer", "all", None),  # a random moment around save(8) (or save(11) after it), whole job
 ]
 
 
@@ -141,8 +143,7 @@ def test_kill_while_saving_then_resume(trained: Path) -> None:
         shutil.copy(trained / f"{KILLED}.ref", run_dir)
         args = ["train", "--dir", str(run_dir), "--combos", KILLED, "--kill", point, "--kill-ranks", ranks]
         output = _run(2, *args, ok=False)
-        if point != "timer":
-            assert "PASS train" not in output, f"{point}: the job was not killed\n{output[-3000:]}"
+        assert "PASS train" not in output, f"{point}: the job was not killed\n{output[-3000:]}"
         folders.append(f"{point}/{KILLED}")
     output = _run(2, "resume", "--dir", str(root), "--combos", KILLED, "--resume-dirs", ",".join(folders))
     loaded = re.findall(r"PASS resume \S+ (\S+)/\S+ step=(\d+)", output)
@@ -150,4 +151,4 @@ def test_kill_while_saving_then_resume(trained: Path) -> None:
     for point, _, expected in KILLS:
         steps = {int(step) for where, step in loaded if where == point}
         assert len(steps) == 1, f"{point}: ranks loaded {steps}"
-        assert steps <= ({expected} if expected is not None else {5, 8}), f"{point}: loaded {steps}"
+        assert steps <= ({expected} if expected is not None else {5, 8, 11}), f"{point}: loaded {steps}"

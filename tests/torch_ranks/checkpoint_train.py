@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,11 @@ def train(args: argparse.Namespace, combo: str) -> None:
         if (iteration + 1) % args.save_every == 0:
             checkpointer.save(iteration, extra={"iteration": iteration, "tag": ("t", iteration)})
             if kill_here and args.kill == "timer" and iteration == args.kill_step:
-                threading.Timer(random.uniform(0.0, args.kill_window), die).start()
+                # A random moment within about as long as the previous save took to become durable.
+                window = 1.5 * (checkpointer.last_durable_seconds or args.kill_window)
+                threading.Timer(random.uniform(0.0, window), die).start()
+    if kill_here and args.kill == "timer":
+        time.sleep(5)  # the timer fires before this rank could finish
     checkpointer.close()
     print(f"PASS train {combo} durable_s={checkpointer.last_durable_seconds:.4f}", flush=True)
 
