@@ -269,3 +269,41 @@ def timeline_path_for(path: str, rank: int, size: int) -> str:
         return path
     stem, dot, extension = path.rpartition(".")
     return f"{stem}.rank{rank}.{extension}" if dot and "/" not in extension else f"{path}.rank{rank}"
+
+
+# -- checkpointing: read by commsched.torch.Checkpointer when it is built, not by init() --
+def _positive_int(value: Any) -> int:
+    number = int(str(value).strip()) if not isinstance(value, bool) else -1
+    if number < 1:
+        raise ValueError("not a positive integer")
+    return number
+
+
+# argument -> (environment variable, parser, accepted form)
+CHECKPOINT_SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "directory": ("COMMSCHED_CHECKPOINT_DIR", _path, "a directory path every rank can write to"),
+    "keep": ("COMMSCHED_CHECKPOINT_KEEP", _positive_int, "a whole number of versions to keep, 1 or more"),
+}
+CHECKPOINT_DEFAULTS: dict[str, Any] = {"directory": "", "keep": 3}
+
+
+def checkpoint_settings(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Checkpointer options: arguments first, then COMMSCHED_CHECKPOINT_* variables, then defaults."""
+    environ = dict(os.environ) if environ is None else environ
+    values = dict(CHECKPOINT_DEFAULTS)
+    for name, (variable, parse, form) in CHECKPOINT_SPECS.items():
+        if arguments.get(name) is not None:
+            raw, source = arguments[name], f"Checkpointer({name}=...)"
+        elif environ.get(variable, "").strip():
+            raw, source = environ[variable], variable
+        else:
+            continue
+        try:
+            values[name] = parse(raw)
+        except (ValueError, TypeError):
+            raise SettingError(f"{source}: {raw!r} is not valid; use {form}") from None
+    if not values["directory"]:
+        raise SettingError(
+            "Checkpointer needs a directory: pass directory=... or set COMMSCHED_CHECKPOINT_DIR"
+        )
+    return values

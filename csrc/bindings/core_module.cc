@@ -56,6 +56,7 @@ using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
 void register_run_buffer(pybind11::module_& module, std::shared_ptr<OwnerTable> owners);
+void register_timeline(pybind11::module_& module);
 
 namespace {
 
@@ -302,4 +303,5 @@ PYBIND11_MODULE(_core, module) {
              "Where a pending tensor stands.");
   register_simulator(module);
   register_run_buffer(module, owners);
+  register_timeline(module);
 }

@@ -98,6 +98,11 @@ class Runtime {
   RuntimeStats stats() const;
   // Where a pending tensor stands, for timeout messages.
   std::string describe(const std::string& name) const;
+  // A span from outside the core (e.g. checkpoint writes) on its own timeline track; any thread.
+  void trace_span(const std::string& track, const std::string& name, uint64_t ts_us, uint64_t dur_us,
+                  const std::string& args_json) {
+    timeline_.span(track, name, ts_us, dur_us, args_json);
+  }
 
  private:
   struct Submission {

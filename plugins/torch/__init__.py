@@ -14,13 +14,16 @@ and credit. CUDA parameters start commsched with device="cuda" unless it is alre
 
 from __future__ import annotations
 
+from commsched.torch.checkpoint import Checkpointer, Restored
 from commsched.torch.functions import allreduce, allreduce_, broadcast_optimizer_state, broadcast_parameters
 from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
 
 __all__ = [
+    "Checkpointer",
     "DistributedOptimizer",
+    "Restored",
     "allreduce",
     "allreduce_",
     "broadcast_optimizer_state",
