@@ -288,7 +288,7 @@ CHECKPOINT_DEFAULTS: dict[str, Any] = {"directory": "", "keep": 3}
 
 
 def checkpoint_settings(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Checkpointer options: arguments first, then COMMSCHED_CHECKPOINT_* variables, then defaults."""
+    """Checkpointer options: arguments first, then the checkpoint variables of CHECKPOINT_SPECS, then defaults."""
     environ = dict(os.environ) if environ is None else environ
     values = dict(CHECKPOINT_DEFAULTS)
     for name, (variable, parse, form) in CHECKPOINT_SPECS.items():
