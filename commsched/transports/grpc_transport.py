@@ -23,8 +23,10 @@ from typing import Any
 import grpc
 
 from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_access import RefusalLog, tls_mismatch
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
+from commsched.transports.grpc_tls import TlsFiles
 
 log = logging.getLogger("commsched")
 
@@ -63,9 +65,17 @@ class _Node:
     """The transport's machinery; the GrpcTransport facade closes it when the core lets go."""
 
     def __init__(
-        self, endpoint: Endpoint, token: str, timeout_s: float, piece_bytes: int, max_frame_bytes: int
+        self,
+        endpoint: Endpoint,
+        token: str,
+        timeout_s: float,
+        piece_bytes: int,
+        max_frame_bytes: int,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
+        self.tls = tls
+        self._refusals = RefusalLog(self.rank)
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s
@@ -98,6 +108,8 @@ class _Node:
             maximum_concurrent_rpcs=4 * self.size + 16,
         )
         self._channel_options = _CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
+        if tls is not None:
+            self._channel_options += tls.channel_options()
         self._channels: dict[int, grpc.Channel] = {}
         self._engine = threading.Thread(target=self._run_engine, name="commsched-grpc-engine", daemon=True)
 
@@ -116,7 +128,8 @@ class _Node:
                     missing = sorted(set(range(self.size)) - set(self._joined))
                     raise GrpcError(
                         f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
-                        f"{self.timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                        f"{self.timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
+                        f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
         else:
@@ -137,7 +150,10 @@ class _Node:
     def _bind(self) -> int:
         address = f"{self.endpoint.bind_host()}:{self.endpoint.port}"
         try:
-            port = self._server.add_insecure_port(address)
+            if self.tls is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, self.tls.server_credentials())
         except RuntimeError as error:
             raise GrpcError(
                 f"rank {self.rank}: cannot listen on {address} ({error}); is the port in use?"
@@ -156,18 +172,24 @@ class _Node:
 
     def _channel(self, peer: int) -> grpc.Channel:
         if peer not in self._channels:
-            self._channels[peer] = grpc.insecure_channel(self.addresses[peer], options=self._channel_options)
+            self._channels[peer] = self._open_channel(self.addresses[peer])
         return self._channels[peer]
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=self._channel_options)
+        return grpc.secure_channel(address, self.tls.channel_credentials(), options=self._channel_options)
 
     def _join(self, mine: str, deadline: float) -> list[str]:
         master = self.endpoint.master
-        channel = grpc.insecure_channel(master, options=self._channel_options)
+        channel = self._open_channel(master)
         join = channel.unary_unary(
             JOIN_METHOD,
             request_serializer=wire.JoinRequest.SerializeToString,
             response_deserializer=wire.JoinReply.FromString,
         )
         last = "no answer"
+        mismatch_checked = False
         try:
             while time.monotonic() < deadline:
                 try:
@@ -182,6 +204,13 @@ class _Node:
                     last = f"{error.code().name}: {error.details()}"
                     if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
                         break  # the job refuses us; retrying cannot help
+                    if error.code() == grpc.StatusCode.UNAVAILABLE and not mismatch_checked:
+                        # A TLS server and a plaintext client (or the reverse) only see a failed
+                        # connection; asking the server what it speaks turns that into a clear error.
+                        mismatch_checked = True
+                        mismatch = tls_mismatch(master, self.rank, self.tls is not None)
+                        if mismatch:
+                            raise GrpcError(mismatch) from None
                     time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
         finally:
             channel.close()
@@ -221,9 +250,7 @@ class _Node:
         metadata = dict(context.invocation_metadata())
         token = str(metadata.get("commsched-token", ""))
         if not hmac.compare_digest(token.encode(), self.token.encode()):
-            log.warning(
-                "grpc rank %d: refused a connection from %s: wrong job token", self.rank, context.peer()
-            )
+            self._refusals.refused(context.peer(), "wrong job token")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong job token (COMMSCHED_JOB_TOKEN)")
         try:
             peer = int(metadata.get("commsched-rank", ""))
@@ -496,6 +523,7 @@ class _Node:
             channel.close()
         self._events.put(("stop",))
         self._server.stop(grace=0.5).wait(5.0)
+        self._refusals.flush()
         self._pool.shutdown(wait=False)
         if self._engine.is_alive():
             self._engine.join(5.0)
@@ -567,6 +595,7 @@ class GrpcTransport:
         timeout_s: float = 60.0,
         piece_bytes: int = 1024**2,
         max_frame_bytes: int = 64 * 1024**2,
+        tls: TlsFiles | None = None,
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -575,7 +604,7 @@ class GrpcTransport:
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
-        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes)
+        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls)
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
         self._closer = weakref.finalize(self, self._node.close)
