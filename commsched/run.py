@@ -159,7 +159,7 @@ class _Job:
                     _say(
                         f"rank {rank} (pid {process.pid}) {_how_it_ended(code)}; "
                         + (
-                            f"{_listed(running)} get {self._grace_s:g}s to exit, then SIGTERM"
+                            f"the others ({_listed(running)}) have {self._grace_s:g}s to exit"
                             if running
                             else ""
                         )

@@ -72,8 +72,10 @@ class _Node:
         piece_bytes: int,
         max_frame_bytes: int,
         tls: TlsFiles | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
+        self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         self.tls = tls
         self._refusals = RefusalLog(self.rank)
         self.endpoint = endpoint
@@ -118,17 +120,17 @@ class _Node:
     def open(self) -> None:
         """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
         bound = self._bind()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.join_timeout_s
         if self.endpoint.peers:
             self.addresses = list(self.endpoint.peers)
         elif self.rank == 0:
             self._joined[0] = f"{self.endpoint.advertise}:{bound}"
             with self._lock:
-                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.timeout_s):
+                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.join_timeout_s):
                     missing = sorted(set(range(self.size)) - set(self._joined))
                     raise GrpcError(
                         f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
-                        f"{self.timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
+                        f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
                         f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
@@ -215,7 +217,7 @@ class _Node:
         finally:
             channel.close()
         raise GrpcError(
-            f"rank {self.rank}: could not join rank 0 at {master} within {self.timeout_s:.0f}s ({last}); "
+            f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s ({last}); "
             "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
         )
 
@@ -282,7 +284,7 @@ class _Node:
                 )
             self._lock.notify_all()
             if not self._lock.wait_for(
-                lambda: len(self._joined) == self.size or self.closing, self.timeout_s
+                lambda: len(self._joined) == self.size or self.closing, self.join_timeout_s
             ):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "not every rank joined in time")
             return wire.JoinReply(addresses=[self._joined[r] for r in range(self.size)])
@@ -596,6 +598,7 @@ class GrpcTransport:
         piece_bytes: int = 1024**2,
         max_frame_bytes: int = 64 * 1024**2,
         tls: TlsFiles | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -604,7 +607,7 @@ class GrpcTransport:
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
-        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls)
+        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s)
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
         self._closer = weakref.finalize(self, self._node.close)
