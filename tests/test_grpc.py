@@ -295,7 +295,8 @@ def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.Lo
                     timeout=5,
                 )
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert caplog.text.count("wrong job token") == 3
+        # One line per interval, however many are refused (test_grpc_tls.py floods it).
+        assert caplog.text.count("wrong job token") == 1
         # An impostor with the token cannot open a second stream in a rank's name either.
         with pytest.raises(grpc.RpcError) as refused:
             stream(

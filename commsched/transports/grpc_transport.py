@@ -191,8 +191,8 @@ class _Node:
             response_deserializer=wire.JoinReply.FromString,
         )
         last = "no answer"
-        mismatch_checked = False
         try:
+            self._wait_until_reachable(channel, master, deadline)
             while time.monotonic() < deadline:
                 try:
                     reply = join(
@@ -206,13 +206,6 @@ class _Node:
                     last = f"{error.code().name}: {error.details()}"
                     if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
                         break  # the job refuses us; retrying cannot help
-                    if error.code() == grpc.StatusCode.UNAVAILABLE and not mismatch_checked:
-                        # A TLS server and a plaintext client (or the reverse) only see a failed
-                        # connection; asking the server what it speaks turns that into a clear error.
-                        mismatch_checked = True
-                        mismatch = tls_mismatch(master, self.rank, self.tls is not None)
-                        if mismatch:
-                            raise GrpcError(mismatch) from None
                     time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
         finally:
             channel.close()
@@ -220,6 +213,21 @@ class _Node:
             f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s ({last}); "
             "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
         )
+
+    def _wait_until_reachable(self, channel: grpc.Channel, master: str, deadline: float) -> None:
+        """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
+
+        A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
+        come up; asking the server what it speaks turns that into an error naming the mismatch.
+        """
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
+                return
+            except grpc.FutureTimeoutError:
+                mismatch = tls_mismatch(master, self.rank, self.tls is not None)
+                if mismatch:
+                    raise GrpcError(mismatch) from None
 
     def _open_stream(self, peer: int, kind: str) -> _Outbox:
         method = self._channel(peer).stream_unary(
