@@ -126,6 +126,7 @@ class _Job:
                     self._command,
                     env=dict(self._environment, RANK=str(rank), LOCAL_RANK=str(rank)),
                     start_new_session=True,
+                    preexec_fn=_die_with_launcher,  # noqa: PLW1509 - the launcher runs no threads
                 )
             status = self._supervise()
             return status
@@ -198,6 +199,18 @@ class _Job:
                 os.killpg(process.pid, number)
             except (ProcessLookupError, PermissionError):
                 pass  # the rank and everything it started are gone
+
+
+def _die_with_launcher() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux), so a killed commsched-run
+    leaves no ranks behind in their own sessions."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own signal handling is all there is
 
 
 def _exit_status(code: int) -> int:
