@@ -165,9 +165,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     resolved = _state.settings
     assert resolved is not None
     kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
-    core_kind, argument = transports.build(
-        kind, info, comm, process_group, resolved, device, device_memory=cuda
-    )
+    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device, device_memory=cuda)
     rank, size = _probe_rank_size(core_kind, argument, info)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
