@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
+import threading
+import time
+import weakref
 from typing import Any
 
 from commsched.launch import LaunchInfo
+
+log = logging.getLogger("commsched")
 
 _TORCH_DTYPES = {
     "float16": "float16",
@@ -22,27 +28,58 @@ _TORCH_DTYPES = {
 # Agreement reports are usually a few dozen bytes: one fixed slot per rank carries them.
 _SLOT_BYTES = 1024
 _LENGTH_BYTES = 8
+# After a failure every rank that is still there sends every other one a probe; a rank that does not
+# answer within this long is named as hung. The ranks that fail together enter the probe within a
+# round of each other, so a few seconds tell a stopped rank from a live one.
+_PROBE_WAIT_S = 3.0
+_PROBE_TAG = 0x636D73  # keeps the probes apart from point-to-point messages of the user's own
+# How long close() waits for Gloo's threads to finish the completion callbacks they have begun.
+_CALLBACK_WAIT_S = 5.0
+
+
+class GlooError(RuntimeError):
+    """A Gloo collective or agreement exchange failed; the message names the ranks that stopped answering."""
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 class _Pending:
     """A torch.distributed Work seen through the core's PendingOp interface."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, transport: GlooTransport) -> None:
         self._work = work
         # The future is marked done before its callbacks run, while Work.is_completed() may
         # turn true only after them: asking the future keeps the doorbell's wake-up useful.
         self._future = work.get_future()
+        self._transport = transport
 
     def test(self) -> bool:
-        """True once the collective finished; raises if it failed."""
+        """True once the collective finished; raises GlooError if it failed or a rank is lost."""
         if not self._future.done():
+            lost = self._transport.lost
+            if lost:  # it waits for a rank that is gone: stopping need not wait for it too
+                raise GlooError(f"gloo collective abandoned: {lost}")
             return False
-        self._work.wait()  # surfaces the error of a failed collective
+        try:
+            self._work.wait()  # surfaces the error of a failed collective
+        except RuntimeError as error:
+            raise GlooError(f"gloo collective failed: {self._transport.explain(error)}") from None
         return True
+
+    def finished(self) -> bool:
+        """True once Gloo is done with the collective's memory."""
+        return bool(self._future.done())
 
     def on_done(self, callback: Any) -> None:
         """Calls callback() once the collective completes (or fails), from Gloo's thread."""
-        self._future.add_done_callback(lambda _future: callback())
+        self._transport.run_on_completion(self._future, callback)
 
 
 class GlooTransport:
@@ -85,15 +122,130 @@ class GlooTransport:
         self.size = dist.get_world_size(self._data)
         self._slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
         self._slots = [torch.zeros(_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        self.lost = ""  # why a rank is known to be gone; empty while every rank answers
+        self._in_flight: weakref.WeakSet[_Pending] = weakref.WeakSet()
+        self._callbacks = threading.Condition()
+        self._callbacks_running = 0  # completion callbacks registered and not yet finished
 
     def close(self) -> None:
-        """Destroys the groups this transport created, so none outlives commsched.shutdown()."""
+        """Ends what waits for a lost rank and destroys the groups this transport created."""
+        stuck = [op for op in self._in_flight if not op.finished()]
+        if self.lost or stuck:
+            # A work waiting for a rank that is gone holds its group's destructor (and the process's
+            # exit) until Gloo's own timeout, 30 minutes by default: abort the groups instead.
+            log.debug("gloo: aborting the process groups (%d collectives in flight)", len(stuck))
+            for group in {id(g): g for g in (self._control, self._data)}.values():
+                self._abort(group)
+        self._wait_for_callbacks()
         # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
         # when their threads can no longer take the GIL.
         for group in reversed(self._owned):
             if self._dist.is_initialized():
                 self._dist.destroy_process_group(group)
         self._owned.clear()
+
+    def _abort(self, group: Any) -> None:
+        try:
+            group._get_backend(self._torch.device("cpu")).abort()
+        except (AttributeError, RuntimeError) as error:  # a PyTorch without ProcessGroupGloo.abort()
+            log.warning("gloo: could not abort a process group (%s); exit may wait for Gloo's timeout", error)
+
+    def run_on_completion(self, future: Any, callback: Any) -> None:
+        """Calls callback() from Gloo's thread when `future` completes, counted so close() can wait for it."""
+        with self._callbacks:
+            self._callbacks_running += 1
+
+        def fire(_future: Any) -> None:
+            try:
+                callback()
+            finally:
+                with self._callbacks:
+                    self._callbacks_running -= 1
+                    self._callbacks.notify_all()
+
+        future.add_done_callback(fire)
+
+    def _wait_for_callbacks(self) -> None:
+        # A callback still to run when the interpreter finalizes would make Gloo's thread take the
+        # GIL then, which ends the thread inside Gloo's code: "terminate called without an active
+        # exception". A future is done before its callbacks run, so the core may be through first.
+        with self._callbacks:
+            if not self._callbacks.wait_for(lambda: self._callbacks_running == 0, _CALLBACK_WAIT_S):
+                log.warning(
+                    "gloo: %d completion callbacks still pending after %.0fs at shutdown",
+                    self._callbacks_running,
+                    _CALLBACK_WAIT_S,
+                )
+
+    def explain(self, error: BaseException) -> str:
+        """`error` with the ranks that stopped answering, found by probing every rank once."""
+        if not self.lost:
+            silent, dead = self._probe_peers()
+            found = []
+            if dead:
+                found.append(f"{_rank_list(dead)} closed the connection (the process ended?)")
+            if silent:
+                found.append(
+                    f"{_rank_list(silent)} did not answer within {_PROBE_WAIT_S:g}s (hung or stopped?)"
+                )
+            if not found:
+                return f"{_first_line(error)}; every rank answered a probe, so one of them was only slow"
+            self.lost = "; ".join(found)
+        return f"{self.lost} (Gloo: {_first_line(error)})"
+
+    def _probe_peers(self) -> tuple[list[int], list[int]]:
+        """(ranks that did not answer, ranks whose connection failed): every rank sends every other its number.
+
+        One thread per peer waits for its answer, so an answer is taken as it arrives even while another
+        peer keeps this rank waiting; and a rank stays until its own probes were taken (or the wait is
+        over), so a peer slower to start probing does not take it for dead once it has exited.
+        """
+        torch, dist = self._torch, self._dist
+        mine = torch.tensor([self.rank], dtype=torch.int64)
+        outcome: dict[int, str] = {}
+        deadline = time.monotonic() + _PROBE_WAIT_S
+
+        def left() -> datetime.timedelta:
+            return datetime.timedelta(seconds=max(0.01, deadline - time.monotonic()))
+
+        def await_peer(peer: int, sent: Any, received: Any, answer: Any) -> None:
+            try:
+                received.wait(left())
+                outcome[peer] = "answered" if int(answer.item()) == peer else "dead"
+            except RuntimeError as error:
+                outcome[peer] = "silent" if "timed out" in str(error).lower() else "dead"
+            try:
+                sent.wait(left())
+            except RuntimeError:
+                pass  # the peer is gone or hangs: its outcome says so
+
+        waiters = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            answer = torch.full((1,), -1, dtype=torch.int64)
+            target = self._global_ranks[peer]
+            try:
+                sent = dist.isend(mine, target, group=self._control, tag=_PROBE_TAG)
+                received = dist.irecv(answer, target, group=self._control, tag=_PROBE_TAG)
+            except RuntimeError:
+                outcome[peer] = "dead"
+                continue
+            waiter = threading.Thread(
+                target=await_peer,
+                args=(peer, sent, received, answer),
+                name="commsched-gloo-probe",
+                daemon=True,
+            )
+            waiter.start()
+            waiters.append(waiter)
+        for waiter in waiters:
+            waiter.join(_PROBE_WAIT_S + 1.0)
+        silent = [
+            peer for peer in range(self.size) if peer != self.rank and outcome.get(peer, "silent") == "silent"
+        ]
+        dead = [peer for peer, what in sorted(outcome.items()) if what == "dead"]
+        return silent, dead
 
     def _tensor_at(self, address: int, count: int, dtype: str) -> Any:
         torch_dtype = getattr(self._torch, _TORCH_DTYPES[dtype])
@@ -105,8 +257,15 @@ class GlooTransport:
 
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Allgathers one byte string per rank: one round trip when every report fits a slot."""
+        if self.lost:
+            raise GlooError(self.lost)
+        try:
+            return self._exchange(report, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            raise GlooError(self.explain(error)) from None
+
+    def _exchange(self, report: bytes, timeout: datetime.timedelta) -> list[bytes]:
         torch, dist = self._torch, self._dist
-        timeout = datetime.timedelta(seconds=timeout_s)
         # A slot holds the length and, when it fits, the report itself; only a long report
         # costs a second allgather, sized by the longest one.
         slot = self._slot
@@ -136,4 +295,6 @@ class GlooTransport:
             work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._data, async_op=True)
         else:
             work = self._dist.broadcast(tensor, src=self._global_ranks[root], group=self._data, async_op=True)
-        return _Pending(work)
+        pending = _Pending(work, self)
+        self._in_flight.add(pending)
+        return pending
