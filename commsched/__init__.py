@@ -271,6 +271,20 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+def _excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """Tells the other ranks this one is exiting on an uncaught exception, then reports it as usual.
+
+    Without it, the at-exit shutdown() would reach the others as a plain, deliberate shutdown.
+    """
+    _previous_excepthook(kind, error, trace)
+    if _core.running() and not issubclass(kind, KeyboardInterrupt):
+        _core.abort(f"rank {_core.rank()} is exiting on an uncaught {kind.__name__}: {error}")
+
+
+_previous_excepthook = sys.excepthook
+sys.excepthook = _excepthook
+
+
 def is_initialized() -> bool:
     """True between init() and shutdown()."""
     return bool(_core.running()) or _state.pending is not None

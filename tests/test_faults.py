@@ -250,6 +250,8 @@ def test_no_rank_is_left_hanging(
         assert NAMES_VICTIM.search(seen[0]) and f"'{TENSOR}'" in seen[0], (
             f"rank {rank}'s error names neither rank {VICTIM} nor '{TENSOR}': {seen[0]}"
         )
+        if fault == "raise":  # said as what it is, not as a deliberate shutdown() at exit
+            assert "exiting on an uncaught RuntimeError" in seen[0], seen[0]
     assert "terminate called" not in output, output
 
 

@@ -257,6 +257,13 @@ PYBIND11_MODULE(_core, module) {
       "Submits a collective on raw memory; `owner` (what keeps that memory alive) is held until it finishes. GPU "
       "memory says its device and the stream that produces it (None: no ordering needed).");
   module.def(
+      "abort",
+      [](const std::string& reason) {
+        auto runtime = runtime_slot().get();
+        if (runtime) runtime->abort(reason);
+      },
+      py::arg("reason"), "Stops every rank in the next round with this rank's failure `reason`.");
+  module.def(
       "refuse",
       [](const std::string& name, const std::string& reason) {
         auto runtime = runtime_slot().get();

@@ -139,6 +139,15 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
   return handle;
 }
 
+void Runtime::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (stopped_ || !abort_requested_.empty()) return;
+    abort_requested_ = reason;
+  }
+  wake_all();
+}
+
 void Runtime::refuse(const std::string& name, const std::string& reason) {
   if (name.empty() || name.size() > kMaxTensorNameBytes) return;  // no other rank can know it
   {

@@ -78,6 +78,10 @@ class Runtime {
   // name is in flight here (that submission goes on) or when the runtime has stopped.
   void refuse(const std::string& name, const std::string& reason);
 
+  // Stops every rank in the next round with `reason` as this rank's failure (say, the process is
+  // exiting on an uncaught exception), so the others name it instead of seeing a plain shutdown.
+  void abort(const std::string& reason);
+
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
   void request_settings(const SchedulingSettings& settings);
@@ -213,6 +217,7 @@ class Runtime {
   int stop_rank_ = -1;
   std::vector<std::pair<std::string, std::string>> refusals_;  // (name, reason); guarded by inbox_mutex_
   std::atomic<bool> refusals_waiting_{false};  // spares the driver the lock when there are none
+  std::string abort_requested_;  // guarded by inbox_mutex_; abort()'s reason, for the next report
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
   bool doorbell_rang_ = false;  // guarded by inbox_mutex_
