@@ -250,7 +250,9 @@ def test_no_rank_is_left_hanging(
         assert NAMES_VICTIM.search(seen[0]) and f"'{TENSOR}'" in seen[0], (
             f"rank {rank}'s error names neither rank {VICTIM} nor '{TENSOR}': {seen[0]}"
         )
-        if fault == "raise":  # said as what it is, not as a deliberate shutdown() at exit
+        if fault == "raise" and transport != "grpc":
+            # Said as what it is, not as a deliberate shutdown() at exit. (gRPC peers may see the
+            # raising rank's transport close before its last report, and say that instead.)
             assert "exiting on an uncaught RuntimeError" in seen[0], seen[0]
     assert "terminate called" not in output, output
 
