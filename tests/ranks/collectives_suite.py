@@ -205,16 +205,21 @@ def main() -> int:
     parser.add_argument("--transport", default="")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     args = parser.parse_args()
-    commsched.init(**({"transport": args.transport} if args.transport else {}))
-    rank, size = commsched.rank(), commsched.size()
+    settings = {"transport": args.transport} if args.transport else {}
     dtypes = [d for d in args.dtypes.split(",") if d != "bfloat16" or torch_or_none() is not None]
     checked = 0
+    # Synchronous with small tensors inline in the agreement reports, then asynchronous with every
+    # tensor on the wire: both roads of the core, and a restart between them.
     for asynchronous in (False, True):
+        commsched.init(**settings, inline_bytes=0 if asynchronous else 4096)
+        commsched.init()  # a second init() while running changes nothing
+        rank, size = commsched.rank(), commsched.size()
         checked += allreduce_cases(rank, size, dtypes, asynchronous)
         checked += shaped_cases(rank, size, dtypes, asynchronous)
-    checked += object_and_group_cases(rank, size)
-    transport = commsched.config()["transport"]
-    commsched.shutdown()
+        if asynchronous:
+            checked += object_and_group_cases(rank, size)
+        transport = commsched.config()["transport"]
+        commsched.shutdown()
     print(f"rank {rank}: COLLECTIVES OK {checked} checks over {transport}", flush=True)
     return 0
 
