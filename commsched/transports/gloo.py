@@ -180,6 +180,7 @@ class GlooTransport:
         output: int,
         recv_counts: list[int],
         send_counts: list[int],
+        layout: list[int],
     ) -> _Pending:
         """Allgather (all_gather of equal, padded parts), reducescatter (an allreduce of a copy, of
         which this rank keeps its part) or alltoall (all_to_all_single) into `output`."""
