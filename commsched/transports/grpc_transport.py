@@ -21,9 +21,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 import grpc
+import numpy as np
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
