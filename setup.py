@@ -156,7 +156,12 @@ def gloo_extension() -> Extension | None:
         library_dirs=libdirs,
         runtime_library_dirs=[*libdirs, "$ORIGIN/../torch/lib"],
         libraries=["c10", "torch", "torch_cpu", "torch_python"],
-        define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(abi)), ("TORCH_API_INCLUDE_EXTENSION_H", None)],
+        define_macros=[
+            ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+            ("TORCH_API_INCLUDE_EXTENSION_H", None),
+            # c10d's classes change between releases: the module refuses to serve another torch.
+            ("COMMSCHED_BUILT_FOR_TORCH", f'"{torch.__version__}"'),
+        ],
         # Spelled out: the Pybind11Extensions above extend the COMPILE_ARGS list with their own -std.
         extra_compile_args=[
             "-std=c++20",

@@ -98,3 +98,17 @@ def test_seed_accepts_a_gloo_group_and_reports_its_ranks(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 1 [('exchanges', 0), ('launches', 0)]" in done.stdout, done.stdout + done.stderr
+
+
+@needs_native
+def test_a_module_built_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """commsched._gloo built against another torch release is refused with the versions and the fix."""
+    import torch
+
+    from commsched import _gloo
+    from commsched.transports import gloo
+
+    monkeypatch.setattr(_gloo, "built_for_torch", "0.0.0")
+    seed, why = gloo._native_seed(gloo.Groups(data=None, control=None, ranks=[0]))
+    assert seed is None
+    assert f"built for torch 0.0.0, but torch {torch.__version__} is installed; reinstall commsched" in why

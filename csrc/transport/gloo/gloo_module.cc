@@ -11,6 +11,10 @@
 
 #include "transport/gloo/gloo_transport.h"
 
+#ifndef COMMSCHED_BUILT_FOR_TORCH
+#error "setup.py defines COMMSCHED_BUILT_FOR_TORCH, the torch version these headers belong to"
+#endif
+
 namespace py = pybind11;
 
 namespace commsched {
@@ -110,6 +114,7 @@ std::unique_ptr<Transport> create_gloo_transport(uint64_t seed_address) {
 PYBIND11_MODULE(_gloo, module) {
   using commsched::GlooSeed;
   module.doc() = "commsched's native Gloo transport (torch's C++ Gloo backend, no GIL on the data path)";
+  module.attr("built_for_torch") = COMMSCHED_BUILT_FOR_TORCH;
   module.def(
       "transport_factory",
       [] {
