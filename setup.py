@@ -117,6 +117,10 @@ OPTIONAL_EXTENSIONS = {"commsched._gloo"}
 def gloo_extension() -> Extension | None:
     """commsched._gloo, or None (with the reason on stderr) when PyTorch's C++ side is not usable here."""
     if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
+        print(
+            "commsched: COMMSCHED_WITHOUT_TORCH is set; building without the native Gloo transport",
+            file=sys.stderr,
+        )
         return None
     try:
         import torch
@@ -189,6 +193,9 @@ class build_optional_ext(build_ext):
                 "(COMMSCHED_TRANSPORT=gloo then uses the Python transport)",
                 file=sys.stderr,
             )
+            # Out of the list, so neither --inplace's copy nor the install looks for its output
+            # (nor a stale one from an earlier build).
+            self.extensions = [other for other in self.extensions if other is not ext]
 
 
 gloo = gloo_extension()
