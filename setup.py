@@ -107,6 +107,7 @@ extensions.append(
 # when its build fails) commsched uses its Python Gloo transport, so this extension never fails an install.
 GLOO_SOURCES = [
     "csrc/transport/gloo/gloo_transport.cc",
+    "csrc/transport/gloo/peer_probe.cc",
     "csrc/transport/gloo/gloo_module.cc",
     "csrc/core/elementwise.cc",
     "csrc/core/types.cc",

@@ -40,10 +40,10 @@ std::string message_of(const std::exception& error) {
   return error.what();
 }
 
-// Blocks until `future` completes or `timeout_s` passes (negative: no limit); throws CommError
-// naming `what` if it failed or timed out. The completion callback may fire after a timeout, so
-// what it touches is shared.
-void wait_for(c10::ivalue::Future& future, double timeout_s, const std::string& what) {
+// Blocks until `future` completes or `timeout_s` passes (negative: no limit); returns what went
+// wrong, or "" when it succeeded. The completion callback may fire after a timeout, so what it
+// touches is shared.
+std::string wait_for(c10::ivalue::Future& future, double timeout_s) {
   if (!future.completed()) {
     struct Completion {
       std::mutex mutex;
@@ -63,23 +63,27 @@ void wait_for(c10::ivalue::Future& future, double timeout_s, const std::string& 
     if (timeout_s < 0) {
       completion->cv.wait(lock, finished);
     } else if (!completion->cv.wait_for(lock, std::chrono::duration<double>(timeout_s), finished)) {
-      throw CommError(what + " did not complete within " + std::to_string(timeout_s) +
-                      "s: another rank stopped taking part (crashed, hung, or never called commsched.init())");
+      return "did not complete within " + std::to_string(timeout_s) + "s";
     }
   }
-  if (future.hasError()) throw CommError(what + " failed: " + future.tryRetrieveErrorMessage());
+  return future.hasError() ? future.tryRetrieveErrorMessage() : "";
 }
 
 // A c10d work seen through the core's PendingOp: done once its future completes.
 class GlooOp : public PendingOp {
  public:
-  GlooOp(c10::intrusive_ptr<c10d::Work> work, std::string what)
-      : work_(std::move(work)), future_(work_->getFuture()), what_(std::move(what)) {}
+  GlooOp(c10::intrusive_ptr<c10d::Work> work, std::string what, std::shared_ptr<PeerProbe> probe)
+      : work_(std::move(work)), future_(work_->getFuture()), what_(std::move(what)), probe_(std::move(probe)) {}
   bool test() override {
     // The future is marked complete before the work's own flag, and the doorbell rings from the
     // future's callback: asking the future makes the core's first look after the ring succeed.
-    if (!future_->completed()) return false;
-    if (future_->hasError()) throw CommError(what_ + " failed: " + future_->tryRetrieveErrorMessage());
+    if (!future_->completed()) {
+      // It waits for a rank that is gone: stopping need not wait for it too.
+      const std::string lost = probe_->lost();
+      if (!lost.empty()) throw CommError(what_ + " abandoned: " + lost);
+      return false;
+    }
+    if (future_->hasError()) throw CommError(what_ + " failed: " + probe_->explain(future_->tryRetrieveErrorMessage()));
     return true;
   }
   c10::ivalue::Future& future() { return *future_; }
@@ -88,6 +92,7 @@ class GlooOp : public PendingOp {
   c10::intrusive_ptr<c10d::Work> work_;  // keeps the tensors (views of the core's memory) referenced
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::string what_;
+  std::shared_ptr<PeerProbe> probe_;
 };
 
 class DoneOp : public PendingOp {
@@ -101,6 +106,7 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrus
                              std::shared_ptr<GlooCounters> counters, std::function<void()> on_close)
     : data_(std::move(data)),
       control_(std::move(control)),
+      probe_(std::make_shared<PeerProbe>(control_, data_->getRank(), data_->getSize())),
       counters_(counters ? std::move(counters) : std::make_shared<GlooCounters>()),
       on_close_(std::move(on_close)),
       rank_(data_->getRank()),
@@ -115,7 +121,18 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrus
 }
 
 GlooTransport::~GlooTransport() {
+  if (exchange_abandoned_ || in_flight_->load() > 0 || !probe_->lost().empty()) {
+    // Work waiting for a rank that is gone holds its group's destructor until Gloo's own timeout
+    // (30 minutes by default): abort the groups instead.
+    for (auto* backend : {&data_, &control_}) {
+      try {
+        (*backend)->abort();
+      } catch (const std::exception&) {  // a backend that cannot abort: its destructor waits, as before
+      }
+    }
+  }
   // The backends go first: the groups the Python side destroys in on_close_ are then unreferenced.
+  probe_->release();
   data_.reset();
   control_.reset();
   send_slot_.reset();
@@ -139,9 +156,13 @@ const uint8_t* GlooTransport::allgather(const at::Tensor& send, at::Tensor& rece
   try {
     work = control_->allgather(outputs, inputs);
   } catch (const std::exception& error) {
-    throw CommError(what + " failed to start: " + message_of(error));
+    throw CommError(what + " failed to start: " + probe_->explain(message_of(error)));
   }
-  wait_for(*work->getFuture(), timeout_s, what);
+  const std::string failure = wait_for(*work->getFuture(), timeout_s);
+  if (!failure.empty()) {
+    exchange_abandoned_ = !work->getFuture()->completed();
+    throw CommError(what + " failed: " + probe_->explain(failure));
+  }
   counters_->exchanges.fetch_add(1, std::memory_order_relaxed);
   return receive.data_ptr<uint8_t>();
 }
@@ -156,6 +177,8 @@ std::vector<std::string> GlooTransport::exchange(const std::string& mine, double
     return std::max(0.0, timeout_s - spent);
   };
   if (mine.size() > UINT32_MAX) throw CommError("gloo: an agreement report exceeds 4 GiB");
+  const std::string lost = probe_->lost();
+  if (!lost.empty()) throw CommError("gloo agreement exchange: " + lost);
   const int64_t slot = slot_bytes_;
   const size_t in_slot = static_cast<size_t>(slot) - sizeof(uint32_t);
   if (send_slot_.numel() != slot) {
@@ -230,11 +253,14 @@ std::unique_ptr<PendingOp> GlooTransport::start(const WireOp& op) {
     throw CommError(what + " failed to start: " + message_of(error));
   }
   counters_->launches.fetch_add(1, std::memory_order_relaxed);
-  auto pending = std::make_unique<GlooOp>(std::move(work), std::move(what));
-  if (doorbell_) {
-    // Runs on Gloo's worker thread the moment the collective completes (or at once if it has).
-    pending->future().addCallback([bell = doorbell_](c10::ivalue::Future&) { bell->ring(); });
-  }
+  auto pending = std::make_unique<GlooOp>(std::move(work), std::move(what), probe_);
+  in_flight_->fetch_add(1);
+  // Runs on Gloo's worker thread the moment the collective completes (or at once if it has); it
+  // takes no GIL, so it may run at any time, also while the interpreter finalizes.
+  pending->future().addCallback([bell = doorbell_, in_flight = in_flight_](c10::ivalue::Future&) {
+    in_flight->fetch_sub(1);
+    if (bell) bell->ring();
+  });
   return pending;
 }
 

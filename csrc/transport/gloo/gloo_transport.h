@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/gloo/peer_probe.h"
 #include "transport/transport.h"
 
 namespace commsched {
@@ -57,6 +58,11 @@ class GlooTransport : public Transport {
 
   c10::intrusive_ptr<c10d::Backend> data_;
   c10::intrusive_ptr<c10d::Backend> control_;
+  std::shared_ptr<PeerProbe> probe_;  // shared with the collectives in flight, which name lost ranks too
+  // Collectives whose completion callback has not run: a work waiting for a lost rank holds its
+  // group's destructor (and the process's exit) until Gloo's own timeout, so close aborts then.
+  std::shared_ptr<std::atomic<int>> in_flight_ = std::make_shared<std::atomic<int>>(0);
+  bool exchange_abandoned_ = false;  // an agreement round failed with its allgather still pending
   std::shared_ptr<GlooCounters> counters_;
   std::function<void()> on_close_;
   std::shared_ptr<Doorbell> doorbell_;
