@@ -81,9 +81,9 @@ def build(
             return cuda_aware_build(comm, launch.local_rank if device is None or device < 0 else device)
         return "native", factory_and_handle(comm)
     if kind == "gloo":
-        from commsched.transports.gloo import GlooTransport
+        from commsched.transports import gloo
 
-        return "python", GlooTransport(launch, process_group)
+        return gloo.build(launch, process_group)
     if kind == "grpc":
         return "python", _grpc(launch, settings)
     if kind == "nccl":

@@ -1,4 +1,6 @@
-"""A transport over torch.distributed (Gloo) process groups, driven through the core's trampoline."""
+"""Gloo over torch.distributed process groups: natively (commsched._gloo, torch's C++ Gloo backend
+called from the core with no GIL) where that extension was built, otherwise through the core's
+Python trampoline."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.launch import LaunchInfo
@@ -63,6 +66,106 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+@dataclass
+class Groups:
+    """The process groups a Gloo transport runs on: data, agreement, and those it created itself."""
+
+    data: Any
+    control: Any
+    ranks: list[int]
+    owned: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Destroys the groups created for the transport, so none outlives commsched.shutdown()."""
+        import torch.distributed as dist
+
+        # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
+        # when their threads can no longer take the GIL.
+        for group in reversed(self.owned):
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self.owned.clear()
+
+
+def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
+    """Initialises torch.distributed if needed and makes the data and agreement groups."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
+    if not dist.is_initialized():
+        if process_group is not None:
+            raise ValueError("process_group= was given but torch.distributed is not initialised")
+        if not launch.master_addr or not launch.master_port:
+            raise ValueError(
+                "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
+                "or an initialised torch.distributed process group"
+            )
+        # Left in place at shutdown: a later init() finds it, and a new rendezvous on
+        # torchrun's store would meet the old one's keys.
+        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
+    group = process_group if process_group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    groups = Groups(data=group, control=None, ranks=ranks)
+    # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
+    if dist.get_backend(group) != "gloo":
+        groups.data = dist.new_group(ranks, backend="gloo")
+        groups.owned.append(groups.data)
+    groups.control = dist.new_group(ranks, backend="gloo")
+    groups.owned.append(groups.control)
+    return groups
+
+
+# Set by build(): "native", or "python (<why the native transport is not used>)"; with the native
+# transport's seed, whose counters show what went over it. For diagnostics and tests.
+last_path = ""
+last_seed: Any = None
+
+
+def build(launch: LaunchInfo, process_group: Any = None) -> tuple[str, Any]:
+    """The (kind, argument) pair commsched._core.start() takes: the native transport where
+    commsched._gloo imports and accepts the groups, otherwise the Python one (logged at info, with why)."""
+    global last_path, last_seed
+    groups = make_groups(launch, process_group)
+    seed, why = _native_seed(groups)
+    last_seed = seed
+    if seed is not None:
+        from commsched import _gloo
+
+        last_path = "native"
+        log.info("COMMSCHED_TRANSPORT=gloo: native transport (commsched._gloo), no GIL on the data path")
+        # The seed rides along so it lives as long as the argument: the core reads it during start().
+        return "native", (_gloo.transport_factory(), seed.address(), seed)
+    last_path = f"python ({why})"
+    log.info("COMMSCHED_TRANSPORT=gloo: Python transport, because %s", why)
+    return "python", GlooTransport(launch, process_group, groups)
+
+
+def _native_seed(groups: Groups) -> tuple[Any, str]:
+    """The native transport's seed over `groups`, or (None, why not)."""
+    try:
+        from commsched import _gloo
+    except ImportError as error:
+        return (
+            None,
+            f"commsched._gloo did not import ({error}); it is built when PyTorch is importable at install",
+        )
+    import torch
+
+    if _gloo.built_for_torch != torch.__version__:
+        # c10d's C++ classes differ between releases: using them across versions could crash.
+        return None, (
+            f"commsched._gloo was built for torch {_gloo.built_for_torch}, but torch {torch.__version__} "
+            "is installed; reinstall commsched to build it for this torch"
+        )
+    try:
+        cpu = torch.device("cpu")
+        data, control = groups.data._get_backend(cpu), groups.control._get_backend(cpu)
+        return _gloo.Seed(data, control, groups.close), ""
+    except (AttributeError, RuntimeError, ValueError, TypeError) as error:
+        return None, f"commsched._gloo cannot use these process groups ({error})"
+
+
 class _Pending:
     """A torch.distributed Work seen through the core's PendingOp interface."""
 
@@ -106,36 +209,19 @@ class GlooTransport:
     # Completions ring the core's doorbell (see _Pending.on_done): polling is only a fallback.
     poll_interval_us = 5000
 
-    def __init__(self, launch: LaunchInfo, process_group: Any = None) -> None:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:
-            raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
+    def __init__(self, launch: LaunchInfo, process_group: Any = None, groups: Groups | None = None) -> None:
+        if groups is None:
+            groups = make_groups(launch, process_group)
+        import torch
+        import torch.distributed as dist
+
         self._torch = torch
         self._dist = dist
         _WIDENED.setdefault("int16", torch.int32)
-        self._owned: list[Any] = []  # subgroups this transport created
-        if not dist.is_initialized():
-            if process_group is not None:
-                raise ValueError("process_group= was given but torch.distributed is not initialised")
-            if not launch.master_addr or not launch.master_port:
-                raise ValueError(
-                    "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
-                    "or an initialised torch.distributed process group"
-                )
-            # Left in place at shutdown: a later init() finds it, and a new rendezvous on
-            # torchrun's store would meet the old one's keys.
-            dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
-        group = process_group if process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
-        # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
-        self._data = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
-        if self._data is not group:
-            self._owned.append(self._data)
-        self._control = dist.new_group(ranks, backend="gloo")
-        self._owned.append(self._control)
-        self._global_ranks = ranks
+        self._owned = groups.owned  # subgroups made for this transport
+        self._data = groups.data
+        self._control = groups.control
+        self._global_ranks = groups.ranks
         self.rank = dist.get_rank(self._data)
         self.size = dist.get_world_size(self._data)
         self._slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
