@@ -304,7 +304,8 @@ std::unique_ptr<PendingOp> GlooTransport::start(const WireOp& op) {
   }
   if (!launched.work) return std::make_unique<DoneOp>();  // every rank agreed there is nothing to move
   counters_->launches.fetch_add(1, std::memory_order_relaxed);
-  auto pending = std::make_unique<GlooOp>(std::move(launched.work), std::move(launched.finish), std::move(what), probe_);
+  auto pending =
+      std::make_unique<GlooOp>(std::move(launched.work), std::move(launched.finish), std::move(what), probe_);
   in_flight_->fetch_add(1);
   // Runs on Gloo's worker thread the moment the collective completes (or at once if it has); it
   // takes no GIL, so it may run at any time, also while the interpreter finalizes. It holds the
