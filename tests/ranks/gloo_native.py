@@ -79,6 +79,42 @@ def run_collectives(rank: int, size: int) -> int:
     return checked + len(batch)
 
 
+def run_shaped_edges(rank: int, size: int) -> int:
+    """What the collectives suite does not reach: even allgather parts (gathered in place), a rank with
+    nothing to give or keep, int16 reductions that wrap (Gloo reduces them in int32), bool moved as bytes."""
+    rows = 20_000  # past the inline size: every one of these goes over the wire
+    even = [np.arange(rows * 2, dtype=np.int16).reshape(rows, 2) - 1000 * r for r in range(size)]
+    got = commsched.allgather(even[rank].copy(), name="edge.ag.even")
+    check("even allgather of int16", torch.from_numpy(got), np.concatenate(even).astype(np.float64))
+    # Rank 0 gives no rows; the others r * 3 rows of bools.
+    flags = [np.arange(r * 3 * rows, dtype=np.int64).reshape(-1, 1) % 3 == r for r in range(size)]
+    got = commsched.allgather(flags[rank].copy(), name="edge.ag.empty")
+    assert got.dtype == bool and np.array_equal(got, np.concatenate(flags)), "allgather with an empty rank"
+    # One row of a reducescatter: every rank but 0 keeps nothing.
+    line = np.full((1, rows), 30_000 + rank, dtype=np.int16)
+    kept = commsched.reducescatter(line, name="edge.rs.one")
+    wrapped = np.full((1, rows), sum(30_000 + r for r in range(size)), dtype=np.int64).astype(np.int16)
+    assert kept.shape == ((1, rows) if rank == 0 else (0, rows)), kept.shape
+    assert rank != 0 or np.array_equal(kept, wrapped), f"int16 reducescatter: {kept[0, :3]}"
+    for op, reference in (("sum", np.sum), ("min", np.min), ("max", np.max), ("product", np.prod)):
+        # Near the int16 limit, of both signs: sums and products wrap, min and max need the sign.
+        every = [(np.arange(rows) % 200 + 32_600 - 50 * r).astype(np.int16) for r in range(size)]
+        mine = every[rank].copy()
+        expected = reference(np.stack(every).astype(np.int64), axis=0).astype(np.int16)
+        commsched.allreduce(mine, name=f"edge.ar.int16.{op}", op=op)
+        assert np.array_equal(mine, expected), f"int16 {op}: {mine[:3]} != {expected[:3]}"
+    # Rank 0 sends nothing; every other rank sends each rank `rows` bools.
+    sent = np.zeros((0 if rank == 0 else rows * size, 3), dtype=bool)
+    sent[::2] = True
+    splits = [0 if rank == 0 else rows] * size
+    output, received = commsched.alltoall(sent, splits, name="edge.a2a.bool")
+    assert received == [0] + [rows] * (size - 1), received
+    pattern = np.zeros((rows, 3), dtype=bool)
+    pattern[::2] = True
+    assert np.array_equal(output, np.concatenate([pattern] * (size - 1))), "bool alltoall"
+    return 4 + 4
+
+
 def expect_path(expected: str) -> None:
     """The transport the core runs is Gloo, over the native or the Python path as asked."""
     assert commsched.config()["transport"] == "gloo", commsched.config()
@@ -117,7 +153,7 @@ def main() -> None:
     if args.peer_exits:
         peer_exits(rank)
         return
-    checked = run_collectives(rank, size)
+    checked = run_collectives(rank, size) + run_shaped_edges(rank, size)
     if args.expect == "native":
         counters = gloo.last_seed.counters()
         assert counters["launches"] > 0 and counters["exchanges"] > 0, counters

@@ -23,14 +23,54 @@ at::ScalarType scalar_type(DType dtype) {
     case DType::kInt64: return at::kLong;
     case DType::kUInt8: return at::kByte;
     case DType::kInt8: return at::kChar;
+    case DType::kInt16: return at::kShort;
+    case DType::kBool: return at::kByte;  // the core sends bools as bytes of 0 or 1
   }
   throw CommError("gloo: unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+// The type Gloo reduces `dtype` in: it has no int16 arithmetic, and int32's low 16 bits wrap as
+// int16 arithmetic would.
+at::ScalarType reduced_type(DType dtype) { return dtype == DType::kInt16 ? at::kInt : scalar_type(dtype); }
+
+// The type Gloo moves `dtype` as where nothing is computed: Gloo moves no int16, and any type of the
+// same width carries its bytes.
+at::ScalarType moved_type(DType dtype) { return dtype == DType::kInt16 ? at::kHalf : scalar_type(dtype); }
+
+c10d::ReduceOp reduce_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: break;  // the core divides the sum
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// `count` elements of the core's memory at `data` as a tensor (not owning them).
+at::Tensor view_of(void* data, uint64_t count, at::ScalarType type) {
+  if (count == 0) return at::empty({0}, at::TensorOptions().dtype(type));
+  return at::from_blob(data, {static_cast<int64_t>(count)}, at::TensorOptions().dtype(type));
+}
+
+uint64_t total_of(const std::vector<uint64_t>& counts) {
+  uint64_t total = 0;
+  for (uint64_t count : counts) total += count;
+  return total;
+}
+
+std::vector<int64_t> split_sizes(const std::vector<uint64_t>& counts) {
+  return std::vector<int64_t>(counts.begin(), counts.end());
 }
 
 std::string describe(const WireOp& op) {
   std::string text = std::string("gloo ") + kind_name(op.kind) + " of " + std::to_string(op.count) + " " +
                      dtype_name(op.dtype) + " elements";
   if (op.kind == CollectiveKind::kBroadcast) text += " from rank " + std::to_string(op.root);
+  if (op.kind == CollectiveKind::kAllreduce || op.kind == CollectiveKind::kReducescatter) {
+    text += std::string(" (op ") + op_name(op.op) + ")";
+  }
   return text;
 }
 
@@ -72,8 +112,13 @@ std::string wait_for(c10::ivalue::Future& future, double timeout_s) {
 // A c10d work seen through the core's PendingOp: done once its future completes.
 class GlooOp : public PendingOp {
  public:
-  GlooOp(c10::intrusive_ptr<c10d::Work> work, std::string what, std::shared_ptr<PeerProbe> probe)
-      : work_(std::move(work)), future_(work_->getFuture()), what_(std::move(what)), probe_(std::move(probe)) {}
+  GlooOp(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what,
+         std::shared_ptr<PeerProbe> probe)
+      : work_(std::move(work)),
+        future_(work_->getFuture()),
+        finish_(std::move(finish)),
+        what_(std::move(what)),
+        probe_(std::move(probe)) {}
   bool test() override {
     // The future is marked complete before the work's own flag, and the doorbell rings from the
     // future's callback: asking the future makes the core's first look after the ring succeed.
@@ -84,6 +129,16 @@ class GlooOp : public PendingOp {
       return false;
     }
     if (future_->hasError()) throw CommError(what_ + " failed: " + probe_->explain(future_->tryRetrieveErrorMessage()));
+    if (finish_) {
+      // Once only: the result must be in the core's memory when test() first says so.
+      const auto finish = std::move(finish_);
+      finish_ = nullptr;
+      try {
+        finish();
+      } catch (const std::exception& error) {
+        throw CommError(what_ + " completed, but its result could not be copied out: " + message_of(error));
+      }
+    }
     return true;
   }
   c10::ivalue::Future& future() { return *future_; }
@@ -91,6 +146,7 @@ class GlooOp : public PendingOp {
  private:
   c10::intrusive_ptr<c10d::Work> work_;  // keeps the tensors (views of the core's memory) referenced
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::function<void()> finish_;  // copies a widened, padded or whole result into the core's memory
   std::string what_;
   std::shared_ptr<PeerProbe> probe_;
 };
@@ -231,37 +287,177 @@ void GlooTransport::fit_slot(uint64_t wanted) {
   }
 }
 
+std::string GlooTransport::unsupported(const TensorSpec& spec) const {
+  (void)spec;
+  return {};
+}
+
 std::unique_ptr<PendingOp> GlooTransport::start(const WireOp& op) {
-  if (op.count == 0) return std::make_unique<DoneOp>();
   std::string what = describe(op);
-  c10::intrusive_ptr<c10d::Work> work;
+  GlooLaunch launched;
   try {
-    std::vector<at::Tensor> tensors{at::from_blob(op.data, {static_cast<int64_t>(op.count)},
-                                                  at::TensorOptions().dtype(scalar_type(op.dtype)))};
-    if (op.kind == CollectiveKind::kAllreduce) {
-      c10d::AllreduceOptions options;
-      options.reduceOp = c10d::ReduceOp::SUM;
-      work = data_->allreduce(tensors, options);
-    } else {
-      c10d::BroadcastOptions options;
-      options.rootRank = op.root;
-      work = data_->broadcast(tensors, options);
-    }
+    launched = launch(op);
   } catch (const CommError&) {
     throw;
   } catch (const std::exception& error) {
     throw CommError(what + " failed to start: " + message_of(error));
   }
+  if (!launched.work) return std::make_unique<DoneOp>();  // every rank agreed there is nothing to move
   counters_->launches.fetch_add(1, std::memory_order_relaxed);
-  auto pending = std::make_unique<GlooOp>(std::move(work), std::move(what), probe_);
+  auto pending =
+      std::make_unique<GlooOp>(std::move(launched.work), std::move(launched.finish), std::move(what), probe_);
   in_flight_->fetch_add(1);
   // Runs on Gloo's worker thread the moment the collective completes (or at once if it has); it
-  // takes no GIL, so it may run at any time, also while the interpreter finalizes.
-  pending->future().addCallback([bell = doorbell_, in_flight = in_flight_](c10::ivalue::Future&) {
-    in_flight->fetch_sub(1);
-    if (bell) bell->ring();
-  });
+  // takes no GIL, so it may run at any time, also while the interpreter finalizes. It holds the
+  // temporaries Gloo reads and writes, so they outlive the collective even if the op is abandoned.
+  pending->future().addCallback(
+      [bell = doorbell_, in_flight = in_flight_, temporaries = std::move(launched.temporaries)](c10::ivalue::Future&) {
+        in_flight->fetch_sub(1);
+        if (bell) bell->ring();
+      });
   return pending;
+}
+
+GlooLaunch GlooTransport::launch(const WireOp& op) {
+  switch (op.kind) {
+    case CollectiveKind::kAllreduce: return launch_allreduce(op);
+    case CollectiveKind::kBroadcast: return launch_broadcast(op);
+    case CollectiveKind::kAllgather: return launch_allgather(op);
+    case CollectiveKind::kReducescatter: return launch_reducescatter(op);
+    case CollectiveKind::kAlltoall: return launch_alltoall(op);
+    case CollectiveKind::kBarrier: {
+      // The agreement completes barriers before they reach a transport; one that does gets Gloo's.
+      GlooLaunch launched;
+      launched.work = data_->barrier(c10d::BarrierOptions());
+      return launched;
+    }
+  }
+  throw CommError(std::string("the gloo transport was asked to start an unknown collective (kind ") +
+                  std::to_string(static_cast<int>(op.kind)) + ")");
+}
+
+GlooLaunch GlooTransport::launch_allreduce(const WireOp& op) {
+  GlooLaunch launched;
+  if (op.count == 0) return launched;
+  at::Tensor tensor = view_of(op.data, op.count, scalar_type(op.dtype));
+  c10d::AllreduceOptions options;
+  options.reduceOp = reduce_op(op.op);
+  std::vector<at::Tensor> tensors{tensor};
+  if (reduced_type(op.dtype) != tensor.scalar_type()) {
+    at::Tensor wide = tensor.to(reduced_type(op.dtype));
+    tensors[0] = wide;
+    launched.temporaries.push_back(wide);
+    launched.finish = [tensor, wide]() mutable { tensor.copy_(wide); };
+  }
+  launched.work = data_->allreduce(tensors, options);
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_broadcast(const WireOp& op) {
+  GlooLaunch launched;
+  if (op.count == 0) return launched;
+  std::vector<at::Tensor> tensors{view_of(op.data, op.count, moved_type(op.dtype))};
+  c10d::BroadcastOptions options;
+  options.rootRank = op.root;
+  launched.work = data_->broadcast(tensors, options);
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_allgather(const WireOp& op) {
+  // Gloo gathers equal parts: uneven ones travel padded to the longest and are unpadded after.
+  GlooLaunch launched;
+  if (op.recv_counts.size() != static_cast<size_t>(size_)) {
+    throw CommError("gloo allgather: " + std::to_string(op.recv_counts.size()) + " receive counts for " +
+                    std::to_string(size_) + " ranks");
+  }
+  if (op.recv_counts[static_cast<size_t>(rank_)] != op.count) {
+    throw CommError("gloo allgather: this rank submitted " + std::to_string(op.count) + " elements, but the agreed " +
+                    "layout gives it " + std::to_string(op.recv_counts[static_cast<size_t>(rank_)]));
+  }
+  const uint64_t total = total_of(op.recv_counts);
+  if (total == 0) return launched;
+  const at::ScalarType type = moved_type(op.dtype);
+  const uint64_t width = *std::max_element(op.recv_counts.begin(), op.recv_counts.end());
+  const bool even = std::all_of(op.recv_counts.begin(), op.recv_counts.end(), [&](uint64_t n) { return n == width; });
+  at::Tensor output = view_of(op.output, total, type);
+  at::Tensor input = view_of(op.data, op.count, type);
+  at::Tensor gathered = output;  // even parts land in place
+  if (!even) {
+    at::Tensor padded = at::zeros({static_cast<int64_t>(width)}, at::TensorOptions().dtype(type));
+    if (op.count > 0) padded.narrow(0, 0, static_cast<int64_t>(op.count)).copy_(input);
+    input = padded;
+    gathered = at::empty({static_cast<int64_t>(width * static_cast<uint64_t>(size_))}, at::TensorOptions().dtype(type));
+    launched.temporaries = {padded, gathered};
+    launched.finish = [gathered, output, counts = op.recv_counts, width]() mutable {
+      int64_t offset = 0;
+      for (size_t r = 0; r < counts.size(); ++r) {
+        const auto received = static_cast<int64_t>(counts[r]);
+        if (received == 0) continue;
+        output.narrow(0, offset, received).copy_(gathered.narrow(0, static_cast<int64_t>(r * width), received));
+        offset += received;
+      }
+    };
+  }
+  std::vector<at::Tensor> inputs{input};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size_; ++r) {
+    outputs[0].push_back(gathered.narrow(0, static_cast<int64_t>(r * width), static_cast<int64_t>(width)));
+  }
+  launched.work = data_->allgather(outputs, inputs, c10d::AllgatherOptions());
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
+  // An allreduce of a copy of the input (the caller's stays as it is), of which this rank keeps its rows.
+  GlooLaunch launched;
+  if (op.recv_counts.size() != static_cast<size_t>(size_)) {
+    throw CommError("gloo reducescatter: " + std::to_string(op.recv_counts.size()) + " receive counts for " +
+                    std::to_string(size_) + " ranks");
+  }
+  uint64_t start = 0;
+  for (int r = 0; r < rank_; ++r) start += op.recv_counts[static_cast<size_t>(r)];
+  const uint64_t kept = op.recv_counts[static_cast<size_t>(rank_)];
+  if (start + kept > op.count) {
+    throw CommError("gloo reducescatter: this rank's part (elements " + std::to_string(start) + " to " +
+                    std::to_string(start + kept) + ") lies outside the " + std::to_string(op.count) +
+                    " elements submitted");
+  }
+  if (op.count == 0) return launched;
+  const at::Tensor input = view_of(op.data, op.count, scalar_type(op.dtype));
+  at::Tensor reduced = input.to(reduced_type(op.dtype), /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor output = view_of(op.output, kept, scalar_type(op.dtype));
+  launched.temporaries = {reduced};
+  launched.finish = [reduced, output, start, kept]() mutable {
+    if (kept > 0) output.copy_(reduced.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(kept)));
+  };
+  c10d::AllreduceOptions options;
+  options.reduceOp = reduce_op(op.op);
+  std::vector<at::Tensor> tensors{reduced};
+  launched.work = data_->allreduce(tensors, options);
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_alltoall(const WireOp& op) {
+  GlooLaunch launched;
+  const auto ranks = static_cast<size_t>(size_);
+  if (op.send_counts.size() != ranks || op.recv_counts.size() != ranks) {
+    throw CommError("gloo alltoall: " + std::to_string(op.send_counts.size()) + " send and " +
+                    std::to_string(op.recv_counts.size()) + " receive counts for " + std::to_string(size_) +
+                    " ranks");
+  }
+  if (total_of(op.send_counts) != op.count) {
+    throw CommError("gloo alltoall: the send counts add up to " + std::to_string(total_of(op.send_counts)) +
+                    " elements, but " + std::to_string(op.count) + " were submitted");
+  }
+  // Every rank sees the same layout: when it moves nothing, no rank starts the collective.
+  if (!op.layout.empty() && total_of(op.layout) == 0) return launched;
+  const at::ScalarType type = moved_type(op.dtype);
+  at::Tensor input = view_of(op.data, op.count, type);
+  at::Tensor output = view_of(op.output, total_of(op.recv_counts), type);
+  std::vector<int64_t> input_splits = split_sizes(op.send_counts);
+  std::vector<int64_t> output_splits = split_sizes(op.recv_counts);
+  launched.work = data_->alltoall_base(output, input, output_splits, input_splits, c10d::AllToAllOptions());
+  return launched;
 }
 
 }  // namespace commsched

@@ -24,6 +24,14 @@ struct GlooCounters {
   std::atomic<uint64_t> exchanges{0};
 };
 
+// A collective handed to Gloo: its work (null when there was nothing to move), what copies its result
+// into the core's memory once it completes, and the temporaries it reads or writes meanwhile.
+struct GlooLaunch {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;
+  std::vector<at::Tensor> temporaries;
+};
+
 class GlooTransport : public Transport {
  public:
   // `on_close` runs once after the backends are released (the Python side destroys the process
@@ -39,6 +47,9 @@ class GlooTransport : public Transport {
   std::string name() const override { return "gloo"; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
+  // Gloo runs every collective, op and dtype the core has (int16 reduced in int32, bool as uint8):
+  // what the core refuses itself (sum of bool, reducescatter with min) never gets here.
+  std::string unsupported(const TensorSpec& spec) const override;
   // Gloo's own worker threads move the data; completions ring the doorbell, so polling is only
   // a fallback.
   std::chrono::microseconds poll_interval() const override { return std::chrono::microseconds(2000); }
@@ -51,6 +62,13 @@ class GlooTransport : public Transport {
   // One allgather of `width` bytes per rank on the control group; returns the gathered bytes.
   const uint8_t* allgather(const at::Tensor& send, at::Tensor& receive, int64_t width, double timeout_s);
   void fit_slot(uint64_t wanted);
+  // One launcher per kind; each leaves the result in the core's memory once `finish` ran.
+  GlooLaunch launch(const WireOp& op);
+  GlooLaunch launch_allreduce(const WireOp& op);
+  GlooLaunch launch_broadcast(const WireOp& op);
+  GlooLaunch launch_allgather(const WireOp& op);
+  GlooLaunch launch_reducescatter(const WireOp& op);
+  GlooLaunch launch_alltoall(const WireOp& op);
 
   static constexpr int64_t kMinSlotBytes = 64;
   static constexpr int64_t kSlotStepBytes = 1024;
