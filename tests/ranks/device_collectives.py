@@ -102,7 +102,10 @@ def late_producer(size: int, rank: int, library: ctypes.CDLL, delay_us: int) -> 
     for handle, target, (name, count) in zip(handles, targets, cases):
         handle.wait(60)
         check(name, target.host, expected_sum(np.float32, count, size, 3))
+    # The late tensor holds the credit, so the small ones queue behind it and share launches,
+    # whatever the host's timing (with nothing holding them, each may go out in its own round).
     stats = commsched.stats()
+    assert stats["fused_launches"] > 0 and stats["launches"] < stats["chunks"], stats
     print(f"DEVICE OK late-producer fused={stats['fused_launches']}", flush=True)
 
 
@@ -142,9 +145,6 @@ def main() -> None:
         )
         size, rank = commsched.size(), commsched.rank()
         mixed_tensors(policy, size, rank)
-        stats = commsched.stats()
-        assert stats["fused_launches"] > 0, stats
-        assert stats["launches"] < stats["chunks"], stats  # several chunks share a launch
         if policy == "priority":
             average_and_broadcast(size, rank)
             late_producer(size, rank, library, args.delay_us)
