@@ -41,19 +41,43 @@ from commsched._core import CollectiveError, CommschedError, NotRunningError, Ra
 __all__ = [
     "CollectiveError",
     "CommschedError",
+    "GroupHandle",
     "Handle",
     "NotRunningError",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
     "RankFailure",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
     "allreduce",
     "allreduce_async",
+    "alltoall",
+    "alltoall_async",
     "autotune_step",
+    "barrier",
     "broadcast",
     "broadcast_async",
+    "broadcast_object",
     "config",
+    "cross_rank",
+    "cross_size",
+    "gloo_built",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
     "init",
     "is_initialized",
     "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "nccl_built",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "reconfigure",
     "shutdown",
     "size",
@@ -62,7 +86,9 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("commsched")
 _WAIT_SLICE_S = 0.2
-_OPS = ("sum", "average")
+_OPS = ("sum", "average", "min", "max", "product")
+# Reduction ops, as Horovod names them (hvd.Average, ...); op= takes these or the strings, in any case.
+Average, Sum, Min, Max, Product = "average", "sum", "min", "max", "product"
 
 
 class _State:
@@ -139,9 +165,9 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
     """
     with _state.lock:
         if _core.running() or _state.pending is not None:
-            raise RuntimeError(
-                "commsched is already initialised; call commsched.shutdown() before init() again"
-            )
+            # As Horovod's init(): a second call while running changes nothing (shutdown() first to restart).
+            log.debug("commsched.init() called again while initialised: nothing to do")
+            return
         resolved = _config.resolve(settings)
         logging.basicConfig()
         log.setLevel(resolved.log_level.upper() if resolved.log_level != "trace" else logging.DEBUG)
@@ -364,6 +390,7 @@ def _run_now(
 ) -> Any:
     """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
     name, root, priority = _checked(name, kind, op, root, priority)
+    op = _op_name(op)
     tuner = _state.tuner
     if _state.pending is None and not _state.device_memory and (tuner is None or not tuner.recording):
         limit = -1.0 if timeout is None else timeout
@@ -389,7 +416,7 @@ def _buffer_outcome(
 
 def _submit(array: Any, name: str | None, kind: str, op: str, root: int, priority: int) -> Handle:
     name, root, priority = _checked(name, kind, op, root, priority)
-    return _enqueue(array, name, kind, op, root, priority)
+    return _enqueue(array, name, kind, _op_name(op), root, priority)
 
 
 def _checked(name: str | None, kind: str, op: str, root: Any, priority: Any) -> tuple[str, int, int]:
@@ -411,12 +438,26 @@ def _checked(name: str | None, kind: str, op: str, root: Any, priority: Any) -> 
         if not -(2**31) <= root < 2**31:  # smaller ones the core checks against the number of ranks
             ranks = f"between 0 and {_core.size() - 1}" if _core.running() else "from 0 up"
             raise ValueError(f"root of '{name}' is {root}, which is not a rank; use a rank {ranks}")
-        if op not in _OPS:
-            raise ValueError(f'op of \'{name}\' must be "sum" or "average", not {op!r}')
+        if _op_name(op) not in _OPS:
+            raise ValueError(
+                f"op of '{name}' must be one of {', '.join(_OPS)} (any case, or commsched.Sum etc.), not {op!r}"
+            )
     except (TypeError, ValueError) as error:
         _refuse(name, error)
         raise
     return name, root, priority
+
+
+def _op_name(op: Any) -> str:
+    """An op as the core names it: the strings (and commsched.Sum etc.) in any case."""
+    return op.lower() if isinstance(op, str) else repr(op)
+
+
+def _factor(value: Any, what: str, name: str) -> float:
+    """A scale factor as a float; refuses what is no real number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{what} of '{name}' must be a number, not {value!r}")
+    return float(value)
 
 
 def _integer(value: Any, what: str, form: str) -> int:
@@ -437,8 +478,24 @@ def _refuse(name: str, error: BaseException) -> None:
 
 
 def _enqueue(
-    array: Any, name: str, kind: str, op: str, root: int, priority: int, waits_next: bool = False
+    array: Any,
+    name: str,
+    kind: str,
+    op: str,
+    root: int,
+    priority: int,
+    waits_next: bool = False,
+    **extra: Any,
 ) -> Handle:
+    """Submits one collective; `extra`: prescale, postscale, row_shape, splits for the core."""
+    view, core_handle = _submit_view(array, name, kind, op, root, priority, waits_next, **extra)
+    return Handle(core_handle, array, view)
+
+
+def _submit_view(
+    array: Any, name: str, kind: str, op: str, root: int, priority: int, waits_next: bool, **extra: Any
+) -> tuple[buffers.BufferView, Any]:
+    """Views `array` and hands it to the core: (view, core handle)."""
     try:
         view = buffers.view(array, name)
     except (TypeError, ValueError) as error:
@@ -470,11 +527,12 @@ def _enqueue(
         device=view.on_gpu,
         device_id=-1 if view.device is None else view.device,
         stream=view.stream,
+        **extra,
     )
     tuner = _state.tuner
-    if tuner is not None and tuner.recording:
+    if tuner is not None and tuner.recording and kind == "allreduce":
         tuner.observe(name, view.count, view.dtype, priority, core_handle)
-    return Handle(core_handle, array, view)
+    return view, core_handle
 
 
 def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -> None:
@@ -493,15 +551,47 @@ def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -
         )
 
 
-def allreduce_async(array: Any, name: str | None = None, priority: int = 0, op: str = "sum") -> Handle:
-    """Starts an in-place allreduce; smaller priority numbers go on the wire first."""
-    return _submit(array, name, "allreduce", op, 0, priority)
+def allreduce_async(
+    array: Any,
+    name: str | None = None,
+    priority: int = 0,
+    op: str = "sum",
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Starts an in-place allreduce; smaller priority numbers go on the wire first.
+
+    op: sum, average (integers floor-divide, as Horovod), min, max or product (bool: min and
+    product are logical and, max is logical or). prescale_factor multiplies this rank's data before
+    the reduction, postscale_factor the result after it.
+    """
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        return _submit(array, name, "allreduce", op, 0, priority)
+    name, root, priority = _checked(name, "allreduce", op, 0, priority)
+    try:
+        scales = {
+            "prescale": _factor(prescale_factor, "prescale_factor", name),
+            "postscale": _factor(postscale_factor, "postscale_factor", name),
+        }
+    except TypeError as error:
+        _refuse(name, error)
+        raise
+    return _enqueue(array, name, "allreduce", _op_name(op), root, priority, **scales)
 
 
 def allreduce(
-    array: Any, name: str | None = None, priority: int = 0, op: str = "sum", timeout: float | None = None
+    array: Any,
+    name: str | None = None,
+    priority: int = 0,
+    op: str = "sum",
+    timeout: float | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> Any:
-    """Allreduces in place and returns the array."""
+    """Allreduces in place and returns the array (op and scale factors as allreduce_async)."""
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        handle = allreduce_async(array, name, priority, op, prescale_factor, postscale_factor)
+        return handle.wait(timeout)
     # The common call, a named buffer on a transport that takes host memory, goes straight to the
     # core, which checks name, op and priority itself and hands anything doubtful back (-2): on
     # shared memory a small allreduce costs ~2 us, and each Python call layer ~50 ns.
@@ -528,3 +618,27 @@ def broadcast(
 ) -> Any:
     """Broadcasts in place from `root` and returns the array."""
     return _run_now(array, name, "broadcast", "sum", root, priority, timeout)
+
+
+# The collectives beyond allreduce and broadcast, and Horovod's helpers, live in their own module.
+from commsched.collectives import (  # noqa: E402 - needs the definitions above
+    GroupHandle,
+    allgather,
+    allgather_async,
+    allgather_object,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    gloo_built,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    nccl_built,
+    reducescatter,
+    reducescatter_async,
+)

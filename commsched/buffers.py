@@ -19,11 +19,13 @@ _KIND_SIZE_TO_DTYPE = {
     ("f", 4): "float32",
     ("f", 8): "float64",
     ("i", 1): "int8",
+    ("i", 2): "int16",
     ("i", 4): "int32",
     ("i", 8): "int64",
     ("u", 1): "uint8",
+    ("b", 1): "bool",
 }
-_FORMAT_KIND = {"e": "f", "f": "f", "d": "f", "b": "i", "h": "i", "i": "i", "l": "i", "q": "i", "B": "u"}
+_FORMAT_KIND = {"e": "f", "f": "f", "d": "f", "b": "i", "h": "i", "i": "i", "l": "i", "q": "i", "B": "u", "?": "b"}
 _TORCH_DTYPES = {
     "torch.float16": "float16",
     "torch.bfloat16": "bfloat16",
@@ -33,6 +35,8 @@ _TORCH_DTYPES = {
     "torch.int64": "int64",
     "torch.uint8": "uint8",
     "torch.int8": "int8",
+    "torch.int16": "int16",
+    "torch.bool": "bool",
 }
 # __cuda_array_interface__ typestr -> commsched dtype ("<V2" is how ml_dtypes' bfloat16 shows up)
 _TYPESTR_DTYPES = {
@@ -43,6 +47,8 @@ _TYPESTR_DTYPES = {
     "<i8": "int64",
     "|u1": "uint8",
     "|i1": "int8",
+    "<i2": "int16",
+    "|b1": "bool",
     "<V2": "bfloat16",
 }
 # DLPack type codes (kDLInt, kDLUInt, kDLFloat, kDLBfloat) and bits -> commsched dtype
@@ -55,6 +61,8 @@ _DLPACK_DTYPES = {
     (2, 32): "float32",
     (2, 64): "float64",
     (4, 16): "bfloat16",
+    (0, 16): "int16",
+    (6, 8): "bool",
 }
 DTYPE_SIZES = {
     "float16": 2,
@@ -65,12 +73,14 @@ DTYPE_SIZES = {
     "int64": 8,
     "uint8": 1,
     "int8": 1,
+    "int16": 2,
+    "bool": 1,
 }
 _KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
 # CUDA's legacy default stream (cudaStreamLegacy): what DLPack's stream=1 and a pre-v3
 # __cuda_array_interface__ mean, and what PyTorch and CuPy use unless told otherwise.
 LEGACY_STREAM = 1
-SUPPORTED = "float16, bfloat16, float32, float64, int32, int64, uint8 or int8"
+SUPPORTED = "float16, bfloat16, float32, float64, int16, int32, int64, uint8, int8 or bool"
 
 
 @dataclass(frozen=True)

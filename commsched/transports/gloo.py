@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 from commsched.launch import LaunchInfo
@@ -17,7 +18,19 @@ _TORCH_DTYPES = {
     "int64": "int64",
     "uint8": "uint8",
     "int8": "int8",
+    "int16": "int16",
 }
+
+# Types Gloo does not reduce, and the wider type it reduces them in.
+_WIDENED: dict[str, Any] = {}
+
+
+def _movable(tensor: Any) -> Any:
+    """The tensor as a type Gloo moves (int16 as float16 bits: nothing is computed on them)."""
+    import torch
+
+    return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
+
 
 # Agreement reports are usually a few dozen bytes: one fixed slot per rank carries them.
 _SLOT_BYTES = 1024
@@ -27,8 +40,9 @@ _LENGTH_BYTES = 8
 class _Pending:
     """A torch.distributed Work seen through the core's PendingOp interface."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, finish: Callable[[], None] | None = None) -> None:
         self._work = work
+        self._finish = finish  # copies a padded or whole result into the core's output, once done
         # The future is marked done before its callbacks run, while Work.is_completed() may
         # turn true only after them: asking the future keeps the doorbell's wake-up useful.
         self._future = work.get_future()
@@ -38,6 +52,9 @@ class _Pending:
         if not self._future.done():
             return False
         self._work.wait()  # surfaces the error of a failed collective
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
         return True
 
     def on_done(self, callback: Any) -> None:
@@ -60,6 +77,7 @@ class GlooTransport:
             raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
         self._torch = torch
         self._dist = dist
+        _WIDENED.setdefault("int16", torch.int32)
         self._owned: list[Any] = []  # subgroups this transport created
         if not dist.is_initialized():
             if process_group is not None:
@@ -129,11 +147,71 @@ class GlooTransport:
         dist.all_gather(gathered, mine, group=self._control, async_op=True).wait(timeout)
         return [t[:n].numpy().tobytes() for t, n in zip(gathered, sizes)]
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Pending:
-        """Starts an in-place allreduce (sum) or broadcast on raw memory."""
+    def unsupported(self, kind: str, dtype: str, op: str) -> str:
+        """Gloo runs every collective and op commsched has (see start_collective for how)."""
+        return ""
+
+    def _reduce_op(self, op: str) -> Any:
+        ops = self._dist.ReduceOp
+        return {"min": ops.MIN, "max": ops.MAX, "product": ops.PRODUCT}.get(op, ops.SUM)
+
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> _Pending:
+        """Starts an in-place allreduce (sum, min, max, product) or broadcast on raw memory."""
         tensor = self._tensor_at(address, count, dtype)
+        if kind == "allreduce" and dtype in _WIDENED:
+            # Gloo reduces no int16: in int32, whose low 16 bits wrap as int16 arithmetic would.
+            wide = tensor.to(_WIDENED[dtype])
+            work = self._dist.all_reduce(wide, op=self._reduce_op(op), group=self._data, async_op=True)
+            return _Pending(work, lambda: tensor.copy_(wide.to(tensor.dtype)))
         if kind == "allreduce":
-            work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._data, async_op=True)
+            work = self._dist.all_reduce(tensor, op=self._reduce_op(op), group=self._data, async_op=True)
         else:
+            tensor = _movable(tensor)
             work = self._dist.broadcast(tensor, src=self._global_ranks[root], group=self._data, async_op=True)
+        return _Pending(work)
+
+    def start_collective(
+        self,
+        kind: str,
+        dtype: str,
+        op: str,
+        address: int,
+        count: int,
+        output: int,
+        recv_counts: list[int],
+        send_counts: list[int],
+    ) -> _Pending:
+        """Allgather (all_gather of equal, padded parts), reducescatter (an allreduce of a copy, of
+        which this rank keeps its part) or alltoall (all_to_all_single) into `output`."""
+        torch, dist = self._torch, self._dist
+        source = self._tensor_at(address, count, dtype)
+        target = self._tensor_at(output, sum(recv_counts) if kind != "reducescatter" else recv_counts[self.rank], dtype)
+        if kind != "reducescatter":  # moving bytes only: any type of the same width does
+            source, target = _movable(source), _movable(target)
+        if kind == "allgather":
+            width = max(recv_counts)
+            padded = torch.zeros(width, dtype=source.dtype)
+            padded[:count] = source
+            parts = [torch.empty(width, dtype=source.dtype) for _ in range(self.size)]
+            work = dist.all_gather(parts, padded, group=self._data, async_op=True)
+
+            def gathered() -> None:
+                offset = 0
+                for part, received in zip(parts, recv_counts):
+                    target[offset : offset + received] = part[:received]
+                    offset += received
+
+            return _Pending(work, gathered)
+        if kind == "reducescatter":
+            reduced = source.to(_WIDENED[dtype]) if dtype in _WIDENED else source.clone()
+            work = dist.all_reduce(reduced, op=self._reduce_op(op), group=self._data, async_op=True)
+            start = sum(recv_counts[: self.rank])
+
+            def kept() -> None:
+                target[:] = reduced[start : start + recv_counts[self.rank]].to(target.dtype)
+
+            return _Pending(work, kept)
+        work = dist.all_to_all_single(
+            target, source, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self._data, async_op=True
+        )
         return _Pending(work)

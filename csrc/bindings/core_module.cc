@@ -167,7 +167,26 @@ PYBIND11_MODULE(_core, module) {
   });
   const auto owners = std::make_shared<OwnerTable>();
 
+  // The result of an allgather, reducescatter or alltoall: memory the core allocated through the
+  // transport, kept alive by this object (and whatever Python object views it). Host memory
+  // exposes the buffer protocol; device memory only its address.
+  py::class_<FusionBuffer, std::shared_ptr<FusionBuffer>>(module, "OutputMemory", py::buffer_protocol(),
+                                                         "Memory holding a collective's result.")
+      .def_property_readonly("address", [](FusionBuffer& memory) { return reinterpret_cast<uintptr_t>(memory.data()); })
+      .def_property_readonly("nbytes", &FusionBuffer::capacity)
+      .def_buffer([](FusionBuffer& memory) {
+        return py::buffer_info(memory.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(memory.capacity())}, {1});
+      });
+
   py::class_<HandleState, std::shared_ptr<HandleState>>(module, "Handle", "Completion of one submitted collective.")
+      .def(
+          "output",
+          [](const HandleState& handle) -> py::object {
+            if (!handle.done() || handle.failed() || !handle.output()) return py::none();
+            return py::make_tuple(handle.output(), handle.output_elements(), handle.layout());
+          },
+          "(memory, elements, per-rank layout) of a finished collective with an output, else None.")
       .def_property_readonly("name", &HandleState::name)
       .def("done", &HandleState::done, "True once the collective finished or failed.")
       .def(
@@ -235,15 +254,20 @@ PYBIND11_MODULE(_core, module) {
       "enqueue",
       [owners](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
                const std::string& op, const std::string& kind, int root, int priority, bool wake_core,
-               py::object owner, bool device, int device_id, std::optional<uintptr_t> stream) {
+               py::object owner, bool device, int device_id, std::optional<uintptr_t> stream, double prescale,
+               double postscale, std::vector<uint64_t> row_shape, std::vector<uint64_t> splits) {
         TensorSpec spec;
         spec.name = name;
         spec.dtype = dtype_from_name(dtype);
         spec.op = op_from_name(op);
-        spec.kind = kind == "broadcast" ? CollectiveKind::kBroadcast : CollectiveKind::kAllreduce;
+        spec.kind = kind_from_name(kind);
         spec.root = root;
         spec.count = count;
         spec.priority = priority;
+        spec.prescale = prescale;
+        spec.postscale = postscale;
+        spec.row_shape = std::move(row_shape);
+        spec.splits = std::move(splits);
         const Placement placement{device, device_id, device ? stream : std::nullopt};
         auto handle = runtime_slot().require("allreduce_async")->enqueue(spec, reinterpret_cast<void*>(address),
                                                                          wake_core, placement);
@@ -253,8 +277,42 @@ PYBIND11_MODULE(_core, module) {
       py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("kind"),
       py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, py::arg("owner") = py::none(),
       py::arg("device") = false, py::arg("device_id") = -1, py::arg("stream") = py::none(),
+      py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("row_shape") = std::vector<uint64_t>{},
+      py::arg("splits") = std::vector<uint64_t>{},
       "Submits a collective on raw memory; `owner` (what keeps that memory alive) is held until it finishes. GPU "
       "memory says its device and the stream that produces it (None: no ordering needed).");
+  module.def(
+      "enqueue_group",
+      [owners](const std::vector<py::tuple>& members, const std::string& op, int priority, double prescale,
+               double postscale, bool wake_core) {
+        // Each member: (name, address, count, dtype, owner, device, device_id, stream).
+        std::vector<Runtime::GroupMember> specs;
+        for (const py::tuple& member : members) {
+          Runtime::GroupMember entry;
+          entry.spec.name = member[0].cast<std::string>();
+          entry.spec.dtype = dtype_from_name(member[3].cast<std::string>());
+          entry.spec.op = op_from_name(op);
+          entry.spec.kind = CollectiveKind::kAllreduce;
+          entry.spec.count = member[2].cast<uint64_t>();
+          entry.spec.priority = priority;
+          entry.spec.prescale = prescale;
+          entry.spec.postscale = postscale;
+          entry.data = reinterpret_cast<void*>(member[1].cast<uintptr_t>());
+          const bool device = member[5].cast<bool>();
+          entry.placement = Placement{device, member[6].cast<int>(),
+                                      device ? member[7].cast<std::optional<uintptr_t>>() : std::nullopt};
+          specs.push_back(std::move(entry));
+        }
+        auto handles = runtime_slot().require("grouped_allreduce")->enqueue_group(specs, wake_core);
+        for (size_t i = 0; i < handles.size(); ++i) {
+          py::object owner = members[i][4];
+          if (!owner.is_none()) owners->keep(handles[i], std::move(owner));
+        }
+        return handles;
+      },
+      py::arg("members"), py::arg("op"), py::arg("priority"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+      py::arg("wake_core") = true,
+      "Submits allreduces that every rank announces and the core admits together (one fused launch when they fit).");
   module.def(
       "refuse",
       [](const std::string& name, const std::string& reason) {

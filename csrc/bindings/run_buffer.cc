@@ -52,11 +52,14 @@ std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
     case 'f': return itemsize == 4 ? std::optional<DType>(DType::kFloat32) : std::nullopt;
     case 'd': return itemsize == 8 ? std::optional<DType>(DType::kFloat64) : std::nullopt;
     case 'B': return itemsize == 1 ? std::optional<DType>(DType::kUInt8) : std::nullopt;
+    case '?': return itemsize == 1 ? std::optional<DType>(DType::kBool) : std::nullopt;
     case 'b':
+    case 'h':
     case 'i':
     case 'l':
     case 'q':
       if (itemsize == 1) return DType::kInt8;
+      if (itemsize == 2) return DType::kInt16;
       if (itemsize == 4) return DType::kInt32;
       if (itemsize == 8) return DType::kInt64;
       return std::nullopt;

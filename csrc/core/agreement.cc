@@ -20,6 +20,12 @@ constexpr uint8_t kFlagSettings = 4;
 constexpr uint8_t kEntryCached = 0;
 constexpr uint8_t kEntryFull = 1;
 constexpr uint8_t kEntryRefused = 2;
+constexpr uint8_t kExtraPrescale = 1;
+constexpr uint8_t kExtraPostscale = 2;
+constexpr uint8_t kExtraRowShape = 4;
+constexpr uint8_t kExtraSplits = 8;
+// A row of an allgather, reducescatter or alltoall has at most this many dimensions.
+constexpr size_t kMaxRowDims = 64;
 // Abort and refusal messages are cut to this; they name tensors, so they may run long.
 constexpr size_t kMaxMessageBytes = 1u << 16;
 
@@ -37,6 +43,15 @@ class Writer {
     put_byte(static_cast<uint8_t>(value));
   }
   void put_signed(int64_t value) { put_varint(zigzag(value)); }
+  void put_double(double value) {
+    uint64_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    for (int shift = 0; shift < 64; shift += 8) put_byte(static_cast<uint8_t>(bits >> shift));
+  }
+  void put_varints(const std::vector<uint64_t>& values) {
+    put_varint(values.size());
+    for (uint64_t value : values) put_varint(value);
+  }
   void put_string(const std::string& text, size_t max_bytes = SIZE_MAX) {
     const size_t length = std::min(text.size(), max_bytes);
     put_varint(length);
@@ -75,6 +90,20 @@ class Reader {
     const uint64_t value = get_varint();
     if (value > std::numeric_limits<uint32_t>::max()) fail("32-bit field out of range");
     return static_cast<uint32_t>(value);
+  }
+  double get_double() {
+    uint64_t bits = 0;
+    for (int shift = 0; shift < 64; shift += 8) bits |= static_cast<uint64_t>(get_byte()) << shift;
+    double value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+  std::vector<uint64_t> get_varints(size_t max_count) {
+    const uint64_t count = get_varint();
+    if (count > max_count) fail("list of " + std::to_string(count) + " values");
+    std::vector<uint64_t> values(static_cast<size_t>(count));
+    for (uint64_t& value : values) value = get_varint();
+    return values;
   }
   std::string get_bytes(size_t length) {
     need(length);
@@ -169,6 +198,14 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put_signed(spec.root);
     writer.put_varint(spec.count);
     writer.put_signed(spec.priority);
+    // What most tensors leave at their defaults travels only when set, behind one flags byte.
+    const uint8_t extras = (spec.prescale != 1.0 ? kExtraPrescale : 0) | (spec.postscale != 1.0 ? kExtraPostscale : 0) |
+                           (spec.row_shape.empty() ? 0 : kExtraRowShape) | (spec.splits.empty() ? 0 : kExtraSplits);
+    writer.put_byte(extras);
+    if (extras & kExtraPrescale) writer.put_double(spec.prescale);
+    if (extras & kExtraPostscale) writer.put_double(spec.postscale);
+    if (extras & kExtraRowShape) writer.put_varints(spec.row_shape);
+    if (extras & kExtraSplits) writer.put_varints(spec.splits);
     writer.put_string(payload);
   }
   for (const Outgoing& outgoing : outbox_) sent_ids_.push_back(outgoing.local_id);
@@ -256,13 +293,22 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         const uint8_t dtype = reader.get_byte();
         const uint8_t op = reader.get_byte();
         const uint8_t kind = reader.get_byte();
-        if (dtype >= kNumDTypes || op > 1 || kind > 1) reader.fail("bad tensor metadata");
+        if (dtype >= kNumDTypes || op >= kNumReduceOps || kind >= kNumKinds) reader.fail("bad tensor metadata");
         spec.dtype = static_cast<DType>(dtype);
         spec.op = static_cast<ReduceOp>(op);
         spec.kind = static_cast<CollectiveKind>(kind);
         spec.root = reader.get_int32();
         spec.count = reader.get_varint();
         spec.priority = reader.get_int32();
+        const uint8_t extras = reader.get_byte();
+        if (extras & ~(kExtraPrescale | kExtraPostscale | kExtraRowShape | kExtraSplits)) reader.fail("bad extras");
+        if (extras & kExtraPrescale) spec.prescale = reader.get_double();
+        if (extras & kExtraPostscale) spec.postscale = reader.get_double();
+        if (extras & kExtraRowShape) spec.row_shape = reader.get_varints(kMaxRowDims);
+        if (extras & kExtraSplits) {
+          spec.splits = reader.get_varints(static_cast<size_t>(size_));
+          if (spec.splits.size() != static_cast<size_t>(size_)) reader.fail("alltoall splits for another number of ranks");
+        }
       } else {
         reader.fail("bad entry tag " + std::to_string(tag));
       }
@@ -365,7 +411,7 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   bool consistent = true;
   for (int r = 1; r < size_; ++r) {
     const TensorSpec& other = *entry.by_rank[r];
-    consistent = consistent && other.same_shape_as(agreed);
+    consistent = consistent && other.agrees_with(agreed);
     agreed.priority = std::min(agreed.priority, other.priority);
   }
   if (!consistent) {
@@ -385,7 +431,9 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
     for (size_t i = 0; i < variants.size(); ++i) {
       message += (i ? "; " : " ") + rank_list(variants[i].second) + " submitted " + variants[i].first;
     }
-    message += ". Every rank must submit the same dtype, element count, op and root under one name.";
+    message += agreed.kind == CollectiveKind::kAllgather || agreed.kind == CollectiveKind::kAlltoall
+                   ? ". Every rank must submit the same dtype and row shape (all dimensions but the first) under one name."
+                   : ". Every rank must submit the same dtype, shape, op, scale factors and root under one name.";
     outcome.failures.push_back({name, std::move(message), entry.local_id, -1});
     return;
   }
@@ -396,14 +444,45 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   } else {
     to_cache_.push_back(agreed);
   }
-  // Inline only when the result follows from the payloads alone; else every rank launches it.
-  const bool complete =
-      agreed.kind == CollectiveKind::kBroadcast
-          ? !entry.payloads[agreed.root].empty()
-          : std::all_of(entry.payloads.begin(), entry.payloads.end(), [](const std::string& p) { return !p.empty(); });
+  fill_layout(entry, agreed);
+  // Inline only when the result follows from the payloads alone; else every rank launches it. A
+  // barrier is complete once agreed.
+  bool complete = agreed.kind == CollectiveKind::kBarrier;
+  if (agreed.kind == CollectiveKind::kBroadcast) {
+    complete = !entry.payloads[agreed.root].empty();
+  } else if (agreed.kind == CollectiveKind::kAllreduce) {
+    complete =
+        std::all_of(entry.payloads.begin(), entry.payloads.end(), [](const std::string& p) { return !p.empty(); });
+  }
   outcome.inline_payloads.push_back(complete ? std::move(entry.payloads) : std::vector<std::string>{});
   outcome.agreed.push_back(std::move(agreed));
   outcome.agreed_ids.push_back(entry.local_id);
+}
+
+void Agreement::fill_layout(const Pending& entry, TensorSpec& agreed) const {
+  if (!kind_has_output(agreed.kind)) return;
+  const uint64_t row = agreed.row_elements();
+  const size_t ranks = static_cast<size_t>(size_);
+  agreed.layout.clear();
+  if (agreed.kind == CollectiveKind::kAllgather) {
+    agreed.count = 0;
+    for (size_t r = 0; r < ranks; ++r) {
+      agreed.layout.push_back(entry.by_rank[r]->count);
+      agreed.count += entry.by_rank[r]->count;
+    }
+  } else if (agreed.kind == CollectiveKind::kReducescatter) {
+    // As Horovod splits the first dimension: the first (rows % ranks) ranks get one row more.
+    const uint64_t rows = row == 0 ? 0 : agreed.count / row;
+    for (size_t r = 0; r < ranks; ++r) agreed.layout.push_back((rows / ranks + (r < rows % ranks ? 1 : 0)) * row);
+  } else {
+    agreed.count = 0;
+    for (size_t source = 0; source < ranks; ++source) {
+      const TensorSpec& sent = *entry.by_rank[source];
+      for (size_t target = 0; target < ranks; ++target) agreed.layout.push_back(sent.splits.at(target) * row);
+      agreed.count += sent.count;
+    }
+    agreed.splits.clear();
+  }
 }
 
 void Agreement::cache_agreed() {

@@ -131,6 +131,8 @@ class Agreement {
   // keeps its node for the next name.
   void close(PendingMap::iterator it, CycleOutcome& outcome);
   void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
+  // The per-rank element counts of an allgather, reducescatter or alltoall (TensorSpec::layout).
+  void fill_layout(const Pending& entry, TensorSpec& agreed) const;
   void fail_refused(const std::string& name, const Pending& entry, CycleOutcome& outcome);
   // Caches what this round agreed, once every report is read: an id is only reused after every
   // report that could name it by its old meaning has been applied.

@@ -4,11 +4,13 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/types.h"
+#include "transport/transport.h"
 
 namespace commsched {
 
@@ -49,6 +51,18 @@ class HandleState {
   std::string error() const;
   const std::string& name() const { return name_; }
 
+  // The result of a collective with an output (allgather, reducescatter, alltoall), in the
+  // transport's memory, and the agreed per-rank element counts (TensorSpec::layout). Set by the
+  // core before it completes the handle; read once done.
+  void set_output(std::shared_ptr<FusionBuffer> output, std::vector<uint64_t> layout, uint64_t elements) {
+    output_ = std::move(output);
+    layout_ = std::move(layout);
+    output_elements_ = elements;
+  }
+  const std::shared_ptr<FusionBuffer>& output() const { return output_; }
+  const std::vector<uint64_t>& layout() const { return layout_; }
+  uint64_t output_elements() const { return output_elements_; }
+
   // Runs `callback(error)` once the collective is done (error empty on success): at once
   // on the calling thread if it already is, otherwise on the core's thread, which it
   // must not block.
@@ -66,6 +80,10 @@ class HandleState {
   FailureKind kind_ = FailureKind::kCollective;
   int failed_rank_ = -1;
   std::vector<Callback> callbacks_;
+  // Written by the driver before done_ is set, read by callers only after: no lock needed.
+  std::shared_ptr<FusionBuffer> output_;
+  std::vector<uint64_t> layout_;
+  uint64_t output_elements_ = 0;
 };
 
 }  // namespace commsched

@@ -65,70 +65,135 @@ Runtime::~Runtime() {
   doorbell_->disconnect();
 }
 
-namespace {
-
-// Why this rank cannot take `spec` although another rank may: empty when it can.
-std::string local_refusal(const TensorSpec& spec, int size) {
-  if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size)) {
-    return "broadcast of '" + spec.name + "': root " + std::to_string(spec.root) +
-           " is not a rank; use a root between 0 and " + std::to_string(size - 1);
+std::string Runtime::local_refusal(const TensorSpec& spec) const {
+  const std::string what = std::string(kind_name(spec.kind)) + " of '" + spec.name + "': ";
+  if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
+    return what + "root " + std::to_string(spec.root) + " is not a rank; use a root between 0 and " +
+           std::to_string(size_ - 1);
   }
-  if (spec.kind == CollectiveKind::kAllreduce && spec.op == ReduceOp::kAverage && !dtype_is_floating(spec.dtype)) {
-    return "allreduce of '" + spec.name + "': op=\"average\" needs a floating dtype, not " + dtype_name(spec.dtype) +
-           "; use op=\"sum\" for integers";
+  if (kind_reduces(spec.kind)) {
+    if (spec.dtype == DType::kBool && (spec.op == ReduceOp::kSum || spec.op == ReduceOp::kAverage)) {
+      return what + "op=\"" + op_name(spec.op) +
+             "\" is not defined for bool; use op=\"max\" (logical or), \"min\" or \"product\" (logical and)";
+    }
+    if (spec.kind == CollectiveKind::kReducescatter && spec.op != ReduceOp::kSum && spec.op != ReduceOp::kAverage) {
+      return what + "op=\"" + op_name(spec.op) + "\" is not available; reducescatter takes op=\"sum\" or \"average\"";
+    }
+    if ((spec.prescale != 1.0 || spec.postscale != 1.0) && spec.dtype == DType::kBool) {
+      return what + "scale factors are not defined for bool; leave prescale_factor and postscale_factor at 1";
+    }
+  } else if (spec.prescale != 1.0 || spec.postscale != 1.0) {
+    return what + "prescale_factor and postscale_factor apply to reductions only";
   }
-  return {};
+  if (kind_has_output(spec.kind)) {
+    const uint64_t row = spec.row_elements();
+    if ((row == 0 && spec.count != 0) || (row != 0 && spec.count % row != 0)) {
+      return what + std::to_string(spec.count) + " elements do not make whole rows of " + std::to_string(row);
+    }
+  }
+  if (spec.kind == CollectiveKind::kAlltoall) {
+    if (spec.splits.size() != static_cast<size_t>(size_)) {
+      return what + "splits name " + std::to_string(spec.splits.size()) + " ranks, but there are " +
+             std::to_string(size_) + "; give one row count per rank";
+    }
+    uint64_t rows = 0;
+    for (uint64_t split : spec.splits) rows += split;
+    const uint64_t row = spec.row_elements();
+    if (rows * row != spec.count) {
+      return what + "splits add up to " + std::to_string(rows) + " rows, but the array has " +
+             std::to_string(row == 0 ? 0 : spec.count / row) + "; they must add up to its first dimension";
+    }
+  }
+  return transport_->unsupported(spec);
 }
-
-}  // namespace
 
 std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data, bool wake_core,
                                               const Placement& placement) {
-  if (spec.name.size() > kMaxTensorNameBytes) {
-    // Too long to tell the other ranks about, so refused here alone.
-    throw UsageError("tensor name '" + spec.name.substr(0, 64) + "...' is " + std::to_string(spec.name.size()) +
-                     " bytes long; tensor names are limited to " + std::to_string(kMaxTensorNameBytes) +
-                     " bytes: use a shorter name");
-  }
-  std::string refusal = local_refusal(spec, size_);
-  bool prepared = false;
-  if (refusal.empty()) {
-    try {
-      // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
-      transport_->prepare(spec, data, placement);
-      prepared = true;
-    } catch (const std::invalid_argument& refused) {
-      refusal = "tensor '" + spec.name + "': " + refused.what();
+  return submit({GroupMember{spec, data, placement}}, wake_core).front();
+}
+
+std::vector<std::shared_ptr<HandleState>> Runtime::enqueue_group(const std::vector<GroupMember>& members,
+                                                                 bool wake_core) {
+  if (members.empty()) return {};
+  return submit(members, wake_core);
+}
+
+std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<GroupMember>& members, bool wake_core) {
+  for (const GroupMember& member : members) {
+    const TensorSpec& spec = member.spec;
+    if (spec.name.size() > kMaxTensorNameBytes) {
+      // Too long to tell the other ranks about, so refused here alone.
+      throw UsageError("tensor name '" + spec.name.substr(0, 64) + "...' is " + std::to_string(spec.name.size()) +
+                       " bytes long; tensor names are limited to " + std::to_string(kMaxTensorNameBytes) +
+                       " bytes: use a shorter name");
     }
   }
-  auto handle = refusal.empty() ? std::make_shared<HandleState>(spec.name) : nullptr;
+  // A refusal of one member refuses the whole group: every rank then fails all of it alike.
+  std::string refusal;
+  std::vector<void*> prepared;
+  const auto forget_prepared = [&] {
+    for (void* data : prepared) transport_->forget(data);
+  };
+  for (const GroupMember& member : members) {
+    refusal = local_refusal(member.spec);
+    if (!refusal.empty()) break;
+    try {
+      // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
+      transport_->prepare(member.spec, member.data, member.placement);
+      prepared.push_back(member.data);
+    } catch (const std::invalid_argument& refused) {
+      refusal = "tensor '" + member.spec.name + "': " + refused.what();
+      break;
+    }
+  }
+  if (!refusal.empty()) {
+    forget_prepared();
+    prepared.clear();
+    if (members.size() > 1) refusal = "a member of its group was refused: " + refusal;
+  }
+  std::vector<std::shared_ptr<HandleState>> handles;
+  if (refusal.empty()) {
+    for (const GroupMember& member : members) handles.push_back(std::make_shared<HandleState>(member.spec.name));
+  }
   {
     std::unique_lock<std::mutex> lock(inbox_mutex_);
     if (stopped_ || shutdown_requested_) {
       const FailureKind kind = stopped_ ? stop_kind_ : FailureKind::kNotRunning;
       const int rank = stopped_ ? stop_rank_ : -1;
       const std::string message = "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
-                                  "; call commsched.init() before submitting '" + spec.name + "'";
+                                  "; call commsched.init() before submitting '" + members.front().spec.name + "'";
       lock.unlock();
-      if (prepared) transport_->forget(data);
+      forget_prepared();
       throw Failure(kind, message, rank);
     }
-    auto [it, inserted] = name_nodes_.try_insert(active_names_, spec.name, "submitted");
-    if (!inserted) {
-      const std::string message = "tensor name '" + spec.name + "' is already in flight (" + it->second +
-                                  "); wait for its handle before submitting it again, or give this one another name";
-      lock.unlock();
-      if (prepared) transport_->forget(data);
-      throw UsageError(message);
+    // Entries stay put while others come and go, but iterators do not survive a rehash: keep pointers.
+    std::vector<const char**> phases;
+    const auto release_names = [&](size_t taken) {
+      for (size_t i = 0; i < taken; ++i) name_nodes_.erase(active_names_, active_names_.find(members[i].spec.name));
+    };
+    for (const GroupMember& member : members) {
+      auto [it, inserted] = name_nodes_.try_insert(active_names_, member.spec.name, "submitted");
+      if (!inserted) {
+        const std::string message = "tensor name '" + member.spec.name + "' is already in flight (" + it->second +
+                                    "); wait for its handle before submitting it again, or give this one another name";
+        release_names(phases.size());
+        lock.unlock();
+        forget_prepared();
+        throw UsageError(message);
+      }
+      phases.push_back(&it->second);
     }
     if (!refusal.empty()) {
-      // The other ranks may have submitted this name correctly: they hear of the refusal in the
+      // The other ranks may have submitted these names correctly: they hear of the refusal in the
       // next round and fail, instead of waiting for COMMSCHED_STALL_SHUTDOWN.
-      name_nodes_.erase(active_names_, it);
-      refusals_.emplace_back(spec.name, refusal);
+      release_names(members.size());
+      for (const GroupMember& member : members) refusals_.emplace_back(member.spec.name, refusal);
       refusals_waiting_ = true;
     } else {
-      inbox_.push_back(Submission{spec, data, handle, timeline_.stamp_us(), &it->second});
+      const uint64_t now_us = timeline_.stamp_us();
+      for (size_t i = 0; i < members.size(); ++i) {
+        inbox_.push_back(Submission{members[i].spec, members[i].data, handles[i], now_us, phases[i]});
+      }
     }
   }
   if (!refusal.empty()) {
@@ -136,7 +201,7 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
     throw UsageError(refusal + " (every rank's collective under this name fails with this error)");
   }
   if (wake_core || !callers_drive_) wake_all();
-  return handle;
+  return handles;
 }
 
 void Runtime::refuse(const std::string& name, const std::string& reason) {

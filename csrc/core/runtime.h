@@ -73,6 +73,18 @@ class Runtime {
   std::shared_ptr<HandleState> enqueue(const TensorSpec& spec, void* data, bool wake_core = true,
                                        const Placement& placement = {});
 
+  // One member of enqueue_group().
+  struct GroupMember {
+    TensorSpec spec;
+    void* data = nullptr;
+    Placement placement;
+  };
+  // Submits several collectives at once: they reach the inbox together, so every rank announces
+  // them in one report and the agreement admits them in one round, where the scheduler may fuse
+  // them into one launch. A member refused here refuses the whole group, on every rank.
+  std::vector<std::shared_ptr<HandleState>> enqueue_group(const std::vector<GroupMember>& members,
+                                                          bool wake_core = true);
+
   // Tells every rank that this rank refused a submission of `name` for `reason`, so their
   // collectives under that name fail with it instead of waiting. Nothing happens while the
   // name is in flight here (that submission goes on) or when the runtime has stopped.
@@ -118,9 +130,15 @@ class Runtime {
     bool agreed = false;
     bool launched = false;
     const char** phase = nullptr;  // as in Submission; guarded by inbox_mutex_
+    std::vector<uint64_t> layout;  // the agreed per-rank counts (collectives with an output)
+    std::shared_ptr<FusionBuffer> output;  // allocated at launch
+    uint64_t output_elements = 0;
   };
   struct InFlight {
     Launch launch;
+    // Memory the transport writes or reads until the op ends, declared before `op` to outlive it.
+    std::shared_ptr<FusionBuffer> output;
+    std::unique_ptr<FusionBuffer> scratch;  // a scaled copy of the input (reducescatter's prescale)
     // Before `op`, so it outlives it: an op dropped unfinished (a failed job) ends its device work
     // when destroyed, and only then may the memory it used go.
     std::unique_ptr<FusionBuffer> fusion_buffer;  // null for an unfused launch
@@ -159,6 +177,12 @@ class Runtime {
   // Launches whatever the agreed credit admits.
   void launch_ready();
   void launch(Launch launch);
+  // Fills `op` for a collective with an output (allgather, reducescatter, alltoall) of one tensor.
+  void prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op);
+  // Why this rank cannot take `spec` (empty: it can): bad arguments, or a transport that lacks it.
+  std::string local_refusal(const TensorSpec& spec) const;
+  // Checks, registers and queues submissions under one lock; the caller holds none.
+  std::vector<std::shared_ptr<HandleState>> submit(const std::vector<GroupMember>& members, bool wake_core);
   // A pooled fusion buffer of at least `bytes`, allocated through the transport when none fits.
   std::unique_ptr<FusionBuffer> take_fusion_buffer(size_t bytes);
   bool poll_in_flight();

@@ -42,8 +42,8 @@ void Runtime::take_submissions(ReportStatus& status) {
     timeline_.async_begin(submission.spec.name, "negotiate", id, submission.enqueued_us);
     if (timeline_.enabled()) timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us);
     const uint64_t bytes = submission.spec.bytes();
-    const bool sends_bytes =
-        submission.spec.kind == CollectiveKind::kAllreduce || submission.spec.root == rank_;
+    const bool sends_bytes = submission.spec.kind == CollectiveKind::kAllreduce ||
+                             (submission.spec.kind == CollectiveKind::kBroadcast && submission.spec.root == rank_);
     std::string payload;
     // A tensor the partition size would cut is not small: it goes on the wire in chunks.
     const uint64_t partition = scheduler_.settings().partition_bytes;
@@ -82,6 +82,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     }
     LocalTensor& tensor = tensors_.at(id);
     tensor.agreed = true;
+    tensor.layout = agreed.layout;
     tensor.chunks_left = scheduler_.add(id, agreed);
     timeline_.async_begin(agreed.name, "queued", id, now_us);
     queued_phases.push_back(tensor.phase);
@@ -93,14 +94,19 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
 }
 
 void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads) {
+  if (spec.kind == CollectiveKind::kBarrier) {  // agreed means every rank has arrived
+    stats_.inline_tensors.fetch_add(1, std::memory_order_relaxed);
+    finish_tensor(id, "");
+    return;
+  }
   const uint64_t bytes = spec.bytes();
   void* data = tensors_.at(id).data;
   if (spec.kind == CollectiveKind::kBroadcast) {
     std::memcpy(data, payloads[spec.root].data(), bytes);
   } else {
-    // Summed in rank order from the same bytes, so every rank gets a bit-identical result.
+    // Reduced in rank order from the same bytes, so every rank gets a bit-identical result.
     // Addends go through aligned scratch, kept across rounds: the payload strings promise no
-    // alignment. The sum builds in the tensor itself when it is 8-byte aligned (numpy's and
+    // alignment. The result builds in the tensor itself when it is 8-byte aligned (numpy's and
     // torch's are), which saves two copies of it.
     const bool aligned = reinterpret_cast<uintptr_t>(data) % alignof(uint64_t) == 0;
     std::vector<uint64_t>& addend = inline_addend_;
@@ -111,11 +117,14 @@ void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::ve
       sum = inline_sum_.data();
     }
     std::memcpy(sum, payloads[0].data(), bytes);
+    if (spec.prescale != 1.0) multiply_by(sum, spec.count, spec.dtype, spec.prescale);
     for (int r = 1; r < size_; ++r) {
       std::memcpy(addend.data(), payloads[r].data(), bytes);
-      sum_into(sum, addend.data(), spec.count, spec.dtype);
+      if (spec.prescale != 1.0) multiply_by(addend.data(), spec.count, spec.dtype, spec.prescale);
+      reduce_into(sum, addend.data(), spec.count, spec.dtype, spec.op);
     }
     if (spec.op == ReduceOp::kAverage) divide_by(sum, spec.count, spec.dtype, static_cast<double>(size_));
+    if (spec.postscale != 1.0) multiply_by(sum, spec.count, spec.dtype, spec.postscale);
     if (!aligned) std::memcpy(data, sum, bytes);
   }
   stats_.inline_tensors.fetch_add(1, std::memory_order_relaxed);
@@ -156,7 +165,9 @@ void Runtime::launch(Launch next) {
   op.op = plan.op;
   op.root = plan.root;
   op.count = plan.bytes / elem_size;
-  if (plan.chunks.size() == 1) {
+  if (kind_has_output(plan.kind)) {
+    prepare_output(flight, tensors_.at(plan.chunks.front().tensor_id), op);
+  } else if (plan.chunks.size() == 1) {
     const ChunkRef& chunk = plan.chunks.front();
     op.data = static_cast<char*>(tensors_.at(chunk.tensor_id).data) + chunk.elem_offset * elem_size;
   } else {
@@ -199,8 +210,48 @@ void Runtime::launch(Launch next) {
     stats_.max_launch_bytes.store(plan.bytes, std::memory_order_relaxed);
   }
   timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(bytes_in_flight_));
+  if (plan.kind == CollectiveKind::kAllreduce && plan.prescale != 1.0) {
+    transport_->multiply(op.data, op.count, op.dtype, plan.prescale);
+  }
+  // Bools are bytes of 0 or 1 on the wire: min, max and product on uint8 are and, or, and.
+  if (op.dtype == DType::kBool) op.dtype = DType::kUInt8;
   flight.op = transport_->start(op);
   in_flight_.push_back(std::move(flight));
+}
+
+void Runtime::prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op) {
+  const size_t elem_size = dtype_size(tensor.spec.dtype);
+  const auto ranks = static_cast<size_t>(size_);
+  const auto me = static_cast<size_t>(rank_);
+  const std::vector<uint64_t>& layout = tensor.layout;
+  op.data = tensor.data;
+  op.count = tensor.spec.count;  // this rank's own elements: an allgather's or alltoall's differ by rank
+  uint64_t elements = 0;
+  if (tensor.spec.kind == CollectiveKind::kAlltoall) {
+    for (size_t other = 0; other < ranks; ++other) {
+      op.send_counts.push_back(layout.at(me * ranks + other));
+      op.recv_counts.push_back(layout.at(other * ranks + me));
+      elements += op.recv_counts.back();
+    }
+  } else {
+    op.recv_counts = layout;
+    if (tensor.spec.kind == CollectiveKind::kAllgather) {
+      for (uint64_t count : layout) elements += count;
+    } else {
+      elements = layout.at(me);
+    }
+  }
+  if (tensor.spec.kind == CollectiveKind::kReducescatter && tensor.spec.prescale != 1.0 && op.count > 0) {
+    // The input is the caller's and stays as it is: the scaled copy goes on the wire.
+    flight.scratch = take_fusion_buffer(op.count * elem_size);
+    transport_->copy(flight.scratch->data(), tensor.data, op.count * elem_size);
+    transport_->multiply(flight.scratch->data(), op.count, tensor.spec.dtype, tensor.spec.prescale);
+    op.data = flight.scratch->data();
+  }
+  tensor.output = std::shared_ptr<FusionBuffer>(transport_->allocate_fusion_buffer(std::max<size_t>(elements * elem_size, 1)));
+  tensor.output_elements = elements;
+  flight.output = tensor.output;
+  op.output = tensor.output->data();
 }
 
 bool Runtime::poll_in_flight() {
@@ -221,8 +272,19 @@ bool Runtime::poll_in_flight() {
 void Runtime::finish(InFlight& done) {
   const Launch& plan = done.launch;
   const size_t elem_size = dtype_size(plan.dtype);
-  if (plan.kind == CollectiveKind::kAllreduce && plan.op == ReduceOp::kAverage && !transport_averages_) {
-    transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+  if (plan.kind == CollectiveKind::kAllreduce) {
+    if (plan.op == ReduceOp::kAverage && !transport_averages_) {
+      transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+    }
+    if (plan.postscale != 1.0) transport_->multiply(done.wire_data, plan.bytes / elem_size, plan.dtype, plan.postscale);
+  } else if (plan.kind == CollectiveKind::kReducescatter && done.output) {
+    const uint64_t elements = tensors_.at(plan.chunks.front().tensor_id).output_elements;
+    if (plan.op == ReduceOp::kAverage && !transport_averages_ && elements > 0) {
+      transport_->scale(done.output->data(), elements, plan.dtype, static_cast<double>(size_));
+    }
+    if (plan.postscale != 1.0 && elements > 0) {
+      transport_->multiply(done.output->data(), elements, plan.dtype, plan.postscale);
+    }
   }
   const uint64_t now_us = timeline_.stamp_us();
   std::string members;
@@ -252,6 +314,7 @@ void Runtime::finish(InFlight& done) {
     timeline_.counter("bytes in flight", now_us, static_cast<double>(bytes_in_flight_));
   }
   if (done.fusion_buffer) buffer_pool_.push_back(std::move(done.fusion_buffer));
+  if (done.scratch) buffer_pool_.push_back(std::move(done.scratch));
 }
 
 void Runtime::finish_tensor(uint64_t id, const std::string& error) {
@@ -274,6 +337,9 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   // Callers waiting on the core's condition (not the handle's) hear of it when the driver
   // gives up its role: loop(), wait_for_news() and wait() notify them then, under the lock.
   if (error.empty()) {
+    if (tensor.output) {
+      tensor.handle->set_output(std::move(tensor.output), std::move(tensor.layout), tensor.output_elements);
+    }
     tensor.handle->complete();
   } else {
     tensor.handle->fail(error);

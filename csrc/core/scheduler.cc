@@ -12,17 +12,25 @@ uint64_t Scheduler::partition_elements(const TensorSpec& spec) const {
   // FIFO sends whole tensors, as Horovod does; priority cuts them so an urgent
   // tensor waits for at most one chunk.
   if (settings_.policy == Policy::kFifo || settings_.partition_bytes == 0) return spec.count;
+  // Only element-wise collectives can be cut; the others (allgather, alltoall, ...) go whole.
+  if (spec.kind != CollectiveKind::kAllreduce && spec.kind != CollectiveKind::kBroadcast) return spec.count;
   return std::max<uint64_t>(1, settings_.partition_bytes / dtype_size(spec.dtype));
 }
 
 uint32_t Scheduler::add(uint64_t tensor_id, const TensorSpec& spec) {
   const uint64_t seq = next_ready_seq_++;
   const int64_t priority = settings_.policy == Policy::kPriority ? spec.priority : 0;
-  const FusionKey fusion_key{static_cast<uint8_t>(spec.kind), static_cast<uint8_t>(spec.dtype),
-                             static_cast<uint8_t>(spec.op), spec.kind == CollectiveKind::kBroadcast ? spec.root : 0};
+  const bool reduces = kind_reduces(spec.kind);
+  const FusionKey fusion_key{static_cast<uint8_t>(spec.kind),
+                             static_cast<uint8_t>(spec.dtype),
+                             static_cast<uint8_t>(reduces ? spec.op : ReduceOp::kSum),
+                             spec.kind == CollectiveKind::kBroadcast ? spec.root : 0,
+                             reduces ? spec.prescale : 1.0,
+                             reduces ? spec.postscale : 1.0};
   const uint64_t step = partition_elements(spec);
   const size_t elem_size = dtype_size(spec.dtype);
-  const bool fusible = step >= spec.count;
+  const bool elementwise = spec.kind == CollectiveKind::kAllreduce || spec.kind == CollectiveKind::kBroadcast;
+  const bool fusible = elementwise && step >= spec.count;
   uint32_t index = 0;
   uint64_t offset = 0;
   do {  // a zero-length tensor still gets one (empty) chunk so its handle completes in order
@@ -81,6 +89,8 @@ Launch Scheduler::pop_unit() {
   launch.dtype = static_cast<DType>(std::get<1>(head.fusion_key));
   launch.op = static_cast<ReduceOp>(std::get<2>(head.fusion_key));
   launch.root = std::get<3>(head.fusion_key);
+  launch.prescale = std::get<4>(head.fusion_key);
+  launch.postscale = std::get<5>(head.fusion_key);
   for (const OrderKey& key : keys) take(key, launch);
   launched_bytes_ += launch.bytes;
   return launch;

@@ -31,6 +31,8 @@ struct Launch {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int32_t root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
   uint64_t bytes = 0;
   std::vector<ChunkRef> chunks;
 };
@@ -62,8 +64,8 @@ class Scheduler {
  private:
   // (priority, readiness sequence, chunk index): smaller goes first.
   using OrderKey = std::tuple<int64_t, uint64_t, uint32_t>;
-  // Chunks fuse only with chunks of the same collective shape.
-  using FusionKey = std::tuple<uint8_t, uint8_t, uint8_t, int32_t>;
+  // Chunks fuse only with chunks of the same collective shape: (kind, dtype, op, root, prescale, postscale).
+  using FusionKey = std::tuple<uint8_t, uint8_t, uint8_t, int32_t, double, double>;
 
   struct QueuedChunk {
     ChunkRef ref;

@@ -6,6 +6,7 @@ size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
     case DType::kBFloat16:
+    case DType::kInt16:
       return 2;
     case DType::kFloat32:
     case DType::kInt32:
@@ -15,6 +16,7 @@ size_t dtype_size(DType dtype) {
       return 8;
     case DType::kUInt8:
     case DType::kInt8:
+    case DType::kBool:
       return 1;
   }
   throw std::invalid_argument("unknown dtype code");
@@ -30,6 +32,8 @@ const char* dtype_name(DType dtype) {
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
     case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kBool: return "bool";
   }
   return "unknown";
 }
@@ -40,7 +44,7 @@ DType dtype_from_name(const std::string& name) {
     if (name == dtype_name(dtype)) return dtype;
   }
   throw UsageError("unsupported dtype '" + name +
-                   "'; commsched handles float16, bfloat16, float32, float64, int32, int64, uint8, int8");
+                   "'; commsched handles float16, bfloat16, float32, float64, int16, int32, int64, uint8, int8, bool");
 }
 
 bool dtype_is_floating(DType dtype) {
@@ -48,24 +52,95 @@ bool dtype_is_floating(DType dtype) {
          dtype == DType::kFloat64;
 }
 
-const char* op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "average"; }
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAverage: return "average";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProduct: return "product";
+  }
+  return "unknown";
+}
 
 ReduceOp op_from_name(const std::string& name) {
-  if (name == "sum") return ReduceOp::kSum;
-  if (name == "average") return ReduceOp::kAverage;
-  throw UsageError("unsupported op '" + name + "'; use op=\"sum\" or op=\"average\"");
+  for (int code = 0; code < kNumReduceOps; ++code) {
+    auto op = static_cast<ReduceOp>(code);
+    if (name == op_name(op)) return op;
+  }
+  throw UsageError("unsupported op '" + name + "'; use op=\"sum\", \"average\", \"min\", \"max\" or \"product\"");
 }
 
 const char* kind_name(CollectiveKind kind) {
-  return kind == CollectiveKind::kAllreduce ? "allreduce" : "broadcast";
+  switch (kind) {
+    case CollectiveKind::kAllreduce: return "allreduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllgather: return "allgather";
+    case CollectiveKind::kReducescatter: return "reducescatter";
+    case CollectiveKind::kAlltoall: return "alltoall";
+    case CollectiveKind::kBarrier: return "barrier";
+  }
+  return "unknown";
 }
 
+CollectiveKind kind_from_name(const std::string& name) {
+  for (int code = 0; code < kNumKinds; ++code) {
+    auto kind = static_cast<CollectiveKind>(code);
+    if (name == kind_name(kind)) return kind;
+  }
+  throw UsageError("unknown collective '" + name + "'");
+}
+
+bool kind_has_output(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllgather || kind == CollectiveKind::kReducescatter ||
+         kind == CollectiveKind::kAlltoall;
+}
+
+bool kind_reduces(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter;
+}
+
+uint64_t TensorSpec::row_elements() const {
+  uint64_t elements = 1;
+  for (uint64_t extent : row_shape) elements *= extent;
+  return elements;
+}
+
+bool TensorSpec::agrees_with(const TensorSpec& other) const {
+  const bool counts_may_differ = kind == CollectiveKind::kAllgather || kind == CollectiveKind::kAlltoall;
+  return dtype == other.dtype && op == other.op && kind == other.kind && root == other.root &&
+         (counts_may_differ || count == other.count) && prescale == other.prescale &&
+         postscale == other.postscale && row_shape == other.row_shape;
+}
+
+namespace {
+
+std::string shape_text(uint64_t rows, const std::vector<uint64_t>& row_shape) {
+  std::string text = "(" + std::to_string(rows);
+  for (uint64_t extent : row_shape) text += ", " + std::to_string(extent);
+  return text + (row_shape.empty() ? ",)" : ")");
+}
+
+}  // namespace
+
 std::string TensorSpec::describe() const {
-  std::string text = std::string(kind_name(kind)) + " " + dtype_name(dtype) + "[" + std::to_string(count) + "]";
-  if (kind == CollectiveKind::kAllreduce) {
-    text += std::string(" op=") + op_name(op);
+  std::string text = std::string(kind_name(kind)) + " " + dtype_name(dtype);
+  if (kind_has_output(kind)) {
+    const uint64_t row = row_elements();
+    text += shape_text(row == 0 ? 0 : count / row, row_shape);
   } else {
+    text += "[" + std::to_string(count) + "]";
+  }
+  if (kind_reduces(kind)) {
+    text += std::string(" op=") + op_name(op);
+    if (prescale != 1.0) text += " prescale=" + std::to_string(prescale);
+    if (postscale != 1.0) text += " postscale=" + std::to_string(postscale);
+  } else if (kind == CollectiveKind::kBroadcast) {
     text += " root=" + std::to_string(root);
+  } else if (kind == CollectiveKind::kAlltoall) {
+    text += " splits=[";
+    for (size_t i = 0; i < splits.size(); ++i) text += (i ? "," : "") + std::to_string(splits[i]);
+    text += "]";
   }
   return text;
 }

@@ -22,15 +22,24 @@ struct Segment {
   uint64_t bytes = 0;
 };
 
-// One collective on the wire. Allreduce sums, unless the transport averages() itself; otherwise
-// the core applies "average" with scale().
+// One collective on the wire. Allreduce and reducescatter reduce with `op`, where "average" means
+// sum unless the transport averages() itself (the core then divides with scale()). Bool data
+// arrives as uint8 (0 or 1) with op min, max or product.
 struct WireOp {
   CollectiveKind kind = CollectiveKind::kAllreduce;
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
+  // Allreduce, broadcast: in place. Allgather, reducescatter, alltoall: this rank's input (read only).
   void* data = nullptr;  // the tensor's own memory, or the fusion buffer of a fused launch
-  uint64_t count = 0;
+  uint64_t count = 0;  // elements at `data`
+  // Allgather, reducescatter, alltoall: where the result goes, in the transport's memory
+  // (allocate_fusion_buffer), and the elements it receives from each rank, in rank order
+  // (reducescatter: what each rank keeps of the reduced input, this rank's part at `output`).
+  void* output = nullptr;
+  std::vector<uint64_t> recv_counts;
+  // Alltoall: the elements of `data` that go to each rank, in rank order.
+  std::vector<uint64_t> send_counts;
   // A fused launch on a transport that stages_fusion(): the tensors' memory that goes in and out of
   // `data`. Empty otherwise (the core has copied already).
   std::vector<Segment> fused;
@@ -102,9 +111,27 @@ class Transport {
   // `timeout_s` seconds without every rank joining.
   virtual std::vector<std::string> exchange(const std::string& mine, double timeout_s) = 0;
 
-  // Starts a collective in place on `op.data`. Every rank starts collectives in the
-  // same order (the agreement guarantees it).
+  // Starts a collective (allreduce and broadcast in place on `op.data`). Every rank starts
+  // collectives in the same order (the agreement guarantees it). Only what unsupported() accepts
+  // arrives here.
   virtual std::unique_ptr<PendingOp> start(const WireOp& op) = 0;
+
+  // Why this transport cannot run `spec` (empty: it can). Called at submission, so a collective a
+  // transport lacks is refused on every rank with this reason instead of failing on the wire. The
+  // default takes what every transport started with: allreduce (sum, average) and broadcast.
+  virtual std::string unsupported(const TensorSpec& spec) const {
+    const bool basic_kind = spec.kind == CollectiveKind::kAllreduce || spec.kind == CollectiveKind::kBroadcast ||
+                            spec.kind == CollectiveKind::kBarrier;
+    if (!basic_kind) return "the " + name() + " transport does not implement " + kind_name(spec.kind);
+    const bool basic_op = spec.op == ReduceOp::kSum || spec.op == ReduceOp::kAverage;
+    if (spec.kind == CollectiveKind::kAllreduce && !basic_op) {
+      return "the " + name() + " transport does not implement allreduce with op=\"" + op_name(spec.op) + "\"";
+    }
+    if (spec.kind == CollectiveKind::kAllreduce && spec.dtype == DType::kBool) {
+      return "the " + name() + " transport does not implement allreduce of bool";
+    }
+    return {};
+  }
 
   // How long the core may sleep between polls of collectives in flight. Zero means the
   // library moves data only while polled (MPI's progress engine), so the core keeps
@@ -151,6 +178,10 @@ class Transport {
   // The result must be final when scale() returns: the core completes the handle next.
   virtual void scale(void* data, uint64_t count, DType dtype, double divisor) {
     divide_by(data, count, dtype, divisor);
+  }
+  // prescale_factor / postscale_factor: multiplies `data` by `factor`; final when it returns.
+  virtual void multiply(void* data, uint64_t count, DType dtype, double factor) {
+    multiply_by(data, count, dtype, factor);
   }
 };
 

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <algorithm>
 #include <climits>
+#include <limits>
+#include <memory>
 #include <cstring>
 #include <thread>
 
@@ -23,12 +25,52 @@ void check(int code, const char* what) {
   if (code != MPI_SUCCESS) throw CommError(std::string("MPI ") + what + " failed: " + mpi_error_text(code));
 }
 
-void half_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  sum_into(inout, in, static_cast<uint64_t>(*len), DType::kFloat16);
+template <DType Type, ReduceOp Op>
+void half_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_into(inout, in, static_cast<uint64_t>(*len), Type, Op);
 }
 
-void bfloat_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  sum_into(inout, in, static_cast<uint64_t>(*len), DType::kBFloat16);
+template <DType Type>
+void create_half_ops(MPI_Op (&ops)[kNumReduceOps]) {
+  check(MPI_Op_create(&half_reduce<Type, ReduceOp::kSum>, 1, &ops[static_cast<int>(ReduceOp::kSum)]), "Op_create");
+  check(MPI_Op_create(&half_reduce<Type, ReduceOp::kMin>, 1, &ops[static_cast<int>(ReduceOp::kMin)]), "Op_create");
+  check(MPI_Op_create(&half_reduce<Type, ReduceOp::kMax>, 1, &ops[static_cast<int>(ReduceOp::kMax)]), "Op_create");
+  check(MPI_Op_create(&half_reduce<Type, ReduceOp::kProduct>, 1, &ops[static_cast<int>(ReduceOp::kProduct)]),
+        "Op_create");
+}
+
+#if MPI_VERSION >= 4
+using Count = MPI_Count;
+using Displacement = MPI_Aint;
+#else
+using Count = int;
+using Displacement = int;
+#endif
+
+// Counts and displacements of a vector collective: MPI reads them until the collective completes,
+// so the op that polls it owns them.
+struct VectorArguments {
+  std::vector<Count> send_counts, recv_counts;
+  std::vector<Displacement> send_offsets, recv_offsets;
+};
+
+Count to_count(uint64_t value) {
+  if (value > static_cast<uint64_t>(std::numeric_limits<Count>::max())) {
+    throw CommError("a collective of " + std::to_string(value) + " elements exceeds this MPI's count type");
+  }
+  return static_cast<Count>(value);
+}
+
+void fill(const std::vector<uint64_t>& counts, std::vector<Count>& out_counts, std::vector<Displacement>& out_offsets) {
+  uint64_t offset = 0;
+  for (uint64_t count : counts) {
+    out_counts.push_back(to_count(count));
+    if (offset > static_cast<uint64_t>(std::numeric_limits<Displacement>::max())) {
+      throw CommError("a collective's displacement of " + std::to_string(offset) + " elements exceeds this MPI's range");
+    }
+    out_offsets.push_back(static_cast<Displacement>(offset));
+    offset += count;
+  }
 }
 
 // Polls a request: spinning for a few microseconds (a peer already in the exchange answers
@@ -65,7 +107,8 @@ void wait_polling(MPI_Request* requests, int count, double timeout_s, const char
 
 class MpiOp : public PendingOp {
  public:
-  explicit MpiOp(MPI_Request request) : request_(request) {}
+  explicit MpiOp(MPI_Request request, std::unique_ptr<VectorArguments> arguments = nullptr)
+      : request_(request), arguments_(std::move(arguments)) {}
   bool test() override {
     int flag = 0;
     check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "collective");
@@ -74,6 +117,7 @@ class MpiOp : public PendingOp {
 
  private:
   MPI_Request request_;
+  std::unique_ptr<VectorArguments> arguments_;
 };
 
 }  // namespace
@@ -98,16 +142,19 @@ MpiTransport::MpiTransport(MPI_Comm parent) {
   check(MPI_Type_commit(&half_type_), "Type_commit");
   check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat_type_), "Type_contiguous");
   check(MPI_Type_commit(&bfloat_type_), "Type_commit");
-  check(MPI_Op_create(&half_sum, 1, &half_sum_), "Op_create");
-  check(MPI_Op_create(&bfloat_sum, 1, &bfloat_sum_), "Op_create");
+  create_half_ops<DType::kFloat16>(half_ops_[0]);
+  create_half_ops<DType::kBFloat16>(half_ops_[1]);
 }
 
 MpiTransport::~MpiTransport() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;  // MPI already released everything
-  if (half_sum_ != MPI_OP_NULL) MPI_Op_free(&half_sum_);
-  if (bfloat_sum_ != MPI_OP_NULL) MPI_Op_free(&bfloat_sum_);
+  for (auto& ops : half_ops_) {
+    for (MPI_Op& op : ops) {
+      if (op != MPI_OP_NULL && op != MPI_Op{}) MPI_Op_free(&op);
+    }
+  }
   if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
   if (bfloat_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bfloat_type_);
   if (control_ != MPI_COMM_NULL) MPI_Comm_free(&control_);
@@ -124,14 +171,23 @@ MPI_Datatype MpiTransport::datatype(DType dtype) const {
     case DType::kInt64: return MPI_INT64_T;
     case DType::kUInt8: return MPI_UINT8_T;
     case DType::kInt8: return MPI_INT8_T;
+    case DType::kInt16: return MPI_INT16_T;
+    case DType::kBool: return MPI_UINT8_T;  // the core sends bools as uint8
   }
   throw CommError("unknown dtype");
 }
 
-MPI_Op MpiTransport::sum_op(DType dtype) const {
-  if (dtype == DType::kFloat16) return half_sum_;
-  if (dtype == DType::kBFloat16) return bfloat_sum_;
-  return MPI_SUM;
+MPI_Op MpiTransport::reduce_op(DType dtype, ReduceOp op) const {
+  const ReduceOp reduction = op == ReduceOp::kAverage ? ReduceOp::kSum : op;  // the core divides
+  if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {
+    return half_ops_[dtype == DType::kFloat16 ? 0 : 1][static_cast<int>(reduction)];
+  }
+  switch (reduction) {
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kProduct: return MPI_PROD;
+    default: return MPI_SUM;
+  }
 }
 
 std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
@@ -233,26 +289,51 @@ void MpiTransport::resize_slot(uint64_t wanted) {
 std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
   MPI_Request request;
   const MPI_Datatype type = datatype(op.dtype);
+  const Count count = to_count(op.count);
 #if MPI_VERSION >= 4
-  const auto count = static_cast<MPI_Count>(op.count);
-  if (op.kind == CollectiveKind::kAllreduce) {
-    check(MPI_Iallreduce_c(MPI_IN_PLACE, op.data, count, type, sum_op(op.dtype), data_, &request), "Iallreduce");
-  } else {
-    check(MPI_Ibcast_c(op.data, count, type, op.root, data_, &request), "Ibcast");
-  }
+#define COMMSCHED_MPI(call) call##_c
 #else
-  if (op.count > static_cast<uint64_t>(INT_MAX)) {
-    throw CommError("a collective of " + std::to_string(op.count) +
-                    " elements exceeds this MPI's int count; set COMMSCHED_PARTITION_BYTES lower");
-  }
-  const int count = static_cast<int>(op.count);
-  if (op.kind == CollectiveKind::kAllreduce) {
-    check(MPI_Iallreduce(MPI_IN_PLACE, op.data, count, type, sum_op(op.dtype), data_, &request), "Iallreduce");
-  } else {
-    check(MPI_Ibcast(op.data, count, type, op.root, data_, &request), "Ibcast");
-  }
+#define COMMSCHED_MPI(call) call
 #endif
-  return std::make_unique<MpiOp>(request);
+  switch (op.kind) {
+    case CollectiveKind::kAllreduce:
+      check(COMMSCHED_MPI(MPI_Iallreduce)(MPI_IN_PLACE, op.data, count, type, reduce_op(op.dtype, op.op), data_,
+                                          &request),
+            "Iallreduce");
+      return std::make_unique<MpiOp>(request);
+    case CollectiveKind::kBroadcast:
+      check(COMMSCHED_MPI(MPI_Ibcast)(op.data, count, type, op.root, data_, &request), "Ibcast");
+      return std::make_unique<MpiOp>(request);
+    case CollectiveKind::kAllgather: {
+      auto arguments = std::make_unique<VectorArguments>();
+      fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
+      check(COMMSCHED_MPI(MPI_Iallgatherv)(op.data, count, type, op.output, arguments->recv_counts.data(),
+                                           arguments->recv_offsets.data(), type, data_, &request),
+            "Iallgatherv");
+      return std::make_unique<MpiOp>(request, std::move(arguments));
+    }
+    case CollectiveKind::kReducescatter: {
+      auto arguments = std::make_unique<VectorArguments>();
+      fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
+      check(COMMSCHED_MPI(MPI_Ireduce_scatter)(op.data, op.output, arguments->recv_counts.data(), type,
+                                               reduce_op(op.dtype, op.op), data_, &request),
+            "Ireduce_scatter");
+      return std::make_unique<MpiOp>(request, std::move(arguments));
+    }
+    case CollectiveKind::kAlltoall: {
+      auto arguments = std::make_unique<VectorArguments>();
+      fill(op.send_counts, arguments->send_counts, arguments->send_offsets);
+      fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
+      check(COMMSCHED_MPI(MPI_Ialltoallv)(op.data, arguments->send_counts.data(), arguments->send_offsets.data(), type,
+                                          op.output, arguments->recv_counts.data(), arguments->recv_offsets.data(),
+                                          type, data_, &request),
+            "Ialltoallv");
+      return std::make_unique<MpiOp>(request, std::move(arguments));
+    }
+    case CollectiveKind::kBarrier: break;
+  }
+#undef COMMSCHED_MPI
+  throw CommError(std::string("the mpi transport was asked to start a ") + kind_name(op.kind));
 }
 
 }  // namespace commsched

@@ -27,10 +27,12 @@ class MpiTransport : public Transport {
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return true; }
+  // MPI has every collective and op (min, max and product of half types through user ops).
+  std::string unsupported(const TensorSpec& spec) const override { return {}; }
 
  private:
   MPI_Datatype datatype(DType dtype) const;
-  MPI_Op sum_op(DType dtype) const;
+  MPI_Op reduce_op(DType dtype, ReduceOp op) const;
   void resize_slot(uint64_t wanted);
 
   // A small report (a few cached tensors) fits 32 bytes: at 2 ranks on shared memory a
@@ -49,8 +51,8 @@ class MpiTransport : public Transport {
   int size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements
   MPI_Datatype bfloat_type_ = MPI_DATATYPE_NULL;
-  MPI_Op half_sum_ = MPI_OP_NULL;
-  MPI_Op bfloat_sum_ = MPI_OP_NULL;
+  // User ops for the 16-bit floats MPI lacks, by ReduceOp (average sums): [half, bfloat16][op].
+  MPI_Op half_ops_[2][kNumReduceOps] = {};
 };
 
 }  // namespace commsched

@@ -39,6 +39,7 @@ PythonTransport::PythonTransport(py::object impl)
       // Looked up once: the hooks run per fused chunk and per averaged collective.
       has_copy_(py::hasattr(impl_, "copy")),
       has_scale_(py::hasattr(impl_, "scale")),
+      has_unsupported_(py::hasattr(impl_, "unsupported")),
       host_memory_(!py::hasattr(impl_, "host_memory") || impl_.attr("host_memory").cast<bool>()) {}
 
 PythonTransport::~PythonTransport() {
@@ -70,8 +71,20 @@ std::vector<std::string> PythonTransport::exchange(const std::string& mine, doub
 std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
   py::gil_scoped_acquire gil;
   try {
-    py::object pending = impl_.attr("start")(reinterpret_cast<uintptr_t>(op.data), op.count, dtype_name(op.dtype),
-                                             kind_name(op.kind), op.root);
+    py::object pending;
+    const auto address = reinterpret_cast<uintptr_t>(op.data);
+    const bool plain = op.op == ReduceOp::kSum || op.op == ReduceOp::kAverage;
+    if (kind_has_output(op.kind)) {
+      pending = impl_.attr("start_collective")(kind_name(op.kind), dtype_name(op.dtype), op_name(op.op), address,
+                                               op.count, reinterpret_cast<uintptr_t>(op.output), op.recv_counts,
+                                               op.send_counts);
+    } else if (op.kind == CollectiveKind::kAllreduce && !plain) {
+      pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root,
+                                    py::arg("op") = op_name(op.op));
+    } else {
+      // Sum (the core divides for "average") or broadcast: the call every Python transport takes.
+      pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root);
+    }
     if (doorbell_ && py::hasattr(pending, "on_done")) {
       // The callback may run on the library's own thread holding the GIL: let go of it
       // before taking the core's lock, which the core may hold while waiting for the GIL.
@@ -83,6 +96,19 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     return std::make_unique<PythonOp>(std::move(pending));
   } catch (const py::error_already_set& error) {
     throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error.what());
+  }
+}
+
+std::string PythonTransport::unsupported(const TensorSpec& spec) const {
+  const std::string basic = Transport::unsupported(spec);
+  if (basic.empty() || !has_unsupported_) return basic;
+  // Bools reach the transport as uint8 (see WireOp): asked about in that form.
+  const DType wire_dtype = spec.dtype == DType::kBool ? DType::kUInt8 : spec.dtype;
+  py::gil_scoped_acquire gil;
+  try {
+    return impl_.attr("unsupported")(kind_name(spec.kind), dtype_name(wire_dtype), op_name(spec.op)).cast<std::string>();
+  } catch (const py::error_already_set& error) {
+    return "the " + name_ + " transport could not say whether it runs " + kind_name(spec.kind) + ": " + error.what();
   }
 }
 

@@ -8,6 +8,13 @@
 //   poll_interval_us: int (optional, default 200): sleep between polls of collectives in flight
 //   host_memory: bool (optional, default True): False for a transport of device memory (NCCL)
 //   close() (optional): called once when the core stops, to release what the transport created
+//   unsupported(kind: str, dtype: str, op: str) -> str (optional): why the transport cannot run a
+//     collective beyond allreduce (sum, average) and broadcast, "" when it can; without it those
+//     are refused. The ones it takes then arrive as
+//   start(address, count, dtype, kind, root, op=op) for allreduce with op "min", "max" or "product", and
+//   start_collective(kind, dtype, op, address, count, output, recv_counts, send_counts) -> op for
+//     allgather, reducescatter and alltoall: `count` elements at `address` in, the result at
+//     `output`; recv_counts / send_counts in elements by rank, as in WireOp.
 // An op may also provide on_done(callback): it calls callback() once, from any thread,
 // when the op completes, so the core wakes at once rather than at its next poll.
 //   copy(dst: int, src: int, nbytes: int) (optional): the fusion copies; default: memcpy on the host
@@ -40,6 +47,7 @@ class PythonTransport : public Transport {
   void copy(void* dst, const void* src, size_t bytes) override;
   void scale(void* data, uint64_t count, DType dtype, double divisor) override;
   bool host_memory() const override { return host_memory_; }
+  std::string unsupported(const TensorSpec& spec) const override;
 
  private:
   pybind11::object impl_;
@@ -50,6 +58,7 @@ class PythonTransport : public Transport {
   std::shared_ptr<Doorbell> doorbell_;
   bool has_copy_;
   bool has_scale_;
+  bool has_unsupported_;
   bool host_memory_;
 };
 
