@@ -17,36 +17,6 @@ next forward wait module by module. CPU tensors travel over MPI (under mpiexec) 
 
 from __future__ import annotations
 
-from commsched.torch._basics import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
 from commsched.torch.autograd import (
     allgather,
     allreduce,
@@ -78,8 +48,42 @@ from commsched.torch.collectives import (
 from commsched.torch.compression import Compression
 from commsched.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from commsched.torch.optimizer import DistributedOptimizer
-from commsched.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from commsched.torch.sync_batch_norm import SyncBatchNorm
+
+from commsched._horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 
 __all__ = [
     "Adasum",

@@ -6,11 +6,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from commsched.torch import _basics
-from commsched.torch import process_sets as _sets
 from commsched.torch.compression import wire_dtype
 
 import torch
+from commsched import _horovod
 
 
 @dataclass
@@ -28,7 +27,7 @@ class Reduction:
 
     def settle(self) -> Reduction:
         """Fills what needs commsched running: the number of ranks, and the postscale of a predivided average."""
-        self.ranks = _sets.set_size(self.process_set)
+        self.ranks = _horovod.set_size(self.process_set)
         if self.predivide != 1.0:
             # Divide by the factor before the sum and by size/factor after it: an average in two steps.
             self.postscale = self.predivide / self.ranks
@@ -37,21 +36,21 @@ class Reduction:
 
 def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process_set: Any) -> Reduction:
     """Checks op, compression, gradient_predivide_factor and process_set (Horovod's rules)."""
-    op = _basics.resolve_op(op)
-    if op not in (_basics.Average, _basics.Sum):
+    op = _horovod.resolve_op(op)
+    if op not in (_horovod.Average, _horovod.Sum):
         raise ValueError(f"DistributedOptimizer takes op=hvd.Average or op=hvd.Sum, not {op!r}")
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
         raise TypeError(f"gradient_predivide_factor must be a number, not {gradient_predivide_factor!r}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be above 0, not {gradient_predivide_factor}")
     result = Reduction(op, wire_dtype(compression), process_set=process_set)
-    result.core = _sets.core_arguments(process_set)
+    result.core = _horovod.core_arguments(process_set)
     if gradient_predivide_factor != 1.0:
-        if op != _basics.Average:
+        if op != _horovod.Average:
             raise ValueError(
                 "gradient_predivide_factor is supported only with op=hvd.Average (as in Horovod)"
             )
-        result.op = _basics.Sum
+        result.op = _horovod.Sum
         result.prescale = 1.0 / gradient_predivide_factor
         result.predivide = float(gradient_predivide_factor)
     return result

@@ -18,17 +18,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from commsched.torch import _basics, _wire
+from commsched.torch import _wire
 from commsched.torch import collectives as _ops
-from commsched.torch import process_sets as _sets
 from commsched.torch.compression import Compression, compressor
-from commsched.torch.process_sets import global_process_set
 
 import torch
+from commsched import _horovod
+from commsched._horovod import global_process_set
 
 
 def _reduce_backward(op: str) -> None:
-    if op not in (_basics.Average, _basics.Sum):
+    if op not in (_horovod.Average, _horovod.Sum):
         raise RuntimeError(
             f"allreduce with op={op!r} has no gradient in commsched.torch; only average and sum allreduces do"
         )
@@ -68,7 +68,7 @@ def allreduce(
 
     `process_group`: a torch.distributed group to start commsched over, if it is not running.
     """
-    op = _basics.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average)
     if process_group is not None:
         _wire.ensure_initialized(process_group, _wire.cuda_device_name([tensor]))
     chosen = compressor(compression)
@@ -110,7 +110,7 @@ def grouped_allreduce(
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
     """Returns the average (or op) of each tensor over all ranks, reduced together; differentiable."""
-    op = _basics.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average)
     chosen = compressor(compression)
     pairs = [chosen.compress(t) for t in tensors]
     if not pairs:
@@ -130,8 +130,8 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        reduced = allreduce(grad, op=_basics.Average, process_set=ctx.process_set)
-        me = _sets.set_rank(ctx.process_set)
+        reduced = allreduce(grad, op=_horovod.Average, process_set=ctx.process_set)
+        me = _horovod.set_rank(ctx.process_set)
         offset = sum(ctx.rows[:me])
         mine = reduced.narrow(0, offset, ctx.rows[me])
         return mine.reshape(ctx.shape), None, None
@@ -154,8 +154,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        reduced = allreduce(grad, op=_basics.Average, process_set=ctx.process_set)
-        if _sets.set_rank(ctx.process_set) != ctx.root_rank:
+        reduced = allreduce(grad, op=_horovod.Average, process_set=ctx.process_set)
+        if _horovod.set_rank(ctx.process_set) != ctx.root_rank:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
@@ -178,7 +178,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
-        scale = ctx.scale / (_sets.set_size(ctx.process_set) if ctx.op == _basics.Average else 1)
+        scale = ctx.scale / (_horovod.set_size(ctx.process_set) if ctx.op == _horovod.Average else 1)
         return gathered * scale if scale != 1 else gathered, None, None, None, None, None
 
 
@@ -186,13 +186,13 @@ def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
     compression: Any = Compression.none,
-    op: Any = _basics.Average,
+    op: Any = _horovod.Average,
     process_set: Any = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """Returns this rank's part of the average (or sum) of every rank's `tensor`, cut on the first dimension."""
-    op = _basics.resolve_op(op)
+    op = _horovod.resolve_op(op)
     chosen = compressor(compression)
     compressed, context = chosen.compress(tensor)
     part = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)

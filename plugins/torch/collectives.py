@@ -16,11 +16,11 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from commsched.torch import _basics, _wire
-from commsched.torch import process_sets as _sets
-from commsched.torch.process_sets import global_process_set
+from commsched.torch import _wire
 
 import torch
+from commsched import _horovod
+from commsched._horovod import global_process_set
 
 _unnamed = itertools.count()
 
@@ -101,8 +101,8 @@ def _allreduce_into(
         device=device,
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
-        ranks=_sets.set_size(process_set),
-        **_sets.core_arguments(process_set),
+        ranks=_horovod.set_size(process_set),
+        **_horovod.core_arguments(process_set),
     )
     return Handle(out.work.done, out.finish)
 
@@ -117,7 +117,7 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks into a new tensor; the input stays as is."""
-    op = _basics.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average)
     output = _check_tensor(tensor, "allreduce_async").detach().clone(memory_format=torch.contiguous_format)
     return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -132,7 +132,7 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks in place."""
-    op = _basics.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average)
     target = _check_tensor(tensor, "allreduce_async_").detach()
     return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -178,7 +178,7 @@ def grouped_allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts reducing several tensors in place, admitted together on every rank (one launch when they fit)."""
-    op = _basics.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average)
     targets = [_check_tensor(t, "grouped_allreduce_async_").detach() for t in tensors]
     if not targets:
         return Handle(lambda: True, list)
@@ -187,13 +187,13 @@ def grouped_allreduce_async_(
     for wire in wires:
         if wire.dtype not in _wire._CORE_DTYPES:
             raise TypeError(f"grouped_allreduce cannot send {wire.dtype} tensors")
-    group = _basics._core("grouped_allreduce_async")(
+    group = _horovod._core("grouped_allreduce_async")(
         wires,
         name=op_name("grouped_allreduce", name),
         op=op,
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
-        **_sets.core_arguments(process_set),
+        **_horovod.core_arguments(process_set),
     )
 
     def finish() -> list[torch.Tensor]:
@@ -226,7 +226,7 @@ def grouped_allreduce_(
 def _broadcast_into(target: torch.Tensor, root_rank: int, name: str | None, process_set: Any) -> Handle:
     device = _started(target)
     out = _wire.start_broadcast(
-        target, op_name("broadcast", name), root_rank, device, **_sets.core_arguments(process_set)
+        target, op_name("broadcast", name), root_rank, device, **_horovod.core_arguments(process_set)
     )
     return Handle(out.work.done, out.finish)
 
@@ -292,8 +292,8 @@ def allgather_rows(tensor: torch.Tensor, name: str | None, process_set: Any) -> 
     shape = tensor.shape
     if wire.dim() == 0:
         wire = wire.reshape(1)
-    work = _basics._core("allgather_async")(
-        wire, name=op_name("allgather", name), **_sets.core_arguments(process_set)
+    work = _horovod._core("allgather_async")(
+        wire, name=op_name("allgather", name), **_horovod.core_arguments(process_set)
     )
 
     def finish() -> Gathered:
@@ -325,20 +325,20 @@ def reducescatter_parts(
     wire = _host_wire(_check_tensor(tensor, "reducescatter"), "reducescatter")
     if wire.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension to cut")
-    return _basics._core("reducescatter_async")(
+    return _horovod._core("reducescatter_async")(
         wire,
         op=op,
         name=op_name("reducescatter", name),
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
-        **_sets.core_arguments(process_set),
+        **_horovod.core_arguments(process_set),
     )
 
 
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
-    op: Any = _basics.Average,
+    op: Any = _horovod.Average,
     process_set: Any = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -347,8 +347,8 @@ def reducescatter_async(
 
     The first (rows % size) ranks get one row more, as in Horovod.
     """
-    op = _basics.resolve_op(op)
-    if op not in (_basics.Average, _basics.Sum):
+    op = _horovod.resolve_op(op)
+    if op not in (_horovod.Average, _horovod.Sum):
         raise ValueError(f"reducescatter takes op=hvd.Average or hvd.Sum, not {op!r}")
     work = reducescatter_parts(tensor, name, op, process_set, prescale_factor, postscale_factor)
     return Handle(work.done, lambda: _like(work.wait(), tensor))
@@ -369,11 +369,11 @@ def alltoall_parts(tensor: torch.Tensor, splits: Any, name: str | None, process_
     wire = _host_wire(_check_tensor(tensor, "alltoall"), "alltoall")
     if wire.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension to split")
-    work = _basics._core("alltoall_async")(
+    work = _horovod._core("alltoall_async")(
         wire,
         splits=_split_counts(splits),
         name=op_name("alltoall", name),
-        **_sets.core_arguments(process_set),
+        **_horovod.core_arguments(process_set),
     )
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,7 +394,7 @@ def alltoall_async(
 def barrier(process_set: Any = global_process_set) -> None:
     """Returns once every rank (of the set) has called barrier()."""
     _wire.ensure_initialized()
-    _basics._core("barrier")(**_sets.core_arguments(process_set))
+    _horovod._core("barrier")(**_horovod.core_arguments(process_set))
 
 
 def join(device: int = -1) -> int:
@@ -403,7 +403,7 @@ def join(device: int = -1) -> int:
     Until then this rank takes part in the other ranks' allreduces with zeros, as in Horovod.
     """
     _wire.ensure_initialized()
-    return int(_basics._core("join")())
+    return int(_horovod._core("join")())
 
 
 def broadcast_object(
@@ -411,8 +411,8 @@ def broadcast_object(
 ) -> Any:
     """Returns root_rank's (picklable) object on every rank."""
     _wire.ensure_initialized()
-    return _basics._core("broadcast_object")(
-        obj, root_rank, name=op_name("broadcast_object", name), **_sets.core_arguments(process_set)
+    return _horovod._core("broadcast_object")(
+        obj, root_rank, name=op_name("broadcast_object", name), **_horovod.core_arguments(process_set)
     )
 
 
@@ -420,7 +420,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = globa
     """Returns the list of every rank's (picklable) object, in rank order."""
     _wire.ensure_initialized()
     return list(
-        _basics._core("allgather_object")(
-            obj, name=op_name("allgather_object", name), **_sets.core_arguments(process_set)
+        _horovod._core("allgather_object")(
+            obj, name=op_name("allgather_object", name), **_horovod.core_arguments(process_set)
         )
     )

@@ -17,14 +17,13 @@ from typing import Any
 
 from commsched.torch import _optimizer_args as _args
 from commsched.torch import _wire
-from commsched.torch._basics import Average
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import Reducer, ReducerOptions, Slot
 from commsched.torch.compression import Compression
-from commsched.torch.process_sets import global_process_set
 
 import commsched
 import torch
+from commsched._horovod import Average, global_process_set
 
 _instances = itertools.count()
 
