@@ -91,8 +91,9 @@ def _allreduce_into(
     prescale_factor: float,
     postscale_factor: float,
     process_set: Any,
+    source: torch.Tensor,
 ) -> Handle:
-    device = _started(target)
+    device = _started(source)  # the caller's tensor says where it lives (a copy may not)
     out = _wire.start_allreduce(
         target,
         op_name("allreduce", name),
@@ -119,7 +120,7 @@ def allreduce_async(
     """Starts averaging (or op-reducing) `tensor` over all ranks into a new tensor; the input stays as is."""
     op = _horovod.resolve_op(op, average)
     output = _check_tensor(tensor, "allreduce_async").detach().clone(memory_format=torch.contiguous_format)
-    return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
 
 def allreduce_async_(
@@ -134,7 +135,7 @@ def allreduce_async_(
     """Starts averaging (or op-reducing) `tensor` over all ranks in place."""
     op = _horovod.resolve_op(op, average)
     target = _check_tensor(tensor, "allreduce_async_").detach()
-    return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
 
 def allreduce_(
@@ -223,8 +224,10 @@ def grouped_allreduce_(
 
 
 # -- broadcast -----------------------------------------------------------------------------------
-def _broadcast_into(target: torch.Tensor, root_rank: int, name: str | None, process_set: Any) -> Handle:
-    device = _started(target)
+def _broadcast_into(
+    target: torch.Tensor, root_rank: int, name: str | None, process_set: Any, source: torch.Tensor
+) -> Handle:
+    device = _started(source)
     out = _wire.start_broadcast(
         target, op_name("broadcast", name), root_rank, device, **_horovod.core_arguments(process_set)
     )
@@ -236,14 +239,15 @@ def broadcast_async(
 ) -> Handle:
     """Starts copying root_rank's `tensor` into a new tensor on every rank; the input stays as is."""
     output = _check_tensor(tensor, "broadcast_async").detach().clone(memory_format=torch.contiguous_format)
-    return _broadcast_into(output, root_rank, name, process_set)
+    return _broadcast_into(output, root_rank, name, process_set, tensor)
 
 
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> Handle:
     """Starts overwriting `tensor` with root_rank's values, in place."""
-    return _broadcast_into(_check_tensor(tensor, "broadcast_async_").detach(), root_rank, name, process_set)
+    target = _check_tensor(tensor, "broadcast_async_").detach()
+    return _broadcast_into(target, root_rank, name, process_set, tensor)
 
 
 def broadcast_(
