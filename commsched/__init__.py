@@ -39,14 +39,14 @@ from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
 
 __all__ = [
+    "Average",
     "CollectiveError",
     "CommschedError",
     "GroupHandle",
     "Handle",
-    "NotRunningError",
-    "Average",
     "Max",
     "Min",
+    "NotRunningError",
     "Product",
     "RankFailure",
     "Sum",
@@ -76,9 +76,9 @@ __all__ = [
     "mpi_enabled",
     "nccl_built",
     "rank",
+    "reconfigure",
     "reducescatter",
     "reducescatter_async",
-    "reconfigure",
     "shutdown",
     "size",
 ]
@@ -232,7 +232,9 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     resolved = _state.settings
     assert resolved is not None
     kind = transports.choose(resolved.transport, info, comm, process_group, cuda_buffers=cuda)
-    core_kind, argument = transports.build(kind, info, comm, process_group, resolved, device, device_memory=cuda)
+    core_kind, argument = transports.build(
+        kind, info, comm, process_group, resolved, device, device_memory=cuda
+    )
     rank, size = _probe_rank_size(core_kind, argument, info)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
@@ -621,7 +623,7 @@ def broadcast(
 
 
 # The collectives beyond allreduce and broadcast, and Horovod's helpers, live in their own module.
-from commsched.collectives import (  # noqa: E402 - needs the definitions above
+from commsched.collectives import (
     GroupHandle,
     allgather,
     allgather_async,

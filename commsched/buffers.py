@@ -25,7 +25,18 @@ _KIND_SIZE_TO_DTYPE = {
     ("u", 1): "uint8",
     ("b", 1): "bool",
 }
-_FORMAT_KIND = {"e": "f", "f": "f", "d": "f", "b": "i", "h": "i", "i": "i", "l": "i", "q": "i", "B": "u", "?": "b"}
+_FORMAT_KIND = {
+    "e": "f",
+    "f": "f",
+    "d": "f",
+    "b": "i",
+    "h": "i",
+    "i": "i",
+    "l": "i",
+    "q": "i",
+    "B": "u",
+    "?": "b",
+}
 _TORCH_DTYPES = {
     "torch.float16": "float16",
     "torch.bfloat16": "bfloat16",

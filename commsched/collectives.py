@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import os
 import pickle
 import time
@@ -39,7 +40,9 @@ _barriers = itertools.count()
 class OutputHandle(_api.Handle):
     """A collective whose result is a new array: wait() returns it (alltoall: with the received splits)."""
 
-    def __init__(self, core_handle: Any, array: Any, view: Any, row_shape: tuple[int, ...], kind: str) -> None:
+    def __init__(
+        self, core_handle: Any, array: Any, view: Any, row_shape: tuple[int, ...], kind: str
+    ) -> None:
         super().__init__(core_handle, array, view)
         self._row_shape = row_shape
         self._kind = kind
@@ -56,7 +59,7 @@ class OutputHandle(_api.Handle):
         """Rows each rank contributed (allgather), kept (reducescatter) or sent here (alltoall)."""
         _, _, layout = self._core_handle.output()
         row = _row_elements(self._row_shape)
-        size = len(layout) if self._kind != "alltoall" else int(round(len(layout) ** 0.5))
+        size = len(layout) if self._kind != "alltoall" else math.isqrt(len(layout))
         if self._kind == "alltoall":
             me = _core.rank()
             counts = [layout[source * size + me] for source in range(size)]
@@ -72,8 +75,10 @@ class OutputHandle(_api.Handle):
         if _api._state.device_memory:
             raise NotImplementedError("results of collectives on GPU memory are not available yet")
         result = np.frombuffer(memory, dtype=_NUMPY_DTYPES[dtype], count=elements)
-        result = result.reshape((-1, *self._row_shape)) if _row_elements(self._row_shape) else result.reshape(
-            (0, *self._row_shape)
+        result = (
+            result.reshape((-1, *self._row_shape))
+            if _row_elements(self._row_shape)
+            else result.reshape((0, *self._row_shape))
         )
         if _is_torch(self._array):
             import torch
@@ -182,7 +187,9 @@ def allgather_object(obj: Any, name: str | None = None, timeout: float | None = 
     return objects
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, timeout: float | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, timeout: float | None = None
+) -> Any:
     """Returns root_rank's (picklable) object on every rank: an allgather that only the root fills."""
     import numpy as np
 
@@ -191,7 +198,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, time
         raise ValueError(f"root_rank {root} is not a rank; use a rank between 0 and {_api.size() - 1}")
     mine = pickle.dumps(obj) if _api.rank() == root else b""
     payload = np.frombuffer(bytearray(mine), dtype=np.uint8)
-    gathered = allgather(payload, name or f"broadcast_object.unnamed.{next(_api._state.unnamed)}", timeout=timeout)
+    gathered = allgather(
+        payload, name or f"broadcast_object.unnamed.{next(_api._state.unnamed)}", timeout=timeout
+    )
     return obj if _api.rank() == root else pickle.loads(bytes(gathered))
 
 
@@ -319,7 +328,9 @@ def grouped_allreduce(
     timeout: float | None = None,
 ) -> list[Any]:
     """Allreduces several arrays in place, together; returns them."""
-    return grouped_allreduce_async(arrays, name, priority, op, prescale_factor, postscale_factor).wait(timeout)
+    return grouped_allreduce_async(arrays, name, priority, op, prescale_factor, postscale_factor).wait(
+        timeout
+    )
 
 
 def local_size() -> int:

@@ -50,4 +50,4 @@ def test_cpp_suites(test_binary: Path) -> None:
     result = subprocess.run([str(test_binary)], check=False, capture_output=True, text=True, timeout=300)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert " 0 failed" in result.stdout and result.stdout.count("PASS ") >= 29
+    assert " 0 failed" in result.stdout and result.stdout.count("PASS ") >= 37

@@ -180,12 +180,15 @@ class GlooTransport:
         output: int,
         recv_counts: list[int],
         send_counts: list[int],
+        layout: list[int],
     ) -> _Pending:
         """Allgather (all_gather of equal, padded parts), reducescatter (an allreduce of a copy, of
         which this rank keeps its part) or alltoall (all_to_all_single) into `output`."""
         torch, dist = self._torch, self._dist
         source = self._tensor_at(address, count, dtype)
-        target = self._tensor_at(output, sum(recv_counts) if kind != "reducescatter" else recv_counts[self.rank], dtype)
+        target = self._tensor_at(
+            output, sum(recv_counts) if kind != "reducescatter" else recv_counts[self.rank], dtype
+        )
         if kind != "reducescatter":  # moving bytes only: any type of the same width does
             source, target = _movable(source), _movable(target)
         if kind == "allgather":
@@ -212,6 +215,11 @@ class GlooTransport:
 
             return _Pending(work, kept)
         work = dist.all_to_all_single(
-            target, source, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self._data, async_op=True
+            target,
+            source,
+            output_split_sizes=recv_counts,
+            input_split_sizes=send_counts,
+            group=self._data,
+            async_op=True,
         )
         return _Pending(work)

@@ -30,6 +30,7 @@ NUMPY_DTYPES: dict[str, Any] = {
     "int64": np.int64,
     "uint8": np.uint8,
     "int8": np.int8,
+    "int16": np.int16,
 }
 
 
@@ -51,10 +52,15 @@ def array_at(address: int, count: int, dtype: str) -> np.ndarray:
     return np.frombuffer(memory, dtype=numpy_dtype)
 
 
-def _add_bfloat16(dst: np.ndarray, src: np.ndarray) -> None:
+_NUMPY_OPS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+
+
+def _reduce_bfloat16(dst: np.ndarray, src: np.ndarray, op: str = "sum") -> None:
     # Same rounding as the core's float_to_bfloat16 (nearest even, NaN kept quiet), so every
     # transport gives the same bits.
-    total = (dst.astype(np.uint32) << 16).view(np.float32) + (src.astype(np.uint32) << 16).view(np.float32)
+    total = _NUMPY_OPS[op](
+        (dst.astype(np.uint32) << 16).view(np.float32), (src.astype(np.uint32) << 16).view(np.float32)
+    )
     bits = total.view(np.uint32)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
     nan = np.isnan(total)
@@ -63,12 +69,15 @@ def _add_bfloat16(dst: np.ndarray, src: np.ndarray) -> None:
     dst[:] = rounded.astype(np.uint16)
 
 
-def add_into(dst: np.ndarray, src: np.ndarray, dtype: str) -> None:
-    """dst += src elementwise in the precision of `dtype` (integers wrap, as in MPI)."""
+def add_into(dst: np.ndarray, src: np.ndarray, dtype: str, op: str = "sum") -> None:
+    """dst = op(dst, src) elementwise in the precision of `dtype` (integers wrap, as in MPI);
+    op: sum (average sums: the core divides), min, max or product."""
     if dtype == "bfloat16":
-        _add_bfloat16(dst, src)
+        _reduce_bfloat16(dst, src, op)
+    elif dtype == "float16" and op == "product":
+        np.copyto(dst, (dst.astype(np.float32) * src.astype(np.float32)).astype(np.float16))
     else:
-        np.add(dst, src, out=dst, casting="unsafe")
+        _NUMPY_OPS[op](dst, src, out=dst, casting="unsafe")
 
 
 def segments(count: int, size: int) -> list[tuple[int, int]]:
@@ -88,7 +97,12 @@ def pieces(start: int, stop: int, piece_elements: int) -> list[tuple[int, int]]:
 
 
 class RingOp:
-    """One allreduce or broadcast as seen by one rank; `receive` advances it by one frame."""
+    """One collective as seen by one rank; `receive` advances it by one frame.
+
+    allreduce: ring reduce-scatter then ring all-gather over `segments`; reducescatter: the first
+    half alone, shifted so that rank r ends with the reduced part r of `bounds`; allgather: the
+    second half alone, each rank's part of `bounds` filled by its owner; broadcast: a chain.
+    """
 
     def __init__(
         self,
@@ -101,26 +115,31 @@ class RingOp:
         size: int,
         piece_bytes: int,
         send: Callable[[Any], None],
+        op: str = "sum",
+        bounds: list[tuple[int, int]] | None = None,
     ) -> None:
-        if kind not in ("allreduce", "broadcast"):
+        if kind not in ("allreduce", "broadcast", "reducescatter", "allgather"):
             raise ValueError(f"unknown collective {kind!r}")
         if not 0 <= root < size:
             raise ValueError(f"broadcast root {root} is not a rank of {size}")
-        self.seq, self.array, self.dtype, self.kind = seq, array, dtype, kind
+        self.seq, self.array, self.dtype, self.kind, self.op = seq, array, dtype, kind, op
         self.rank, self.size, self.root = rank, size, root
         self.itemsize = itemsize(dtype)
         self._send = send
         piece_elements = max(1, piece_bytes // self.itemsize)
         self.left = (rank - 1) % size
         count = int(array.size)
-        if kind == "allreduce":
-            self.steps = 2 * (size - 1)
-            bounds = segments(count, size)
-            # At step k this rank receives segment (rank - k - 1) and sends segment (rank - k).
+        # Leading steps that reduce what they receive; later ones copy it.
+        self._reduce_steps = size - 1 if kind in ("allreduce", "reducescatter") else 0
+        if kind != "broadcast":
+            self.steps = 2 * (size - 1) if kind == "allreduce" else size - 1
+            bounds = bounds if bounds is not None else segments(count, size)
+            shift = 1 if kind == "reducescatter" else 0
+            # At step k this rank receives segment (rank - k - 1 - shift) and sends (rank - k - shift).
             self._expected = [
-                pieces(*bounds[(rank - k - 1) % size], piece_elements) for k in range(self.steps)
+                pieces(*bounds[(rank - k - 1 - shift) % size], piece_elements) for k in range(self.steps)
             ]
-            self._first_send = pieces(*bounds[rank % size], piece_elements) if self.steps else []
+            self._first_send = pieces(*bounds[(rank - shift) % size], piece_elements) if self.steps else []
         else:
             position = (rank - root) % size
             self.steps = 1
@@ -190,13 +209,13 @@ class RingOp:
         offset, count = self.check(frame)
         incoming = np.frombuffer(frame.payload, dtype=self.array.dtype)
         target = self.array[offset : offset + count]
-        if self.kind == "allreduce" and frame.step < self.size - 1:
-            add_into(target, incoming, self.dtype)
+        if frame.step < self._reduce_steps:
+            add_into(target, incoming, self.dtype, self.op)
         else:
             target[:] = incoming
         self._received[frame.step][frame.piece] = 1
         self.remaining -= 1
-        if self.kind == "allreduce":
+        if self.kind != "broadcast":
             # The piece just received is the one this rank sends at the next step.
             if frame.step + 1 < self.steps:
                 self._emit(frame.step + 1, frame.piece, offset, count)

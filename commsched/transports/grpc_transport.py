@@ -18,9 +18,11 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
@@ -46,16 +48,20 @@ class GrpcError(RuntimeError):
 class _Op:
     """A collective in flight as the core sees it; only the engine thread changes it."""
 
-    def __init__(self, ring: RingOp) -> None:
+    def __init__(self, ring: RingOp, finish: Callable[[], None] | None = None) -> None:
         self.ring = ring
         self.done = False
         self.error = ""
         self.progress_at = time.monotonic()
+        self._finish = finish  # moves the ring's result into the core's output, on the core's thread
 
     def test(self) -> bool:
         """True once the collective finished; raises if it failed."""
         if self.error:
             raise GrpcError(self.error)
+        if self.done and self._finish is not None:
+            self._finish()
+            self._finish = None
         return self.done
 
 
@@ -376,14 +382,25 @@ class _Node:
 
     # ---------------------------------------------------------------- data
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Op:
+    def start(
+        self,
+        address: int,
+        count: int,
+        dtype: str,
+        kind: str,
+        root: int,
+        op: str = "sum",
+        array: Any = None,
+        bounds: list[tuple[int, int]] | None = None,
+        finish: Callable[[], None] | None = None,
+    ) -> _Op:
         """Registers a collective; the engine thread sends and applies its frames."""
         seq = self._next_seq
         self._next_seq += 1
         data = self._outboxes.get((self.right, "data"))
         ring = RingOp(
             seq,
-            array_at(address, count, dtype),
+            array_at(address, count, dtype) if array is None else array,
             dtype,
             kind,
             root,
@@ -391,10 +408,61 @@ class _Node:
             self.size,
             self.piece_bytes,
             data.put if data is not None else _no_peer,
+            op=op,
+            bounds=bounds,
         )
-        op = _Op(ring)
-        self._events.put(("start", op))
-        return op
+        pending = _Op(ring, finish)
+        self._events.put(("start", pending))
+        return pending
+
+    def start_collective(
+        self,
+        kind: str,
+        dtype: str,
+        op: str,
+        address: int,
+        count: int,
+        output: int,
+        recv_counts: list[int],
+        send_counts: list[int],
+        layout: list[int],
+    ) -> _Op:
+        """Allgather and reducescatter as the two halves of the ring allreduce; alltoall as a ring
+        allgather of every rank's whole input, of which each rank keeps what was sent to it (n times
+        the traffic of a direct exchange: the ring's streams reach the right-hand neighbour only)."""
+        source = array_at(address, count, dtype)
+        if kind == "reducescatter":
+            work = source.copy()  # the caller's input stays as it is
+            bounds = _bounds(recv_counts)
+            target = array_at(output, recv_counts[self.rank], dtype)
+            start, stop = bounds[self.rank]
+
+            def kept() -> None:
+                target[:] = work[start:stop]
+
+            return self.start(0, 0, dtype, kind, 0, op, work, bounds, kept)
+        if kind == "allgather":
+            bounds = _bounds(recv_counts)
+            gathered = array_at(output, sum(recv_counts), dtype)
+            start, stop = bounds[self.rank]
+            gathered[start:stop] = source
+            return self.start(0, 0, dtype, kind, 0, op, gathered, bounds)
+        # alltoall: layout[s * size + d] elements go from rank s to rank d
+        sent_by = [sum(layout[s * self.size : (s + 1) * self.size]) for s in range(self.size)]
+        bounds = _bounds(sent_by)
+        everything = np.empty(sum(sent_by), dtype=source.dtype)
+        start, stop = bounds[self.rank]
+        everything[start:stop] = source
+        target = array_at(output, sum(recv_counts), dtype)
+
+        def picked() -> None:
+            offset = 0
+            for s in range(self.size):
+                begin = bounds[s][0] + sum(layout[s * self.size : s * self.size + self.rank])
+                target[offset : offset + recv_counts[s]] = everything[begin : begin + recv_counts[s]]
+                offset += recv_counts[s]
+
+        return self.start(0, 0, dtype, "allgather", 0, op, everything, bounds, picked)
 
     def _run_engine(self) -> None:
         while True:
@@ -501,6 +569,15 @@ class _Node:
             self._engine.join(5.0)
 
 
+def _bounds(counts: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) of consecutive parts of the given lengths."""
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
 def _no_peer(frame: Any) -> None:
     raise GrpcError("a single rank sends no data")
 
@@ -594,9 +671,30 @@ class GrpcTransport:
         """Blocking allgather of one byte string per rank."""
         return self._node.exchange(report, timeout_s)
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int) -> _Op:
-        """Starts an in-place SUM allreduce or a broadcast from `root` on raw memory."""
-        return self._node.start(address, count, dtype, kind, root)
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> _Op:
+        """Starts an in-place allreduce (sum, min, max, product) or a broadcast from `root` on raw memory."""
+        return self._node.start(address, count, dtype, kind, root, op)
+
+    def unsupported(self, kind: str, dtype: str, op: str) -> str:
+        """The ring runs every collective and op commsched has."""
+        return ""
+
+    def start_collective(
+        self,
+        kind: str,
+        dtype: str,
+        op: str,
+        address: int,
+        count: int,
+        output: int,
+        recv_counts: list[int],
+        send_counts: list[int],
+        layout: list[int],
+    ) -> _Op:
+        """Starts an allgather, reducescatter or alltoall into `output` (see _Node.start_collective)."""
+        return self._node.start_collective(
+            kind, dtype, op, address, count, output, recv_counts, send_counts, layout
+        )
 
     def close(self) -> None:
         """Closes streams and server now instead of when the object is collected."""

@@ -224,6 +224,7 @@ void Runtime::prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op) 
   const auto ranks = static_cast<size_t>(size_);
   const auto me = static_cast<size_t>(rank_);
   const std::vector<uint64_t>& layout = tensor.layout;
+  op.layout = layout;
   op.data = tensor.data;
   op.count = tensor.spec.count;  // this rank's own elements: an allgather's or alltoall's differ by rank
   uint64_t elements = 0;

@@ -40,6 +40,8 @@ struct WireOp {
   std::vector<uint64_t> recv_counts;
   // Alltoall: the elements of `data` that go to each rank, in rank order.
   std::vector<uint64_t> send_counts;
+  // The agreed TensorSpec::layout (alltoall: every rank's send counts, [source * size + target]).
+  std::vector<uint64_t> layout;
   // A fused launch on a transport that stages_fusion(): the tensors' memory that goes in and out of
   // `data`. Empty otherwise (the core has copied already).
   std::vector<Segment> fused;

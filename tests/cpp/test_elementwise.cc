@@ -41,7 +41,7 @@ TEST_CASE(sum_into_adds_each_dtype) {
   EXPECT_EQ(x[1], 0);
 }
 
-TEST_CASE(divide_by_averages_floats_and_refuses_integers) {
+TEST_CASE(divide_by_averages_floats_floor_divides_integers_and_refuses_bools) {
   std::vector<double> values = {3.0, 9.0};
   divide_by(values.data(), 2, DType::kFloat64, 3.0);
   EXPECT_EQ(values[0], 1.0);
@@ -49,7 +49,11 @@ TEST_CASE(divide_by_averages_floats_and_refuses_integers) {
   std::vector<uint16_t> halves = {float_to_bfloat16(6.0f)};
   divide_by(halves.data(), 1, DType::kBFloat16, 4.0);
   EXPECT_EQ(bfloat16_to_float(halves[0]), 1.5f);
-  std::vector<int32_t> ints = {4};
-  EXPECT_THROWS(divide_by(ints.data(), 1, DType::kInt32, 2.0), UsageError, "floating dtype");
+  std::vector<int32_t> ints = {5, -5};
+  divide_by(ints.data(), 2, DType::kInt32, 2.0);
+  EXPECT_EQ(ints[0], 2);
+  EXPECT_EQ(ints[1], -3);
+  std::vector<uint8_t> bools = {1};
+  EXPECT_THROWS(divide_by(bools.data(), 1, DType::kBool, 2.0), UsageError, "not defined for bool");
 }
 

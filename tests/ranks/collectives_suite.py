@@ -63,7 +63,11 @@ def reduce(arrays: list[np.ndarray], op: str, dtype: str, pre: float = 1.0, post
     if op in ("sum", "average"):
         result = np.sum(scaled, axis=0)
         if op == "average":
-            result = np.floor(result / len(arrays)) if dtype not in ("float16", "bfloat16", "float32", "float64") else result / len(arrays)
+            result = (
+                np.floor(result / len(arrays))
+                if dtype not in ("float16", "bfloat16", "float32", "float64")
+                else result / len(arrays)
+            )
     elif op == "min":
         result = np.min(scaled, axis=0)
     elif op == "max":
@@ -105,10 +109,14 @@ def allreduce_cases(rank: int, size: int, dtypes: list[str], asynchronous: bool)
             name = f"ar.{dtype}.{op}.{asynchronous}"
             rtol = TOLERANCE.get(dtype, 0.0) if op == "average" else 0.0
             if asynchronous:
-                handle = commsched.allreduce_async(array, name, op=op, prescale_factor=pre, postscale_factor=post)
+                handle = commsched.allreduce_async(
+                    array, name, op=op, prescale_factor=pre, postscale_factor=post
+                )
                 pending.append((handle, expected, name, rtol))
             else:
-                result = commsched.allreduce(array, name, op=op.upper(), prescale_factor=pre, postscale_factor=post)
+                result = commsched.allreduce(
+                    array, name, op=op.upper(), prescale_factor=pre, postscale_factor=post
+                )
                 check(result, expected, name, rtol)
                 checked += 1
     for handle, expected, name, rtol in pending:
@@ -148,7 +156,9 @@ def shaped_cases(rank: int, size: int, dtypes: list[str], asynchronous: bool) ->
             pieces.append(sent[s][offset : offset + splits_of[s][rank]])
         name = f"a2a.{dtype}.{asynchronous}"
         handle = commsched.alltoall_async(as_input(sent[rank], dtype), splits_of[rank], name=name)
-        pending.append((handle, (np.concatenate(pieces), [splits_of[s][rank] for s in range(size)]), name, 0.0))
+        pending.append(
+            (handle, (np.concatenate(pieces), [splits_of[s][rank] for s in range(size)]), name, 0.0)
+        )
         if not asynchronous:
             for handle, expected, name, rtol in pending:
                 _check_result(handle.wait(60), expected, name, rtol)
@@ -161,7 +171,9 @@ def shaped_cases(rank: int, size: int, dtypes: list[str], asynchronous: bool) ->
     equal = np.arange(size * 2, dtype=np.int32).reshape(size * 2, 1) + 100 * rank
     output, received = commsched.alltoall(equal, name=f"a2a.equal.{asynchronous}")
     assert received == [2] * size, received
-    expected = np.concatenate([np.arange(size * 2).reshape(-1, 1)[2 * rank : 2 * rank + 2] + 100 * s for s in range(size)])
+    expected = np.concatenate(
+        [np.arange(size * 2).reshape(-1, 1)[2 * rank : 2 * rank + 2] + 100 * s for s in range(size)]
+    )
     check(output, expected, "alltoall with equal splits")
     return checked + 1
 
@@ -182,7 +194,11 @@ def object_and_group_cases(rank: int, size: int) -> int:
     gathered = commsched.allgather_object(("rank", rank, "x" * rank))
     assert gathered == [("rank", r, "x" * r) for r in range(size)], gathered
     commsched.barrier()
-    arrays = [np.full(4, rank + 1, np.float32), np.full(3, rank + 1, np.int64), np.full(2, rank + 2, np.float64)]
+    arrays = [
+        np.full(4, rank + 1, np.float32),
+        np.full(3, rank + 1, np.int64),
+        np.full(2, rank + 2, np.float64),
+    ]
     results = commsched.grouped_allreduce(arrays, name="group", op="max")
     for result, base in zip(results, (1, 1, 2)):
         assert np.all(result == size - 1 + base), results

@@ -29,6 +29,8 @@ int nccl_dtype(DType dtype) {
     case DType::kInt64: return kNcclInt64;
     case DType::kUInt8: return kNcclUint8;
     case DType::kInt8: return kNcclInt8;
+    case DType::kBool: return kNcclUint8;
+    case DType::kInt16: break;
   }
   throw std::invalid_argument("NCCL transport: no NCCL type for this dtype");
 }

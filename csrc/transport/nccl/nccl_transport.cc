@@ -83,6 +83,22 @@ void NcclTransport::prepare(const TensorSpec& spec, void* data, const Placement&
   comm_->submitted(reinterpret_cast<uintptr_t>(data), spec.bytes(), average, placement.stream);
 }
 
+std::string NcclTransport::unsupported(const TensorSpec& spec) const {
+  const std::string basic = Transport::unsupported(spec);
+  if (!basic.empty()) return basic;
+  if (spec.dtype == DType::kInt16 || spec.dtype == DType::kBool) {
+    return std::string("the nccl transport does not implement ") + dtype_name(spec.dtype) + " (NCCL has no such type)";
+  }
+  if (spec.op == ReduceOp::kAverage && !dtype_is_floating(spec.dtype)) {
+    return "the nccl transport does not implement op=\"average\" of integers (ncclAvg truncates where commsched "
+           "floor-divides); use op=\"sum\" and divide";
+  }
+  if (spec.prescale != 1.0 || spec.postscale != 1.0) {
+    return "the nccl transport does not implement prescale_factor / postscale_factor; scale the tensor before or after";
+  }
+  return {};
+}
+
 void NcclTransport::forget(void* data) { comm_->forget(reinterpret_cast<uintptr_t>(data)); }
 
 std::unique_ptr<FusionBuffer> NcclTransport::allocate_fusion_buffer(size_t bytes) {

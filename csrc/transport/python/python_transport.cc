@@ -77,7 +77,7 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     if (kind_has_output(op.kind)) {
       pending = impl_.attr("start_collective")(kind_name(op.kind), dtype_name(op.dtype), op_name(op.op), address,
                                                op.count, reinterpret_cast<uintptr_t>(op.output), op.recv_counts,
-                                               op.send_counts);
+                                               op.send_counts, op.layout);
     } else if (op.kind == CollectiveKind::kAllreduce && !plain) {
       pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root,
                                     py::arg("op") = op_name(op.op));

@@ -12,7 +12,7 @@
 //     collective beyond allreduce (sum, average) and broadcast, "" when it can; without it those
 //     are refused. The ones it takes then arrive as
 //   start(address, count, dtype, kind, root, op=op) for allreduce with op "min", "max" or "product", and
-//   start_collective(kind, dtype, op, address, count, output, recv_counts, send_counts) -> op for
+//   start_collective(kind, dtype, op, address, count, output, recv_counts, send_counts, layout) -> op for
 //     allgather, reducescatter and alltoall: `count` elements at `address` in, the result at
 //     `output`; recv_counts / send_counts in elements by rank, as in WireOp.
 // An op may also provide on_done(callback): it calls callback() once, from any thread,

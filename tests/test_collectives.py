@@ -1,0 +1,88 @@
+"""The collectives beyond allreduce (ops, scale factors, int16/bool, allgather, reducescatter,
+alltoall, object forms, barrier, grouped allreduce): every one over every transport at 2 and 3
+ranks against numpy (tests/ranks/collectives_suite.py), and their argument checks on one rank."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_transports import TRANSPORTS, launch_command, rank_environment
+
+import commsched
+
+SUITE = Path(__file__).resolve().parent / "ranks" / "collectives_suite.py"
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_collectives_over_transport(transport: str, ranks: int) -> None:
+    """Every collective, dtype and op, sync (inline road) and async (wire road), matches numpy on every rank."""
+    if not TRANSPORTS[transport]:
+        pytest.skip(f"{transport} is not available here")
+    command = launch_command(transport, ranks, SUITE, ["--transport", transport])
+    done = subprocess.run(
+        command, check=False, env=rank_environment(), capture_output=True, text=True, timeout=240
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(ranks):
+        assert f"rank {rank}: COLLECTIVES OK" in output and f"over {transport}" in output, output
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    commsched.init(transport="loopback")
+    try:
+        yield
+    finally:
+        commsched.shutdown()
+
+
+def test_results_on_one_rank_keep_shape_and_type(one_rank: None) -> None:
+    """Allgather, reducescatter and alltoall return new arrays of the input's row shape (torch in, torch out)."""
+    torch = pytest.importorskip("torch")
+    array = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    gathered = commsched.allgather(array)
+    assert gathered.shape == (3, 2, 2) and gathered.dtype == np.int16 and np.array_equal(gathered, array)
+    assert gathered.ctypes.data != array.ctypes.data  # a new array, the input untouched
+    halves = commsched.reducescatter(
+        torch.ones(4, 3, dtype=torch.bfloat16), op=commsched.Average, postscale_factor=2
+    )
+    assert isinstance(halves, torch.Tensor) and halves.dtype == torch.bfloat16 and torch.all(halves == 2)
+    output, received = commsched.alltoall(np.ones((2, 5), bool))
+    assert output.dtype == bool and output.shape == (2, 5) and received == [2]
+    assert commsched.allgather(np.float64(1.5) * np.ones(())).shape == (1,)  # a 0-d array is one row
+
+
+def test_ops_and_arguments_are_checked(one_rank: None) -> None:
+    """Ops in any case and as constants; what is not defined is refused naming the fix."""
+    values = np.array([3, -1, 2], np.int32)
+    assert commsched.allreduce(values, op="MIN") is values
+    assert commsched.allreduce(np.array([-7], np.int64), op=commsched.Average)[0] == -7
+    with pytest.raises(ValueError, match='op="sum" is not defined for bool'):
+        commsched.allreduce(np.ones(2, bool), op="sum")
+    with pytest.raises(ValueError, match='reducescatter takes op="sum" or "average"'):
+        commsched.reducescatter(np.ones(2), op="max")
+    with pytest.raises(ValueError, match="splits add up to 3 rows, but the array has 2"):
+        commsched.alltoall(np.ones((2, 1)), splits=[3])
+    with pytest.raises(ValueError, match="splits name 2 ranks, but there are 1"):
+        commsched.alltoall(np.ones((2, 1)), splits=[1, 1])
+    with pytest.raises(ValueError, match="apply to reductions only"):
+        commsched._enqueue(np.ones(2), "b", "broadcast", "sum", 0, 0, prescale=2.0)
+    with pytest.raises(TypeError, match="prescale_factor of 'p' must be a number"):
+        commsched.allreduce(np.ones(2), "p", prescale_factor="2")
+    commsched.barrier()
+    assert commsched.broadcast_object({"a": 1}) == {"a": 1}
+    assert commsched.allgather_object(3) == [3]
+    assert commsched.stats()["inline_tensors"] >= 1
+
+
+def test_helpers_say_what_is_built_and_where(one_rank: None) -> None:
+    """Horovod's helpers: sizes of this host and of the hosts, and what commsched was built with."""
+    assert commsched.local_size() >= 1 and commsched.cross_size() >= 1 and commsched.cross_rank() == 0
+    assert commsched.nccl_built() and isinstance(commsched.mpi_built(), bool)
+    assert not commsched.mpi_enabled()
