@@ -134,6 +134,20 @@ def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int) -> tf.
     return tf.bitcast(sent, tensor.dtype)
 
 
+@tf.RegisterGradient("CommschedAllreduce")
+def _allreduce_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
+    """The gradient of an allreduce is the same allreduce of the gradient (as in Horovod)."""
+    name = op.get_attr("tensor_name")
+    name = name.decode() if isinstance(name, bytes) else name
+    return _build.load().commsched_allreduce(
+        tf.convert_to_tensor(densify(grad)),
+        tensor_name=f"{name}.grad",
+        reduce_op=op.get_attr("reduce_op"),
+        priority=op.get_attr("priority"),
+        core_library=_core_library(),
+    )
+
+
 def allreduce(
     tensor: Any,
     average: bool | None = None,

@@ -93,6 +93,11 @@ def main() -> int:
             equal(hvd.allreduce(tf.constant(ints[rank]), op=op), reference(ints, axis=0))
         flags = [values(r, 3, (5,)) > 0 for r in range(size)]
         equal(hvd.allreduce(tf.constant(flags[rank]), op=hvd.Max), np.any(flags, 0))
+        weights = [values(r, 6, (3, 2)) for r in range(size)]
+        variable = tf.Variable(inputs[rank])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(hvd.allreduce(variable, name="differentiated") * weights[rank])
+        equal(tape.gradient(loss, variable), np.mean(weights, axis=0), 1e-6)  # that of the sum of every loss
         grouped = hvd.grouped_allreduce(
             [tf.constant(inputs[rank]), tf.constant(ints[rank] * 1.0)], op=hvd.Sum
         )
