@@ -1,4 +1,5 @@
-"""Builds commsched's C++ core (`commsched._core`) and, where MPI is found, its MPI transport (`commsched._mpi`)."""
+"""Builds commsched's C++ core (`commsched._core`) and, where MPI is found, its MPI transport (`commsched._mpi`);
+where PyTorch is importable, its native Gloo transport (`commsched._gloo`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError
 
 ROOT = Path(__file__).resolve().parent
 CORE_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.cc"))
@@ -50,6 +52,7 @@ extensions = [
             "csrc/bindings/core_module.cc",
             "csrc/bindings/c_api.cc",
             "csrc/bindings/run_buffer.cc",
+            "csrc/bindings/timeline_bindings.cc",
         ]
         + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
         + ["csrc/bindings/sim_bindings.cc"],
@@ -98,4 +101,106 @@ extensions.append(
     )
 )
 
-setup(ext_modules=extensions, cmdclass={"build_ext": build_ext})
+
+# --- The native Gloo transport (commsched._gloo) -------------------------------------------------
+# Built against PyTorch's C++ headers and libraries when torch is importable here; without it (or
+# when its build fails) commsched uses its Python Gloo transport, so this extension never fails an install.
+GLOO_SOURCES = [
+    "csrc/transport/gloo/gloo_transport.cc",
+    "csrc/transport/gloo/peer_probe.cc",
+    "csrc/transport/gloo/gloo_module.cc",
+    "csrc/core/elementwise.cc",
+    "csrc/core/types.cc",
+]
+OPTIONAL_EXTENSIONS = {"commsched._gloo"}
+
+
+def gloo_extension() -> Extension | None:
+    """commsched._gloo, or None (with the reason on stderr) when PyTorch's C++ side is not usable here."""
+    if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
+        print(
+            "commsched: COMMSCHED_WITHOUT_TORCH is set; building without the native Gloo transport",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print(
+            "commsched: PyTorch is not importable; building without the native Gloo transport",
+            file=sys.stderr,
+        )
+        return None
+    includes = cpp_extension.include_paths()
+    if not any(
+        (Path(d) / "torch" / "csrc" / "distributed" / "c10d" / "Backend.hpp").exists() for d in includes
+    ):
+        print(
+            "commsched: this PyTorch has no c10d headers; building without the native Gloo transport",
+            file=sys.stderr,
+        )
+        return None
+    # The core and this module pass std::string and std::vector across the Transport interface, and
+    # the core is built with the compiler's default (new) libstdc++ ABI: torch must match it.
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    if abi != 1:
+        print(
+            "commsched: PyTorch was built with the pre-C++11 libstdc++ ABI; "
+            "building without the native Gloo transport (the Python one is used)",
+            file=sys.stderr,
+        )
+        return None
+    libdirs = cpp_extension.library_paths()
+    return Extension(
+        "commsched._gloo",
+        GLOO_SOURCES,
+        # torch's include directories come first: its bundled pybind11 is the one whose casters
+        # know torch's ProcessGroup types.
+        include_dirs=[*includes, "csrc"],
+        library_dirs=libdirs,
+        runtime_library_dirs=[*libdirs, "$ORIGIN/../torch/lib"],
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        define_macros=[
+            ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+            ("TORCH_API_INCLUDE_EXTENSION_H", None),
+            # c10d's classes change between releases: the module refuses to serve another torch.
+            ("COMMSCHED_BUILT_FOR_TORCH", f'"{torch.__version__}"'),
+        ],
+        # Spelled out: the Pybind11Extensions above extend the COMPILE_ARGS list with their own -std.
+        extra_compile_args=[
+            "-std=c++20",
+            "-fvisibility=hidden",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Wno-unused-parameter",
+        ],
+        language="c++",
+    )
+
+
+class build_optional_ext(build_ext):
+    """Builds every extension, but reports and skips an optional one that fails instead of failing the install."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name not in OPTIONAL_EXTENSIONS:
+            return super().build_extension(ext)
+        try:
+            super().build_extension(ext)
+        except (CCompilerError, CompileError, ExecError, LinkError, OSError) as error:
+            print(
+                f"commsched: building {ext.name} failed ({error}); continuing without it "
+                "(COMMSCHED_TRANSPORT=gloo then uses the Python transport)",
+                file=sys.stderr,
+            )
+            # Out of the list, so neither --inplace's copy nor the install looks for its output
+            # (nor a stale one from an earlier build).
+            self.extensions = [other for other in self.extensions if other is not ext]
+
+
+gloo = gloo_extension()
+if gloo is not None:
+    extensions.append(gloo)
+
+setup(ext_modules=extensions, cmdclass={"build_ext": build_optional_ext})

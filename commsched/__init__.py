@@ -272,6 +272,8 @@ def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) ->
     if core_kind == "python":
         return argument.rank, argument.size
     if core_kind == "native":
+        if len(argument) > 2:  # (factory, handle, owner): a native transport whose owner knows the ranks (Gloo)
+            return argument[2].rank, argument[2].size
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -297,6 +299,20 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def _excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """Tells the other ranks this one is exiting on an uncaught exception, then reports it as usual.
+
+    Without it, the at-exit shutdown() would reach the others as a plain, deliberate shutdown.
+    """
+    _previous_excepthook(kind, error, trace)
+    if _core.running() and not issubclass(kind, KeyboardInterrupt):
+        _core.abort(f"rank {_core.rank()} is exiting on an uncaught {kind.__name__}: {error}")
+
+
+_previous_excepthook = sys.excepthook
+sys.excepthook = _excepthook
 
 
 def is_initialized() -> bool:

@@ -121,6 +121,11 @@ class Settings:
     autotune: bool = False
     autotune_log: str = ""
     grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
+    # gRPC over TLS: all three files or none (see _check_grpc_tls); commsched-run --grpc-tls makes them.
+    grpc_tls_ca: str = ""  # PEM: the CA every rank's certificate must chain to
+    grpc_tls_cert: str = ""  # PEM: this rank's certificate, shown as server and as client
+    grpc_tls_key: str = ""  # PEM: its private key
+    grpc_tls_server_name: str = ""  # the name the servers' certificates carry, if not the address dialled
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict."""
@@ -180,6 +185,18 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "autotune": ("COMMSCHED_AUTOTUNE", _flag, "1 or 0 (also true/false, yes/no, on/off)"),
     "autotune_log": ("COMMSCHED_AUTOTUNE_LOG", _path, "a file path for the CSV log of trials"),
     "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
+    "grpc_tls_ca": ("COMMSCHED_GRPC_TLS_CA", _path, "the path of a PEM file with the job's CA certificate"),
+    "grpc_tls_cert": (
+        "COMMSCHED_GRPC_TLS_CERT",
+        _path,
+        "the path of a PEM file with this rank's certificate",
+    ),
+    "grpc_tls_key": ("COMMSCHED_GRPC_TLS_KEY", _path, "the path of a PEM file with this rank's private key"),
+    "grpc_tls_server_name": (
+        "COMMSCHED_GRPC_TLS_SERVER_NAME",
+        _path,
+        "the host name the ranks' certificates carry (default: the address a rank dials)",
+    ),
 }
 JOB_TOKEN_VARIABLE = "COMMSCHED_JOB_TOKEN"
 
@@ -232,6 +249,7 @@ def user_given(arguments: dict[str, Any], environ: dict[str, str] | None = None)
 
 
 def _check_consistency(settings: Settings) -> None:
+    _check_grpc_tls(settings)
     if settings.credit_bytes == 0:
         raise SettingError("COMMSCHED_CREDIT_BYTES must be above 0; use a size such as 8MiB")
     if settings.inline_bytes > 64 * 1024:
@@ -259,6 +277,38 @@ def _check_consistency(settings: Settings) -> None:
         )
 
 
+def _check_grpc_tls(settings: Settings) -> None:
+    """TLS for gRPC takes a CA, a certificate and a key, each a readable PEM file."""
+    files = {
+        "COMMSCHED_GRPC_TLS_CA": settings.grpc_tls_ca,
+        "COMMSCHED_GRPC_TLS_CERT": settings.grpc_tls_cert,
+        "COMMSCHED_GRPC_TLS_KEY": settings.grpc_tls_key,
+    }
+    given = [variable for variable, path in files.items() if path]
+    if not given:
+        if settings.grpc_tls_server_name:
+            raise SettingError(
+                "COMMSCHED_GRPC_TLS_SERVER_NAME is set but TLS is off; set COMMSCHED_GRPC_TLS_CA, _CERT and _KEY too"
+            )
+        return
+    missing = [variable for variable in files if variable not in given]
+    if missing:
+        raise SettingError(
+            f"{', '.join(given)} set but {', '.join(missing)} not: TLS for gRPC needs the CA, this rank's "
+            "certificate and its key, as PEM files (commsched-run --grpc-tls makes a set for a local job)"
+        )
+    for variable, path in files.items():
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(64 * 1024)
+        except OSError as error:
+            raise SettingError(
+                f"{variable}={path!r} cannot be read ({error.strerror}); give a PEM file"
+            ) from None
+        if b"-----BEGIN " not in head:
+            raise SettingError(f"{variable}={path!r} is not a PEM file (no -----BEGIN line); give a PEM file")
+
+
 def timeline_path_for(path: str, rank: int, size: int) -> str:
     """The trace file of one rank: `{rank}` in the path is replaced; otherwise ranks above 0 get a suffix."""
     if not path:
@@ -269,3 +319,41 @@ def timeline_path_for(path: str, rank: int, size: int) -> str:
         return path
     stem, dot, extension = path.rpartition(".")
     return f"{stem}.rank{rank}.{extension}" if dot and "/" not in extension else f"{path}.rank{rank}"
+
+
+# -- checkpointing: read by commsched.torch.Checkpointer when it is built, not by init() --
+def _positive_int(value: Any) -> int:
+    number = int(str(value).strip()) if not isinstance(value, bool) else -1
+    if number < 1:
+        raise ValueError("not a positive integer")
+    return number
+
+
+# argument -> (environment variable, parser, accepted form)
+CHECKPOINT_SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "directory": ("COMMSCHED_CHECKPOINT_DIR", _path, "a directory path every rank can write to"),
+    "keep": ("COMMSCHED_CHECKPOINT_KEEP", _positive_int, "a whole number of versions to keep, 1 or more"),
+}
+CHECKPOINT_DEFAULTS: dict[str, Any] = {"directory": "", "keep": 3}
+
+
+def checkpoint_settings(arguments: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Checkpointer options: arguments first, then the checkpoint variables of CHECKPOINT_SPECS, then defaults."""
+    environ = dict(os.environ) if environ is None else environ
+    values = dict(CHECKPOINT_DEFAULTS)
+    for name, (variable, parse, form) in CHECKPOINT_SPECS.items():
+        if arguments.get(name) is not None:
+            raw, source = arguments[name], f"Checkpointer({name}=...)"
+        elif environ.get(variable, "").strip():
+            raw, source = environ[variable], variable
+        else:
+            continue
+        try:
+            values[name] = parse(raw)
+        except (ValueError, TypeError):
+            raise SettingError(f"{source}: {raw!r} is not valid; use {form}") from None
+    if not values["directory"]:
+        raise SettingError(
+            "Checkpointer needs a directory: pass directory=... or set COMMSCHED_CHECKPOINT_DIR"
+        )
+    return values

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 _LOWEST_PORT = 10000  # below this, ports of well-known services cluster
 
@@ -47,24 +48,42 @@ def _ephemeral_ports() -> tuple[int, int]:
     return low, high
 
 
+_GRACE_S = 5.0  # after a failure: before SIGTERM to the ranks still there, and again before SIGKILL
+_POLL_S = 0.05
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m commsched.run -n N script.py ...`: N local ranks, torchrun-style variables and a
-    fresh COMMSCHED_JOB_TOKEN (unless one is set), so gRPC peers accept only this job."""
+    fresh COMMSCHED_JOB_TOKEN (unless one is set), so gRPC peers accept only this job. When a rank
+    fails, the others are ended (SIGTERM, then SIGKILL), as torchrun does."""
     import argparse
     import secrets
-    import subprocess
     import sys
-    import time
+    import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m commsched.run", description=main.__doc__)
     parser.add_argument("-n", "--nproc", type=int, required=True, help="ranks to start on this host")
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=_GRACE_S,
+        help=f"seconds the other ranks get to exit by themselves after one failed, before SIGTERM, and "
+        f"again before SIGKILL (default {_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--grpc-tls",
+        action="store_true",
+        help="gRPC over TLS with a throwaway CA and certificate made for this job (sets COMMSCHED_GRPC_TLS_*)",
+    )
     parser.add_argument("program")
     parser.add_argument("arguments", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("-n must be at least 1")
+    if args.grace < 0:
+        parser.error("--grace must be 0 or more seconds")
     base = dict(os.environ)
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
     base.update(
@@ -73,21 +92,151 @@ def main(argv: list[str] | None = None) -> int:
         WORLD_SIZE=str(args.nproc),
     )
     command = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.arguments
-    children = [
-        subprocess.Popen(command, env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)))
-        for rank in range(args.nproc)
-    ]
-    # One rank failing leaves the others waiting on it until their stall timeout; they report it
-    # themselves, so the launcher only waits and returns the first failure.
-    status = 0
-    while children:
-        for child in list(children):
-            code = child.poll()
-            if code is not None:
-                children.remove(child)
-                status = status or code
-        time.sleep(0.05)
-    return status
+    with tempfile.TemporaryDirectory(prefix="commsched-tls-") as secrets_dir:
+        if args.grpc_tls:
+            from commsched.transports.grpc_tls import make_job_certificates
+
+            base.update(make_job_certificates(secrets_dir, [base["MASTER_ADDR"]]))
+        return _Job(command, base, args.nproc, args.grace).run()
+
+
+class _Job:
+    """The local ranks of one job: started in sessions of their own, supervised, ended together."""
+
+    def __init__(self, command: list[str], environment: dict[str, str], ranks: int, grace_s: float) -> None:
+        self._command = command
+        self._environment = environment
+        self._size = ranks
+        self._grace_s = grace_s
+        self._processes: dict[int, Any] = {}
+        self._signals: list[int] = []
+
+    def run(self) -> int:
+        """Starts every rank and waits for them; returns the job's exit status (the first failure's)."""
+        import signal
+        import subprocess
+
+        forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {number: signal.signal(number, self._on_signal) for number in forwarded}
+        status = -1
+        try:
+            for rank in range(self._size):
+                # A session of its own per rank: ending the rank ends whatever it started, too.
+                self._processes[rank] = subprocess.Popen(
+                    self._command,
+                    env=dict(self._environment, RANK=str(rank), LOCAL_RANK=str(rank)),
+                    start_new_session=True,
+                    preexec_fn=_die_with_launcher,  # noqa: PLW1509 - the launcher runs no threads
+                )
+            status = self._supervise()
+            return status
+        finally:
+            if status != 0:  # a failed job leaves nothing behind: what the ranks started goes too
+                self._send_all(signal.SIGKILL)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _on_signal(self, number: int, _frame: Any) -> None:
+        self._signals.append(number)
+
+    def _supervise(self) -> int:
+        """Waits for the ranks. After a failure the others get the grace period to notice and exit by
+        themselves (commsched's error then names the rank and the tensor), then SIGTERM, then SIGKILL."""
+        import signal
+        import time
+
+        status = 0
+        failed_at: float | None = None  # when the first rank failed (or a signal came)
+        sent = 0  # 0: nothing, 1: SIGTERM (or the forwarded signal), 2: SIGKILL
+        running = dict(self._processes)
+        while running:
+            for rank, process in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del running[rank]
+                if code != 0 and failed_at is None:
+                    status = _exit_status(code)
+                    _say(
+                        f"rank {rank} (pid {process.pid}) {_how_it_ended(code)}; "
+                        + (
+                            f"the others ({_listed(running)}) have {self._grace_s:g}s to exit"
+                            if running
+                            else ""
+                        )
+                    )
+                    failed_at = time.monotonic()
+            now = time.monotonic()
+            if self._signals and sent == 0:
+                number = self._signals[0]
+                status, failed_at, sent = status or 128 + number, now - self._grace_s, 1
+                _say(f"got {signal.Signals(number).name}; passing it on to every rank")
+                self._end(number)
+            if not running:
+                break
+            waited = now - failed_at if failed_at is not None else 0.0
+            if sent == 0 and failed_at is not None and waited >= self._grace_s:
+                _say(f"{_listed(running)} still there {self._grace_s:g}s after the failure: SIGTERM")
+                self._end(signal.SIGTERM)
+                sent = 1
+            elif sent == 1 and (waited >= 2 * self._grace_s or len(self._signals) > 1):
+                _say(f"{_listed(running)} still there: SIGKILL")
+                self._send_all(signal.SIGKILL)
+                sent = 2
+            time.sleep(_POLL_S)
+        return status
+
+    def _end(self, number: int) -> None:
+        """Sends `number` to every rank's session, and SIGCONT, so a stopped rank acts on it."""
+        import signal
+
+        self._send_all(number)
+        self._send_all(signal.SIGCONT)
+
+    def _send_all(self, number: int) -> None:
+        for process in self._processes.values():
+            try:
+                os.killpg(process.pid, number)
+            except (ProcessLookupError, PermissionError):
+                pass  # the rank and everything it started are gone
+
+
+def _die_with_launcher() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux), so a killed commsched-run
+    leaves no ranks behind in their own sessions."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own signal handling is all there is
+
+
+def _exit_status(code: int) -> int:
+    """A child's Popen return code as a shell exit status (128 + N for signal N)."""
+    return 128 - code if code < 0 else code
+
+
+def _how_it_ended(code: int) -> str:
+    import signal
+
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _listed(ranks: dict[int, Any]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"commsched-run: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

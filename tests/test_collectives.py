@@ -4,6 +4,7 @@ ranks against numpy (tests/ranks/collectives_suite.py), and their argument check
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,9 @@ from test_transports import TRANSPORTS, launch_command, rank_environment
 import commsched
 
 SUITE = Path(__file__).resolve().parent / "ranks" / "collectives_suite.py"
+GLOO_NATIVE_BUILT = (
+    importlib.util.find_spec("torch") is not None and importlib.util.find_spec("commsched._gloo") is not None
+)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -31,6 +35,9 @@ def test_collectives_over_transport(transport: str, ranks: int) -> None:
     assert done.returncode == 0, output
     for rank in range(ranks):
         assert f"rank {rank}: COLLECTIVES OK" in output and f"over {transport}" in output, output
+    if transport == "gloo" and GLOO_NATIVE_BUILT:
+        # Where commsched._gloo is built, every collective runs on it: nothing falls back to Python.
+        assert output.count("over gloo (native, ") == ranks, output
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ RUN_MARK = "<!-- docs-check: run -->"
 CODE_PLACES = ("commsched", "plugins", "csrc", "benchmarks", "scripts", "examples", "setup.py")
 CODE_SUFFIXES = {".py", ".cc", ".h", ".c", ".sh", ".proto"}
 SKIPPED_DIRS = {"__pycache__", "build", ".venv", ".git"}
-VARIABLE = re.compile(r"COMMSCHED_[A-Z0-9_]*[A-Z0-9](\*)?")
+VARIABLE = re.compile(r"COMMSCHED_[A-Z0-9_]*[A-Z0-9](_?\*)?")
 # C identifiers of the C ABI (enum members, include guards) share the prefix but are no variables.
 C_DECLARATION = re.compile(r"#\s*(?:ifndef|define)\s+(COMMSCHED_\w+)|\b(COMMSCHED_\w+)\s+=\s*\d")
 GUIDE_ROW = re.compile(r"^\|\s*`(COMMSCHED_[A-Z0-9_]+)`\s*\|")

@@ -18,7 +18,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
-from mpirun import local_launch  # tests/ is on sys.path (conftest.py)
+from mpirun import local_launch, unglue  # tests/ is on sys.path (conftest.py)
 
 from commsched.run import free_port
 from commsched.transports import grpc_wire as wire
@@ -295,7 +295,8 @@ def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.Lo
                     timeout=5,
                 )
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert caplog.text.count("wrong job token") == 3
+        # One line per interval, however many are refused (test_grpc_tls.py floods it).
+        assert caplog.text.count("wrong job token") == 1
         # An impostor with the token cannot open a second stream in a rank's name either.
         with pytest.raises(grpc.RpcError) as refused:
             stream(
@@ -439,7 +440,8 @@ def test_killed_rank_fails_the_others_within_the_stall_timeout() -> None:
     done = subprocess.run(
         command, env=job_environment("10"), capture_output=True, text=True, timeout=90, check=False
     )
-    output = done.stdout + done.stderr
+    # Both ranks write to one pipe: a line may land glued to the other's.
+    output = unglue(done.stdout + done.stderr, "rank 0: FAILED", "rank 1: FAILED")
     assert done.returncode != 0
     for rank in (0, 1):
         line = next((line for line in output.splitlines() if line.startswith(f"rank {rank}: FAILED")), "")

@@ -81,9 +81,9 @@ def build(
             return cuda_aware_build(comm, launch.local_rank if device is None or device < 0 else device)
         return "native", factory_and_handle(comm)
     if kind == "gloo":
-        from commsched.transports.gloo import GlooTransport
+        from commsched.transports import gloo
 
-        return "python", GlooTransport(launch, process_group)
+        return gloo.build(launch, process_group)
     if kind == "grpc":
         return "python", _grpc(launch, settings)
     if kind == "nccl":
@@ -130,4 +130,14 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
                 "rendezvous address, which keeps other jobs out but is no secret; launch with "
                 "`commsched-run` (python -m commsched.run) or set COMMSCHED_JOB_TOKEN on every rank"
             )
-    return GrpcTransport(endpoint, token, timeout_s=settings.stall_timeout)
+    from commsched.transports.grpc_tls import TlsFiles
+
+    # The rendezvous waits as long as a stalled tensor may (ranks start at different times); the data
+    # path's own timeout stays the stall warning's.
+    return GrpcTransport(
+        endpoint,
+        token,
+        timeout_s=settings.stall_timeout,
+        tls=TlsFiles.from_settings(settings),
+        join_timeout_s=max(settings.stall_timeout, settings.stall_shutdown),
+    )

@@ -1,13 +1,22 @@
-"""A transport over torch.distributed (Gloo) process groups, driven through the core's trampoline."""
+"""Gloo over torch.distributed process groups: natively (commsched._gloo, torch's C++ Gloo backend
+called from the core with no GIL) where that extension was built, otherwise through the core's
+Python trampoline."""
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
+import threading
+import time
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.launch import LaunchInfo
+
+log = logging.getLogger("commsched")
 
 _TORCH_DTYPES = {
     "float16": "float16",
@@ -35,31 +44,162 @@ def _movable(tensor: Any) -> Any:
 # Agreement reports are usually a few dozen bytes: one fixed slot per rank carries them.
 _SLOT_BYTES = 1024
 _LENGTH_BYTES = 8
+# After a failure every rank that is still there sends every other one a probe; a rank that does not
+# answer within this long is named as hung. The ranks that fail together enter the probe within a
+# round of each other, so a few seconds tell a stopped rank from a live one.
+_PROBE_WAIT_S = 3.0
+_PROBE_TAG = 0x636D73  # keeps the probes apart from point-to-point messages of the user's own
+# How long close() waits for Gloo's threads to finish the completion callbacks they have begun.
+_CALLBACK_WAIT_S = 5.0
+
+
+class GlooError(RuntimeError):
+    """A Gloo collective or agreement exchange failed; the message names the ranks that stopped answering."""
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+@dataclass
+class Groups:
+    """The process groups a Gloo transport runs on: data, agreement, and those it created itself."""
+
+    data: Any
+    control: Any
+    ranks: list[int]
+    owned: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Destroys the groups created for the transport, so none outlives commsched.shutdown()."""
+        import torch.distributed as dist
+
+        # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
+        # when their threads can no longer take the GIL.
+        for group in reversed(self.owned):
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self.owned.clear()
+
+
+def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
+    """Initialises torch.distributed if needed and makes the data and agreement groups."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
+    if not dist.is_initialized():
+        if process_group is not None:
+            raise ValueError("process_group= was given but torch.distributed is not initialised")
+        if not launch.master_addr or not launch.master_port:
+            raise ValueError(
+                "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
+                "or an initialised torch.distributed process group"
+            )
+        # Left in place at shutdown: a later init() finds it, and a new rendezvous on
+        # torchrun's store would meet the old one's keys.
+        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
+    group = process_group if process_group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    groups = Groups(data=group, control=None, ranks=ranks)
+    # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
+    if dist.get_backend(group) != "gloo":
+        groups.data = dist.new_group(ranks, backend="gloo")
+        groups.owned.append(groups.data)
+    groups.control = dist.new_group(ranks, backend="gloo")
+    groups.owned.append(groups.control)
+    return groups
+
+
+# Set by build(): "native", or "python (<why the native transport is not used>)"; with the native
+# transport's seed, whose counters show what went over it. For diagnostics and tests.
+last_path = ""
+last_seed: Any = None
+
+
+def build(launch: LaunchInfo, process_group: Any = None) -> tuple[str, Any]:
+    """The (kind, argument) pair commsched._core.start() takes: the native transport where
+    commsched._gloo imports and accepts the groups, otherwise the Python one (logged at info, with why)."""
+    global last_path, last_seed
+    groups = make_groups(launch, process_group)
+    seed, why = _native_seed(groups)
+    last_seed = seed
+    if seed is not None:
+        from commsched import _gloo
+
+        last_path = "native"
+        log.info("COMMSCHED_TRANSPORT=gloo: native transport (commsched._gloo), no GIL on the data path")
+        # The seed rides along so it lives as long as the argument: the core reads it during start().
+        return "native", (_gloo.transport_factory(), seed.address(), seed)
+    last_path = f"python ({why})"
+    log.info("COMMSCHED_TRANSPORT=gloo: Python transport, because %s", why)
+    return "python", GlooTransport(launch, process_group, groups)
+
+
+def _native_seed(groups: Groups) -> tuple[Any, str]:
+    """The native transport's seed over `groups`, or (None, why not)."""
+    try:
+        from commsched import _gloo
+    except ImportError as error:
+        return (
+            None,
+            f"commsched._gloo did not import ({error}); it is built when PyTorch is importable at install",
+        )
+    import torch
+
+    if _gloo.built_for_torch != torch.__version__:
+        # c10d's C++ classes differ between releases: using them across versions could crash.
+        return None, (
+            f"commsched._gloo was built for torch {_gloo.built_for_torch}, but torch {torch.__version__} "
+            "is installed; reinstall commsched to build it for this torch"
+        )
+    try:
+        cpu = torch.device("cpu")
+        data, control = groups.data._get_backend(cpu), groups.control._get_backend(cpu)
+        return _gloo.Seed(data, control, groups.close), ""
+    except (AttributeError, RuntimeError, ValueError, TypeError) as error:
+        return None, f"commsched._gloo cannot use these process groups ({error})"
 
 
 class _Pending:
     """A torch.distributed Work seen through the core's PendingOp interface."""
 
-    def __init__(self, work: Any, finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any, transport: GlooTransport, finish: Callable[[], None] | None = None) -> None:
         self._work = work
         self._finish = finish  # copies a padded or whole result into the core's output, once done
         # The future is marked done before its callbacks run, while Work.is_completed() may
         # turn true only after them: asking the future keeps the doorbell's wake-up useful.
         self._future = work.get_future()
+        self._transport = transport
 
     def test(self) -> bool:
-        """True once the collective finished; raises if it failed."""
+        """True once the collective finished; raises GlooError if it failed or a rank is lost."""
         if not self._future.done():
+            lost = self._transport.lost
+            if lost:  # it waits for a rank that is gone: stopping need not wait for it too
+                raise GlooError(f"gloo collective abandoned: {lost}")
             return False
-        self._work.wait()  # surfaces the error of a failed collective
+        try:
+            self._work.wait()  # surfaces the error of a failed collective
+        except RuntimeError as error:
+            raise GlooError(f"gloo collective failed: {self._transport.explain(error)}") from None
         if self._finish is not None:
             self._finish()
             self._finish = None
         return True
 
+    def finished(self) -> bool:
+        """True once Gloo is done with the collective's memory."""
+        return bool(self._future.done())
+
     def on_done(self, callback: Any) -> None:
         """Calls callback() once the collective completes (or fails), from Gloo's thread."""
-        self._future.add_done_callback(lambda _future: callback())
+        self._transport.run_on_completion(self._future, callback)
 
 
 class GlooTransport:
@@ -69,49 +209,147 @@ class GlooTransport:
     # Completions ring the core's doorbell (see _Pending.on_done): polling is only a fallback.
     poll_interval_us = 5000
 
-    def __init__(self, launch: LaunchInfo, process_group: Any = None) -> None:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:
-            raise RuntimeError("COMMSCHED_TRANSPORT=gloo needs PyTorch: pip install torch") from None
+    def __init__(self, launch: LaunchInfo, process_group: Any = None, groups: Groups | None = None) -> None:
+        if groups is None:
+            groups = make_groups(launch, process_group)
+        import torch
+        import torch.distributed as dist
+
         self._torch = torch
         self._dist = dist
         _WIDENED.setdefault("int16", torch.int32)
-        self._owned: list[Any] = []  # subgroups this transport created
-        if not dist.is_initialized():
-            if process_group is not None:
-                raise ValueError("process_group= was given but torch.distributed is not initialised")
-            if not launch.master_addr or not launch.master_port:
-                raise ValueError(
-                    "COMMSCHED_TRANSPORT=gloo needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
-                    "or an initialised torch.distributed process group"
-                )
-            # Left in place at shutdown: a later init() finds it, and a new rendezvous on
-            # torchrun's store would meet the old one's keys.
-            dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
-        group = process_group if process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
-        # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
-        self._data = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
-        if self._data is not group:
-            self._owned.append(self._data)
-        self._control = dist.new_group(ranks, backend="gloo")
-        self._owned.append(self._control)
-        self._global_ranks = ranks
+        self._owned = groups.owned  # subgroups made for this transport
+        self._data = groups.data
+        self._control = groups.control
+        self._global_ranks = groups.ranks
         self.rank = dist.get_rank(self._data)
         self.size = dist.get_world_size(self._data)
         self._slot = torch.zeros(_SLOT_BYTES, dtype=torch.uint8)
         self._slots = [torch.zeros(_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        self.lost = ""  # why a rank is known to be gone; empty while every rank answers
+        self._in_flight: weakref.WeakSet[_Pending] = weakref.WeakSet()
+        self._callbacks = threading.Condition()
+        self._callbacks_running = 0  # completion callbacks registered and not yet finished
 
     def close(self) -> None:
-        """Destroys the groups this transport created, so none outlives commsched.shutdown()."""
+        """Ends what waits for a lost rank and destroys the groups this transport created."""
+        stuck = [op for op in self._in_flight if not op.finished()]
+        if self.lost or stuck:
+            # A work waiting for a rank that is gone holds its group's destructor (and the process's
+            # exit) until Gloo's own timeout, 30 minutes by default: abort the groups instead.
+            log.debug("gloo: aborting the process groups (%d collectives in flight)", len(stuck))
+            for group in {id(g): g for g in (self._control, self._data)}.values():
+                self._abort(group)
+        self._wait_for_callbacks()
         # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
         # when their threads can no longer take the GIL.
         for group in reversed(self._owned):
             if self._dist.is_initialized():
                 self._dist.destroy_process_group(group)
         self._owned.clear()
+
+    def _abort(self, group: Any) -> None:
+        try:
+            group._get_backend(self._torch.device("cpu")).abort()
+        except (AttributeError, RuntimeError) as error:  # a PyTorch without ProcessGroupGloo.abort()
+            log.warning("gloo: could not abort a process group (%s); exit may wait for Gloo's timeout", error)
+
+    def run_on_completion(self, future: Any, callback: Any) -> None:
+        """Calls callback() from Gloo's thread when `future` completes, counted so close() can wait for it."""
+        with self._callbacks:
+            self._callbacks_running += 1
+
+        def fire(_future: Any) -> None:
+            try:
+                callback()
+            finally:
+                with self._callbacks:
+                    self._callbacks_running -= 1
+                    self._callbacks.notify_all()
+
+        future.add_done_callback(fire)
+
+    def _wait_for_callbacks(self) -> None:
+        # A callback still to run when the interpreter finalizes would make Gloo's thread take the
+        # GIL then, which ends the thread inside Gloo's code: "terminate called without an active
+        # exception". A future is done before its callbacks run, so the core may be through first.
+        with self._callbacks:
+            if not self._callbacks.wait_for(lambda: self._callbacks_running == 0, _CALLBACK_WAIT_S):
+                log.warning(
+                    "gloo: %d completion callbacks still pending after %.0fs at shutdown",
+                    self._callbacks_running,
+                    _CALLBACK_WAIT_S,
+                )
+
+    def explain(self, error: BaseException) -> str:
+        """`error` with the ranks that stopped answering, found by probing every rank once."""
+        if not self.lost:
+            silent, dead = self._probe_peers()
+            found = []
+            if dead:
+                found.append(f"{_rank_list(dead)} closed the connection (the process ended?)")
+            if silent:
+                found.append(
+                    f"{_rank_list(silent)} did not answer within {_PROBE_WAIT_S:g}s (hung or stopped?)"
+                )
+            if not found:
+                return f"{_first_line(error)}; every rank answered a probe, so one of them was only slow"
+            self.lost = "; ".join(found)
+        return f"{self.lost} (Gloo: {_first_line(error)})"
+
+    def _probe_peers(self) -> tuple[list[int], list[int]]:
+        """(ranks that did not answer, ranks whose connection failed): every rank sends every other its number.
+
+        One thread per peer waits for its answer, so an answer is taken as it arrives even while another
+        peer keeps this rank waiting; and a rank stays until its own probes were taken (or the wait is
+        over), so a peer slower to start probing does not take it for dead once it has exited.
+        """
+        torch, dist = self._torch, self._dist
+        mine = torch.tensor([self.rank], dtype=torch.int64)
+        outcome: dict[int, str] = {}
+        deadline = time.monotonic() + _PROBE_WAIT_S
+
+        def left() -> datetime.timedelta:
+            return datetime.timedelta(seconds=max(0.01, deadline - time.monotonic()))
+
+        def await_peer(peer: int, sent: Any, received: Any, answer: Any) -> None:
+            try:
+                received.wait(left())
+                outcome[peer] = "answered" if int(answer.item()) == peer else "dead"
+            except RuntimeError as error:
+                outcome[peer] = "silent" if "timed out" in str(error).lower() else "dead"
+            try:
+                sent.wait(left())
+            except RuntimeError:
+                pass  # the peer is gone or hangs: its outcome says so
+
+        waiters = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            answer = torch.full((1,), -1, dtype=torch.int64)
+            target = self._global_ranks[peer]
+            try:
+                sent = dist.isend(mine, target, group=self._control, tag=_PROBE_TAG)
+                received = dist.irecv(answer, target, group=self._control, tag=_PROBE_TAG)
+            except RuntimeError:
+                outcome[peer] = "dead"
+                continue
+            waiter = threading.Thread(
+                target=await_peer,
+                args=(peer, sent, received, answer),
+                name="commsched-gloo-probe",
+                daemon=True,
+            )
+            waiter.start()
+            waiters.append(waiter)
+        for waiter in waiters:
+            waiter.join(_PROBE_WAIT_S + 1.0)
+        silent = [
+            peer for peer in range(self.size) if peer != self.rank and outcome.get(peer, "silent") == "silent"
+        ]
+        dead = [peer for peer, what in sorted(outcome.items()) if what == "dead"]
+        return silent, dead
 
     def _tensor_at(self, address: int, count: int, dtype: str) -> Any:
         torch_dtype = getattr(self._torch, _TORCH_DTYPES[dtype])
@@ -123,8 +361,15 @@ class GlooTransport:
 
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Allgathers one byte string per rank: one round trip when every report fits a slot."""
+        if self.lost:
+            raise GlooError(self.lost)
+        try:
+            return self._exchange(report, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            raise GlooError(self.explain(error)) from None
+
+    def _exchange(self, report: bytes, timeout: datetime.timedelta) -> list[bytes]:
         torch, dist = self._torch, self._dist
-        timeout = datetime.timedelta(seconds=timeout_s)
         # A slot holds the length and, when it fits, the report itself; only a long report
         # costs a second allgather, sized by the longest one.
         slot = self._slot
@@ -162,13 +407,18 @@ class GlooTransport:
             # Gloo reduces no int16: in int32, whose low 16 bits wrap as int16 arithmetic would.
             wide = tensor.to(_WIDENED[dtype])
             work = self._dist.all_reduce(wide, op=self._reduce_op(op), group=self._data, async_op=True)
-            return _Pending(work, lambda: tensor.copy_(wide.to(tensor.dtype)))
+            return self._track(_Pending(work, self, lambda: tensor.copy_(wide.to(tensor.dtype))))
         if kind == "allreduce":
             work = self._dist.all_reduce(tensor, op=self._reduce_op(op), group=self._data, async_op=True)
         else:
             tensor = _movable(tensor)
             work = self._dist.broadcast(tensor, src=self._global_ranks[root], group=self._data, async_op=True)
-        return _Pending(work)
+        return self._track(_Pending(work, self))
+
+    def _track(self, pending: _Pending) -> _Pending:
+        """Keeps a collective in flight known to close(), which waits for it or aborts the groups."""
+        self._in_flight.add(pending)
+        return pending
 
     def start_collective(
         self,
@@ -204,7 +454,7 @@ class GlooTransport:
                     target[offset : offset + received] = part[:received]
                     offset += received
 
-            return _Pending(work, gathered)
+            return self._track(_Pending(work, self, gathered))
         if kind == "reducescatter":
             reduced = source.to(_WIDENED[dtype]) if dtype in _WIDENED else source.clone()
             work = dist.all_reduce(reduced, op=self._reduce_op(op), group=self._data, async_op=True)
@@ -213,7 +463,7 @@ class GlooTransport:
             def kept() -> None:
                 target[:] = reduced[start : start + recv_counts[self.rank]].to(target.dtype)
 
-            return _Pending(work, kept)
+            return self._track(_Pending(work, self, kept))
         work = dist.all_to_all_single(
             target,
             source,
@@ -222,4 +472,4 @@ class GlooTransport:
             group=self._data,
             async_op=True,
         )
-        return _Pending(work)
+        return self._track(_Pending(work, self))

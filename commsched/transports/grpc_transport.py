@@ -25,8 +25,10 @@ import grpc
 import numpy as np
 
 from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_access import RefusalLog, tls_mismatch
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
+from commsched.transports.grpc_tls import TlsFiles
 
 log = logging.getLogger("commsched")
 
@@ -69,9 +71,19 @@ class _Node:
     """The transport's machinery; the GrpcTransport facade closes it when the core lets go."""
 
     def __init__(
-        self, endpoint: Endpoint, token: str, timeout_s: float, piece_bytes: int, max_frame_bytes: int
+        self,
+        endpoint: Endpoint,
+        token: str,
+        timeout_s: float,
+        piece_bytes: int,
+        max_frame_bytes: int,
+        tls: TlsFiles | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
+        self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
+        self.tls = tls
+        self._refusals = RefusalLog(self.rank)
         self.endpoint = endpoint
         self.token = token
         self.timeout_s = timeout_s
@@ -104,6 +116,8 @@ class _Node:
             maximum_concurrent_rpcs=4 * self.size + 16,
         )
         self._channel_options = _CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
+        if tls is not None:
+            self._channel_options += tls.channel_options()
         self._channels: dict[int, grpc.Channel] = {}
         self._engine = threading.Thread(target=self._run_engine, name="commsched-grpc-engine", daemon=True)
 
@@ -112,17 +126,18 @@ class _Node:
     def open(self) -> None:
         """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
         bound = self._bind()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.join_timeout_s
         if self.endpoint.peers:
             self.addresses = list(self.endpoint.peers)
         elif self.rank == 0:
             self._joined[0] = f"{self.endpoint.advertise}:{bound}"
             with self._lock:
-                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.timeout_s):
+                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.join_timeout_s):
                     missing = sorted(set(range(self.size)) - set(self._joined))
                     raise GrpcError(
                         f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
-                        f"{self.timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                        f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
+                        f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
         else:
@@ -143,7 +158,10 @@ class _Node:
     def _bind(self) -> int:
         address = f"{self.endpoint.bind_host()}:{self.endpoint.port}"
         try:
-            port = self._server.add_insecure_port(address)
+            if self.tls is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, self.tls.server_credentials())
         except RuntimeError as error:
             raise GrpcError(
                 f"rank {self.rank}: cannot listen on {address} ({error}); is the port in use?"
@@ -162,12 +180,17 @@ class _Node:
 
     def _channel(self, peer: int) -> grpc.Channel:
         if peer not in self._channels:
-            self._channels[peer] = grpc.insecure_channel(self.addresses[peer], options=self._channel_options)
+            self._channels[peer] = self._open_channel(self.addresses[peer])
         return self._channels[peer]
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=self._channel_options)
+        return grpc.secure_channel(address, self.tls.channel_credentials(), options=self._channel_options)
 
     def _join(self, mine: str, deadline: float) -> list[str]:
         master = self.endpoint.master
-        channel = grpc.insecure_channel(master, options=self._channel_options)
+        channel = self._open_channel(master)
         join = channel.unary_unary(
             JOIN_METHOD,
             request_serializer=wire.JoinRequest.SerializeToString,
@@ -175,6 +198,7 @@ class _Node:
         )
         last = "no answer"
         try:
+            self._wait_until_reachable(channel, master, deadline)
             while time.monotonic() < deadline:
                 try:
                     reply = join(
@@ -192,9 +216,24 @@ class _Node:
         finally:
             channel.close()
         raise GrpcError(
-            f"rank {self.rank}: could not join rank 0 at {master} within {self.timeout_s:.0f}s ({last}); "
+            f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s ({last}); "
             "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
         )
+
+    def _wait_until_reachable(self, channel: grpc.Channel, master: str, deadline: float) -> None:
+        """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
+
+        A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
+        come up; asking the server what it speaks turns that into an error naming the mismatch.
+        """
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
+                return
+            except grpc.FutureTimeoutError:
+                mismatch = tls_mismatch(master, self.rank, self.tls is not None)
+                if mismatch:
+                    raise GrpcError(mismatch) from None
 
     def _open_stream(self, peer: int, kind: str) -> _Outbox:
         method = self._channel(peer).stream_unary(
@@ -227,9 +266,7 @@ class _Node:
         metadata = dict(context.invocation_metadata())
         token = str(metadata.get("commsched-token", ""))
         if not hmac.compare_digest(token.encode(), self.token.encode()):
-            log.warning(
-                "grpc rank %d: refused a connection from %s: wrong job token", self.rank, context.peer()
-            )
+            self._refusals.refused(context.peer(), "wrong job token")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong job token (COMMSCHED_JOB_TOKEN)")
         try:
             peer = int(metadata.get("commsched-rank", ""))
@@ -261,7 +298,7 @@ class _Node:
                 )
             self._lock.notify_all()
             if not self._lock.wait_for(
-                lambda: len(self._joined) == self.size or self.closing, self.timeout_s
+                lambda: len(self._joined) == self.size or self.closing, self.join_timeout_s
             ):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "not every rank joined in time")
             return wire.JoinReply(addresses=[self._joined[r] for r in range(self.size)])
@@ -564,6 +601,7 @@ class _Node:
             channel.close()
         self._events.put(("stop",))
         self._server.stop(grace=0.5).wait(5.0)
+        self._refusals.flush()
         self._pool.shutdown(wait=False)
         if self._engine.is_alive():
             self._engine.join(5.0)
@@ -644,6 +682,8 @@ class GrpcTransport:
         timeout_s: float = 60.0,
         piece_bytes: int = 1024**2,
         max_frame_bytes: int = 64 * 1024**2,
+        tls: TlsFiles | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -652,7 +692,7 @@ class GrpcTransport:
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
-        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes)
+        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s)
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
         self._closer = weakref.finalize(self, self._node.close)

@@ -56,6 +56,7 @@ using namespace commsched;
 
 void register_simulator(pybind11::module_& module);
 void register_run_buffer(pybind11::module_& module, std::shared_ptr<OwnerTable> owners);
+void register_timeline(pybind11::module_& module);
 
 namespace {
 
@@ -282,6 +283,13 @@ PYBIND11_MODULE(_core, module) {
       "Submits a collective on raw memory; `owner` (what keeps that memory alive) is held until it finishes. GPU "
       "memory says its device and the stream that produces it (None: no ordering needed).");
   module.def(
+      "abort",
+      [](const std::string& reason) {
+        auto runtime = runtime_slot().get();
+        if (runtime) runtime->abort(reason);
+      },
+      py::arg("reason"), "Stops every rank in the next round with this rank's failure `reason`.");
+  module.def(
       "enqueue_group",
       [owners](const std::vector<py::tuple>& members, const std::string& op, int priority, double prescale,
                double postscale, bool wake_core) {
@@ -360,4 +368,5 @@ PYBIND11_MODULE(_core, module) {
              "Where a pending tensor stands.");
   register_simulator(module);
   register_run_buffer(module, owners);
+  register_timeline(module);
 }

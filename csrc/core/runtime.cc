@@ -204,6 +204,15 @@ std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<Grou
   return handles;
 }
 
+void Runtime::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (stopped_ || !abort_requested_.empty()) return;
+    abort_requested_ = reason;
+  }
+  wake_all();
+}
+
 void Runtime::refuse(const std::string& name, const std::string& reason) {
   if (name.empty() || name.size() > kMaxTensorNameBytes) return;  // no other rank can know it
   {

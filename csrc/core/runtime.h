@@ -90,6 +90,10 @@ class Runtime {
   // name is in flight here (that submission goes on) or when the runtime has stopped.
   void refuse(const std::string& name, const std::string& reason);
 
+  // Stops every rank in the next round with `reason` as this rank's failure (say, the process is
+  // exiting on an uncaught exception), so the others name it instead of seeing a plain shutdown.
+  void abort(const std::string& reason);
+
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
   void request_settings(const SchedulingSettings& settings);
@@ -110,6 +114,11 @@ class Runtime {
   RuntimeStats stats() const;
   // Where a pending tensor stands, for timeout messages.
   std::string describe(const std::string& name) const;
+  // A span from outside the core (e.g. checkpoint writes) on its own timeline track; any thread.
+  void trace_span(const std::string& track, const std::string& name, uint64_t ts_us, uint64_t dur_us,
+                  const std::string& args_json) {
+    timeline_.span(track, name, ts_us, dur_us, args_json);
+  }
 
  private:
   struct Submission {
@@ -232,6 +241,7 @@ class Runtime {
   int stop_rank_ = -1;
   std::vector<std::pair<std::string, std::string>> refusals_;  // (name, reason); guarded by inbox_mutex_
   std::atomic<bool> refusals_waiting_{false};  // spares the driver the lock when there are none
+  std::string abort_requested_;  // guarded by inbox_mutex_; abort()'s reason, for the next report
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> stopped_{false};
   bool doorbell_rang_ = false;  // guarded by inbox_mutex_

@@ -43,7 +43,8 @@ void Runtime::loop() {
 }
 
 bool Runtime::round_due_locked(Clock::time_point now) const {
-  return !inbox_.empty() || refusals_waiting_ || shutdown_requested_ || !abort_message_.empty() || now >= next_round_;
+  return !inbox_.empty() || refusals_waiting_ || shutdown_requested_ || !abort_message_.empty() ||
+         !abort_requested_.empty() || now >= next_round_;
 }
 
 bool Runtime::poll_for_news() {
@@ -209,6 +210,10 @@ bool Runtime::run_round() {
   // Read once: a round on shared memory takes a few microseconds, and each read ~20 ns.
   Clock::time_point after_exchange;
   try {
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      if (abort_message_.empty() && !abort_requested_.empty()) abort_message_ = abort_requested_;
+    }
     ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
     take_refusals();
     take_submissions(status);

@@ -57,6 +57,7 @@ Timeline::~Timeline() {
 }
 
 void Timeline::emit(const std::string& event_json) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!first_) out_ << ",\n";
   first_ = false;
   out_ << event_json;
@@ -97,8 +98,31 @@ void Timeline::counter(const std::string& name, uint64_t ts_us, double value) {
        ",\"ts\":" + std::to_string(ts_us) + ",\"args\":{\"bytes\":" + std::to_string(value) + "}}");
 }
 
+void Timeline::span(const std::string& track, const std::string& name, uint64_t ts_us, uint64_t dur_us,
+                    const std::string& args_json) {
+  if (!enabled()) return;
+  const std::string pid = std::to_string(rank_);
+  int tid = 0;
+  bool first_use = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = named_tracks_.emplace(track, kTensorTrack + 1 + static_cast<int>(named_tracks_.size()));
+    tid = it->second;
+    first_use = inserted;
+  }
+  if (first_use) {
+    emit("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"tid\":" + std::to_string(tid) +
+         ",\"args\":{\"name\":" + quote(track) + "}}");
+  }
+  emit("{\"name\":" + quote(name) + ",\"ph\":\"X\",\"pid\":" + pid + ",\"tid\":" + std::to_string(tid) +
+       ",\"ts\":" + std::to_string(ts_us) + ",\"dur\":" + std::to_string(dur_us) +
+       ",\"args\":" + (args_json.empty() ? std::string("{}") : args_json) + "}");
+}
+
 void Timeline::flush() {
-  if (enabled()) out_.flush();
+  if (!enabled()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  out_.flush();
 }
 
 }  // namespace commsched

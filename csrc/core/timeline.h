@@ -1,9 +1,11 @@
 // Chrome trace ("JSON array format") writer that Perfetto and chrome://tracing open.
-// Written only by the core's background thread.
+// Written by the core's background thread; span() also by other threads (a mutex orders the writes).
 #pragma once
 
 #include <cstdint>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <string>
 
 namespace commsched {
@@ -31,12 +33,17 @@ class Timeline {
   void complete(const std::string& name, Track track, uint64_t ts_us, uint64_t dur_us,
                 const std::string& args_json);
   void counter(const std::string& name, uint64_t ts_us, double value);
+  // A span on a track of its own, named `track` (e.g. "checkpoint"); callable from any thread.
+  void span(const std::string& track, const std::string& name, uint64_t ts_us, uint64_t dur_us,
+            const std::string& args_json);
   void flush();
 
   static std::string quote(const std::string& text);
 
  private:
   void emit(const std::string& event_json);
+  std::mutex mutex_;  // uncontended unless a span() comes from another thread
+  std::map<std::string, int> named_tracks_;
   std::ofstream out_;
   int rank_ = 0;
   bool first_ = true;

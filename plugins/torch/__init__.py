@@ -25,6 +25,7 @@ from commsched.torch.autograd import (
     grouped_allreduce,
     reducescatter,
 )
+from commsched.torch.checkpoint import Checkpointer, Restored
 from commsched.torch.collectives import (
     allgather_async,
     allgather_object,
@@ -88,12 +89,14 @@ from commsched._horovod import (
 __all__ = [
     "Adasum",
     "Average",
+    "Checkpointer",
     "Compression",
     "DistributedOptimizer",
     "Max",
     "Min",
     "ProcessSet",
     "Product",
+    "Restored",
     "Sum",
     "SyncBatchNorm",
     "add_process_set",

@@ -238,7 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         views = [(g, {**groups[g], "params": params}) for g, params in chosen.items()]
         inner.param_groups = [view for _, view in views]
         try:
-            inner.step()
+            self._updating([slot.param for slot in slots], inner.step)
         finally:
             inner.param_groups = groups
             for g, view in views:  # keep what step() wrote into the group (none of torch's do)
@@ -284,7 +284,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._synchronized = False
         self._reducer.synchronize(counts_too=False)
-        result = self._inner.step(closure) if closure is not None else self._inner.step()
+        step = self._inner.step if closure is None else lambda: self._inner.step(closure)
+        result = self._updating([p for g in self._inner.param_groups for p in g["params"]], step)
         commsched.autotune_step()
         return result
 
@@ -321,6 +322,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._model, {id(s.param) for s in self._reducer.slots}, self._reducer.settle
             )
             self._waits.set_reached(self._forward_order or [], self._unowned())
+
+    # -- per-parameter update hooks (state capture, e.g. commsched.torch.Checkpointer) -------
+    def register_param_update_pre_hook(self, hook: Callable[[Any, list[torch.Tensor]], None]) -> Any:
+        """Calls hook(optimizer, params) right before the wrapped optimizer updates `params`.
+
+        Barrier mode: once per step() with every parameter. Overlap mode: per parameter group of
+        the next forward's pre-hooks, so a hook sees each parameter just before its own update.
+        """
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = self.__dict__.setdefault("_param_update_hooks", (OrderedDict(), OrderedDict()))
+        handle = RemovableHandle(hooks[0])
+        hooks[0][handle.id] = hook
+        return handle
+
+    def register_param_update_post_hook(self, hook: Callable[[Any, list[torch.Tensor]], None]) -> Any:
+        """Calls hook(optimizer, params) right after the wrapped optimizer updated `params`."""
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = self.__dict__.setdefault("_param_update_hooks", (OrderedDict(), OrderedDict()))
+        handle = RemovableHandle(hooks[1])
+        hooks[1][handle.id] = hook
+        return handle
+
+    def pending_updates(self) -> list[torch.Tensor]:
+        """Overlap mode: parameters whose update from an already closed iteration is not applied yet."""
+        closed = self._reducer._iteration
+        return [s.param for s in self._reducer.slots if s.record is not None and s.record.iteration < closed]
+
+    def apply_pending_updates(self) -> None:
+        """Overlap mode: applies now the updates of closed iterations that wait for the next forward."""
+        self._reducer.settle_previous()
+
+    def _updating(self, params: list[torch.Tensor], update: Callable[[], Any]) -> Any:
+        """Runs update() between the parameter update hooks (none registered: just update())."""
+        hooks = self.__dict__.get("_param_update_hooks")
+        if not hooks or not (hooks[0] or hooks[1]):
+            return update()
+        for hook in list(hooks[0].values()):
+            hook(self, params)
+        result = update()
+        for hook in list(hooks[1].values()):
+            hook(self, params)
+        return result
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")

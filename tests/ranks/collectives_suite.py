@@ -216,6 +216,15 @@ def object_and_group_cases(rank: int, size: int) -> int:
     return 6
 
 
+def gloo_path() -> str:
+    """Which Gloo transport carried the collectives: " (native, N launches)" or " (python (why))"."""
+    from commsched.transports import gloo
+
+    if gloo.last_seed is None:
+        return f" ({gloo.last_path})"
+    return f" ({gloo.last_path}, {gloo.last_seed.counters()['launches']} launches)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--transport", default="")
@@ -235,8 +244,9 @@ def main() -> int:
         if asynchronous:
             checked += object_and_group_cases(rank, size)
         transport = commsched.config()["transport"]
+        path = gloo_path() if transport == "gloo" else ""
         commsched.shutdown()
-    print(f"rank {rank}: COLLECTIVES OK {checked} checks over {transport}", flush=True)
+    print(f"rank {rank}: COLLECTIVES OK {checked} checks over {transport}{path}", flush=True)
     return 0
 
 

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <cstring>
@@ -78,7 +80,8 @@ void fill(const std::vector<uint64_t>& counts, std::vector<Count>& out_counts, s
 // allreduce), then yielding between tests for a short while, then with short sleeps, so
 // waiting ranks leave the CPU to others (ranks often outnumber cores on a test machine).
 // The spin stays short: at 50 us, rounds came so fast that small tensors stopped fusing.
-void wait_polling(MPI_Request* requests, int count, double timeout_s, const char* what) {
+// Returns false when `timeout_s` passed first (the requests stay pending).
+bool wait_polling(MPI_Request* requests, int count, double timeout_s, const char* what) {
   constexpr auto kSpinFor = std::chrono::microseconds(4);
   constexpr auto kYieldFor = std::chrono::microseconds(200);
   // The clock starts at the 8th test: a peer already waiting answers before that, unclocked.
@@ -87,7 +90,7 @@ void wait_polling(MPI_Request* requests, int count, double timeout_s, const char
   for (unsigned tests = 1;; ++tests) {
     int flag = 0;
     check(MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE), what);
-    if (flag) return;
+    if (flag) return true;
     if (tests % 8 != 0) continue;  // a test costs ~60 ns, a clock read ~20
     const auto now = std::chrono::steady_clock::now();
     if (tests == 8) start = now;
@@ -97,30 +100,74 @@ void wait_polling(MPI_Request* requests, int count, double timeout_s, const char
       std::this_thread::yield();
       continue;
     }
-    if (timeout_s >= 0 && waited > std::chrono::duration<double>(timeout_s)) {
-      throw CommError(std::string("MPI ") + what + " did not complete within " + std::to_string(timeout_s) +
-                      "s: another rank stopped taking part (crashed, hung, or never called commsched.init())");
-    }
+    if (timeout_s >= 0 && waited > std::chrono::duration<double>(timeout_s)) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(++sleeps < 1024 ? 10 : 200));
   }
 }
 
-class MpiOp : public PendingOp {
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g", seconds);
+  return text;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
+  return text;
+}
+
+// MPI_Finalize deletes MPI_COMM_SELF's attributes before anything else (MPI-2.2, 8.7.1): this
+// delete callback turns the finalize of a process whose peer stopped responding into MPI_Abort,
+// since MPICH's finalize waits for every rank of the job and would wait for that one forever.
+// The attribute's value is the lost rank plus one (0: not known).
+int abort_instead_of_finalize(MPI_Comm, int, void* lost_rank_plus_one, void*) {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const auto lost = reinterpret_cast<intptr_t>(lost_rank_plus_one) - 1;
+  const std::string who = lost >= 0 ? "rank " + std::to_string(lost) : std::string("a rank");
+  std::fprintf(stderr,
+               "[commsched rank %d ERROR] ending the job with MPI_Abort instead of MPI_Finalize: %s stopped "
+               "responding, and MPI_Finalize would wait for it forever\n",
+               rank, who.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  return MPI_SUCCESS;
+}
+
+}  // namespace
+
+// A collective in flight. Once a peer is known lost it fails at once instead of waiting for the
+// lost rank, so stopping takes no longer than finding out.
+class MpiTransport::Op : public PendingOp {
  public:
-  explicit MpiOp(MPI_Request request, std::unique_ptr<VectorArguments> arguments = nullptr)
-      : request_(request), arguments_(std::move(arguments)) {}
+  Op(MPI_Request request, MpiTransport& transport, std::unique_ptr<VectorArguments> arguments = nullptr)
+      : request_(request), transport_(transport), arguments_(std::move(arguments)) {}
+  ~Op() override {
+    // A collective abandoned half-way cannot be cancelled; its communicator cannot finalize either.
+    if (request_ != MPI_REQUEST_NULL) transport_.lose_peer("a collective was abandoned while in flight");
+  }
+  Op(const Op&) = delete;
+  Op& operator=(const Op&) = delete;
   bool test() override {
     int flag = 0;
-    check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "collective");
+    try {
+      check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "collective");
+    } catch (const CommError& error) {
+      transport_.lose_peer(error.what());
+      throw;
+    }
+    if (!flag && !transport_.lost_.empty()) {
+      throw CommError("MPI collective abandoned: " + transport_.lost_);
+    }
     return flag != 0;
   }
 
  private:
   MPI_Request request_;
-  std::unique_ptr<VectorArguments> arguments_;
+  MpiTransport& transport_;
+  std::unique_ptr<VectorArguments> arguments_;  // the counts and offsets a vector collective reads
 };
-
-}  // namespace
 
 MpiTransport::MpiTransport(MPI_Comm parent) {
   int initialized = 0;
@@ -150,6 +197,8 @@ MpiTransport::~MpiTransport() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;  // MPI already released everything
+  // Freeing what a collective stuck on a lost rank still uses is not allowed: the job aborts at finalize.
+  if (!lost_.empty()) return;
   for (auto& ops : half_ops_) {
     for (MPI_Op& op : ops) {
       if (op != MPI_OP_NULL && op != MPI_Op{}) MPI_Op_free(&op);
@@ -221,12 +270,14 @@ std::vector<std::string> MpiTransport::exchange(const std::string& mine, double 
       requests_.emplace_back();
       check(MPI_Isend(slot.data(), slot_count, MPI_BYTE, peer, kExchangeTag, control_, &requests_.back()), "Isend");
     }
-    wait_polling(requests_.data(), static_cast<int>(requests_.size()), timeout_s, "agreement exchange");
+    if (!wait_polling(requests_.data(), static_cast<int>(requests_.size()), timeout_s, "agreement exchange")) {
+      throw_exchange_timeout(silent_peers(), timeout_s);
+    }
   } else {
     MPI_Request request;
     check(MPI_Iallgather(slot.data(), slot_count, MPI_BYTE, slots.data(), slot_count, MPI_BYTE, control_, &request),
           "Iallgather");
-    wait_polling(&request, 1, timeout_s, "agreement exchange");
+    if (!wait_polling(&request, 1, timeout_s, "agreement exchange")) throw_exchange_timeout({}, timeout_s);
   }
 
   std::vector<std::string> reports(static_cast<size_t>(size_));
@@ -264,9 +315,46 @@ std::vector<std::string> MpiTransport::exchange(const std::string& mine, double 
   check(MPI_Iallgatherv(mine.data() + std::min(mine.size(), in_slot), my_tail, MPI_BYTE, tails.data(),
                         tail_counts.data(), tail_offsets.data(), MPI_BYTE, control_, &request),
         "Iallgatherv");
-  wait_polling(&request, 1, timeout_s, "agreement exchange");
+  if (!wait_polling(&request, 1, timeout_s, "agreement exchange")) throw_exchange_timeout({}, timeout_s);
   for (int r = 0; r < size_; ++r) reports[r].append(tails, tail_offsets[r], tail_counts[r]);
   return reports;
+}
+
+std::vector<int> MpiTransport::silent_peers() const {
+  // The direct exchange posts one receive per peer, in rank order, before the sends.
+  std::vector<int> silent;
+  size_t index = 0;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    MPI_Request request = requests_[index++];
+    int flag = 1;
+    if (request != MPI_REQUEST_NULL) MPI_Request_get_status(request, &flag, MPI_STATUS_IGNORE);
+    if (!flag) silent.push_back(peer);
+  }
+  return silent;
+}
+
+void MpiTransport::throw_exchange_timeout(const std::vector<int>& silent, double timeout_s) {
+  // Past kDirectExchangeMaxRanks the exchange is one allgather, which cannot tell who is missing.
+  const std::string who = silent.empty() ? "at least one rank" : rank_list(silent);
+  const std::string what = "MPI agreement exchange got no report from " + who + " within " +
+                           seconds_text(timeout_s) + "s: " + (silent.size() == 1 ? "it" : "they") +
+                           " stopped taking part (crashed, hung, stopped, or never called commsched.init())";
+  lose_peer(what, silent.empty() ? -1 : silent.front());
+  throw CommError(what);
+}
+
+void MpiTransport::lose_peer(const std::string& why, int lost_rank) {
+  if (!lost_.empty()) return;
+  lost_ = why;
+  // From here on MPI_Finalize would block: make it abort the job instead.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  int keyval = MPI_KEYVAL_INVALID;
+  if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, abort_instead_of_finalize, &keyval, nullptr) == MPI_SUCCESS) {
+    MPI_Comm_set_attr(MPI_COMM_SELF, keyval, reinterpret_cast<void*>(static_cast<intptr_t>(lost_rank) + 1));
+  }
 }
 
 void MpiTransport::resize_slot(uint64_t wanted) {
@@ -300,17 +388,17 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
       check(COMMSCHED_MPI(MPI_Iallreduce)(MPI_IN_PLACE, op.data, count, type, reduce_op(op.dtype, op.op), data_,
                                           &request),
             "Iallreduce");
-      return std::make_unique<MpiOp>(request);
+      return std::make_unique<Op>(request, *this);
     case CollectiveKind::kBroadcast:
       check(COMMSCHED_MPI(MPI_Ibcast)(op.data, count, type, op.root, data_, &request), "Ibcast");
-      return std::make_unique<MpiOp>(request);
+      return std::make_unique<Op>(request, *this);
     case CollectiveKind::kAllgather: {
       auto arguments = std::make_unique<VectorArguments>();
       fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
       check(COMMSCHED_MPI(MPI_Iallgatherv)(op.data, count, type, op.output, arguments->recv_counts.data(),
                                            arguments->recv_offsets.data(), type, data_, &request),
             "Iallgatherv");
-      return std::make_unique<MpiOp>(request, std::move(arguments));
+      return std::make_unique<Op>(request, *this, std::move(arguments));
     }
     case CollectiveKind::kReducescatter: {
       auto arguments = std::make_unique<VectorArguments>();
@@ -318,7 +406,7 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
       check(COMMSCHED_MPI(MPI_Ireduce_scatter)(op.data, op.output, arguments->recv_counts.data(), type,
                                                reduce_op(op.dtype, op.op), data_, &request),
             "Ireduce_scatter");
-      return std::make_unique<MpiOp>(request, std::move(arguments));
+      return std::make_unique<Op>(request, *this, std::move(arguments));
     }
     case CollectiveKind::kAlltoall: {
       auto arguments = std::make_unique<VectorArguments>();
@@ -328,7 +416,7 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
                                           op.output, arguments->recv_counts.data(), arguments->recv_offsets.data(),
                                           type, data_, &request),
             "Ialltoallv");
-      return std::make_unique<MpiOp>(request, std::move(arguments));
+      return std::make_unique<Op>(request, *this, std::move(arguments));
     }
     case CollectiveKind::kBarrier: break;
   }

@@ -31,9 +31,17 @@ class MpiTransport : public Transport {
   std::string unsupported(const TensorSpec& spec) const override { return {}; }
 
  private:
+  class Op;
+
   MPI_Datatype datatype(DType dtype) const;
   MPI_Op reduce_op(DType dtype, ReduceOp op) const;
   void resize_slot(uint64_t wanted);
+  // The peers whose report the direct exchange has not received.
+  std::vector<int> silent_peers() const;
+  [[noreturn]] void throw_exchange_timeout(const std::vector<int>& silent, double timeout_s);
+  // Remembers that a peer stopped responding: collectives in flight fail, and MPI_Finalize aborts.
+  // `lost_rank`: the rank that stopped, or -1 when not known.
+  void lose_peer(const std::string& why, int lost_rank = -1);
 
   // A small report (a few cached tensors) fits 32 bytes: at 2 ranks on shared memory a
   // 32-byte allgather took 1.2 us and a 128-byte one 1.5.
@@ -53,6 +61,7 @@ class MpiTransport : public Transport {
   MPI_Datatype bfloat_type_ = MPI_DATATYPE_NULL;
   // User ops for the 16-bit floats MPI lacks, by ReduceOp (average sums): [half, bfloat16][op].
   MPI_Op half_ops_[2][kNumReduceOps] = {};
+  std::string lost_;  // why a peer is known lost; empty while every rank answers
 };
 
 }  // namespace commsched

@@ -8,6 +8,18 @@ namespace commsched {
 
 namespace {
 
+// The Python exception as "Type: message", without the traceback pybind11 appends to what(): the
+// text ends up in handle errors, which should read as one sentence. Called with the GIL held.
+std::string error_text(const py::error_already_set& error) {
+  try {
+    const std::string message = py::str(error.value()).cast<std::string>();
+    const std::string type = py::str(error.type().attr("__name__")).cast<std::string>();
+    return message.empty() ? type : type + ": " + message;
+  } catch (const std::exception&) {
+    return error.what();
+  }
+}
+
 class PythonOp : public PendingOp {
  public:
   explicit PythonOp(py::object op) : op_(std::move(op)) {}
@@ -20,7 +32,7 @@ class PythonOp : public PendingOp {
     try {
       return op_.attr("test")().cast<bool>();
     } catch (const py::error_already_set& error) {
-      throw CommError(std::string("collective failed: ") + error.what());
+      throw CommError(std::string("collective failed: ") + error_text(error));
     }
   }
 
@@ -49,7 +61,7 @@ PythonTransport::~PythonTransport() {
       impl_.attr("close")();
     } catch (const py::error_already_set& error) {
       // Nothing is left to fail: say so on stderr, as the interpreter does for errors in __del__.
-      PySys_WriteStderr("commsched: closing the %s transport failed: %s\n", name_.c_str(), error.what());
+      PySys_WriteStderr("commsched: closing the %s transport failed: %s\n", name_.c_str(), error_text(error).c_str());
     }
   }
   impl_ = py::object();
@@ -64,7 +76,7 @@ std::vector<std::string> PythonTransport::exchange(const std::string& mine, doub
     for (const py::handle& item : gathered) reports.push_back(item.cast<std::string>());
     return reports;
   } catch (const py::error_already_set& error) {
-    throw CommError(name_ + " agreement exchange failed: " + error.what());
+    throw CommError(name_ + " agreement exchange failed: " + error_text(error));
   }
 }
 
@@ -95,7 +107,7 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     }
     return std::make_unique<PythonOp>(std::move(pending));
   } catch (const py::error_already_set& error) {
-    throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error.what());
+    throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error_text(error));
   }
 }
 
@@ -118,7 +130,7 @@ void PythonTransport::copy(void* dst, const void* src, size_t bytes) {
   try {
     impl_.attr("copy")(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), bytes);
   } catch (const py::error_already_set& error) {
-    throw CommError(name_ + " failed to copy a fused chunk: " + error.what());
+    throw CommError(name_ + " failed to copy a fused chunk: " + error_text(error));
   }
 }
 
@@ -128,7 +140,7 @@ void PythonTransport::scale(void* data, uint64_t count, DType dtype, double divi
   try {
     impl_.attr("scale")(reinterpret_cast<uintptr_t>(data), count, dtype_name(dtype), divisor);
   } catch (const py::error_already_set& error) {
-    throw CommError(name_ + " failed to average: " + error.what());
+    throw CommError(name_ + " failed to average: " + error_text(error));
   }
 }
 

@@ -1,0 +1,186 @@
+"""Lazy capture of one version: each parameter's bytes are copied before its next update.
+
+A *unit* is what must be copied together before one parameter is updated again: this
+rank's pieces of the parameter and of its optimizer state. Units become *ready* once the
+update that still belongs to the version is applied (overlap mode: the one the next forward
+applies), are copied by the background thread while training goes on, and whatever the
+background has not reached when the next update comes is copied right there, on the
+training thread, before the update. Copies go into one reused host buffer per rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from commsched.torch.checkpoint_format import Piece
+
+import torch
+
+WAITING, READY, COPYING, DONE = range(4)
+
+
+@dataclass(eq=False)
+class Copy:
+    """One piece: where its bytes come from (looked up when copied) and where they go."""
+
+    piece: Piece
+    source: Callable[[], torch.Tensor]
+    destination: torch.Tensor
+
+
+@dataclass(eq=False)
+class Unit:
+    """Copies that must happen before `param`'s next update (param None: copied at save())."""
+
+    param: torch.Tensor | None
+    copies: list[Copy] = field(default_factory=list)
+    waits: int = 0  # updates still to be applied that belong to the version
+    state: int = READY
+    on_copied: Callable[[], None] | None = None  # e.g. rank 0 keeps the non-tensor optimizer state
+    ready_event: Any = None  # CUDA: the point on the compute stream the copy must follow
+    copied_event: Any = None  # CUDA: the point after an inline copy, waited for before writing
+
+
+def _check(copy: Copy, tensor: torch.Tensor) -> torch.Tensor:
+    entry = copy.piece.entry
+    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise RuntimeError(
+            f"checkpoint: '{entry.key}' changed from {entry.dtype} {list(entry.shape)} to {tensor.dtype} "
+            f"{list(tensor.shape)} between save() and its capture; change the model or optimizer only "
+            "after wait()"
+        )
+    return tensor if copy.piece.whole else tensor[copy.piece.start : copy.piece.stop]
+
+
+class Capture:
+    """The units of one save() and their progress, shared by the training and background threads."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self._cond = threading.Condition()
+        self._units = units
+        self._by_param = {id(u.param): u for u in units if u.param is not None}
+        self._left = sum(1 for u in units if u.state != DONE)
+        self.inline_copies = 0  # units the training thread had to copy itself (diagnostics)
+        self.error: BaseException | None = None
+        self._streams: dict[torch.device, Any] = {}
+        for unit in units:
+            if unit.state == READY:
+                _mark_ready(unit)
+
+    # -- training thread ---------------------------------------------------------------------
+    def copy_now(self, unit: Unit) -> None:
+        """Copies a unit on the calling thread (save() uses it for buffers and extras)."""
+        with self._cond:
+            if unit.state == DONE:
+                return
+            unit.state = COPYING
+        self._copy(unit, background=False)
+
+    def before_update(self, params: list[torch.Tensor]) -> None:
+        """Copies (or waits for the copy of) every listed parameter that is about to leave the version."""
+        for param in params:
+            unit = self._by_param.get(id(param))
+            if unit is None:
+                continue
+            with self._cond:
+                if unit.state == DONE or unit.waits > 0:
+                    continue  # done, or this update still belongs to the version
+                while unit.state == COPYING:
+                    self._cond.wait()
+                if unit.state == DONE:
+                    continue
+                unit.state = COPYING
+                self.inline_copies += 1
+            self._copy(unit, background=False)
+
+    def after_update(self, params: list[torch.Tensor]) -> None:
+        """Marks parameters whose last update belonging to the version is now applied."""
+        with self._cond:
+            for param in params:
+                unit = self._by_param.get(id(param))
+                if unit is not None and unit.waits > 0:
+                    unit.waits -= 1
+                    if unit.waits == 0:
+                        unit.state = READY
+                        _mark_ready(unit)
+                        self._cond.notify_all()
+
+    def waiting(self) -> bool:
+        """True while some unit waits for an update that belongs to the version."""
+        with self._cond:
+            return any(u.state == WAITING for u in self._units)
+
+    # -- background thread -------------------------------------------------------------------
+    def run(self) -> None:
+        """Copies ready units until every unit is done (returns early if a copy failed)."""
+        while True:
+            with self._cond:
+                while self.error is None and self._left and not any(u.state == READY for u in self._units):
+                    self._cond.wait()
+                if self.error is not None or not self._left:
+                    break
+                unit = next(u for u in self._units if u.state == READY)
+                unit.state = COPYING
+            self._copy(unit, background=True)
+        if self.error is not None:
+            raise self.error
+        for unit in self._units:  # inline CUDA copies were queued on the compute stream
+            if unit.copied_event is not None:
+                unit.copied_event.synchronize()
+
+    def _copy(self, unit: Unit, background: bool) -> None:
+        try:
+            if background and unit.ready_event is not None:
+                self._copy_on_side_stream(unit)
+            else:
+                self._copy_here(unit)
+            if unit.on_copied is not None:
+                unit.on_copied()
+        except BaseException as error:
+            with self._cond:
+                self.error = error
+                unit.state = DONE
+                self._left -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            unit.state = DONE
+            self._left -= 1
+            self._cond.notify_all()
+
+    def _copy_here(self, unit: Unit) -> None:
+        cuda = False
+        with torch.no_grad():
+            for copy in unit.copies:
+                source = _check(copy, copy.source().detach())
+                copy.destination.copy_(source, non_blocking=source.is_cuda)
+                cuda = cuda or source.is_cuda
+        if cuda:  # ordered before the update on the same stream; the writer waits for it
+            unit.copied_event = torch.cuda.Event()
+            unit.copied_event.record()
+
+    def _copy_on_side_stream(self, unit: Unit) -> None:
+        assert unit.param is not None
+        device = unit.param.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            stream.wait_event(unit.ready_event)
+            for copy in unit.copies:
+                copy.destination.copy_(_check(copy, copy.source().detach()), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # DONE is set only after this, so the next update never needs to wait on the GPU for it.
+        done.synchronize()
+
+
+def _mark_ready(unit: Unit) -> None:
+    """CUDA: remembers where the compute stream is, so a side-stream copy follows the last update."""
+    if unit.param is not None and unit.param.is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(unit.param.device))
+        unit.ready_event = event

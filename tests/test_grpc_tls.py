@@ -1,0 +1,211 @@
+"""gRPC over TLS: certificates checked both ways against the job's CA, a clear error when one side
+uses TLS and the other does not, the COMMSCHED_GRPC_TLS_* checks, commsched-run --grpc-tls, and the
+rate-limited log of refused connections."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from mpirun import local_launch  # tests/ is on sys.path (conftest.py)
+from test_grpc import ROOT, TOKEN, allreduce_pair, job_environment, make_pair
+
+from commsched.run import free_port
+from commsched.transports import grpc_tls
+from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_net import endpoint_from
+from commsched.transports.grpc_tls import TlsFiles, make_job_certificates
+from commsched.transports.grpc_transport import JOIN_METHOD, GrpcError, GrpcTransport
+
+# `commsched.config` the attribute is the config() function; the module is reached by import.
+config = importlib.import_module("commsched.config")
+
+
+def _tls(directory: Path) -> TlsFiles:
+    directory.mkdir(exist_ok=True)
+    files = make_job_certificates(str(directory), ["127.0.0.1"])
+    settings = config.resolve({}, environ=files)
+    tls = TlsFiles.from_settings(settings)
+    assert tls is not None
+    return tls
+
+
+def test_tls_pair_reduces_and_refuses_plaintext_and_foreign_certificates(tmp_path: Path) -> None:
+    """Two TLS ranks allreduce; a plaintext client and a client of another CA cannot even call Join."""
+    tls = _tls(tmp_path / "job")
+    pair = make_pair(tls=tls)
+    try:
+        assert allreduce_pair(pair) == ["", ""]
+        address = pair[0].addresses[0]
+        foreign = _tls(tmp_path / "other")
+        request = wire.JoinRequest(rank=1, size=2, address="127.0.0.1:1")
+        metadata = [("commsched-token", TOKEN), ("commsched-rank", "1")]
+        for channel in (
+            grpc.insecure_channel(address),
+            grpc.secure_channel(address, foreign.channel_credentials()),
+            # the right CA, but no client certificate: the server asks for one
+            grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls.ca)),
+        ):
+            join = channel.unary_unary(
+                JOIN_METHOD,
+                request_serializer=wire.JoinRequest.SerializeToString,
+                response_deserializer=wire.JoinReply.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                join(request, timeout=3, metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            channel.close()
+        assert allreduce_pair(pair) == ["", ""]  # the job goes on
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+@pytest.mark.parametrize("tls_rank", [0, 1])
+def test_tls_on_one_side_only_is_named(tmp_path: Path, tls_rank: int) -> None:
+    """Rank 1 joining rank 0 with TLS on one side only fails at once, saying which side uses TLS."""
+    tls = _tls(tmp_path / "job")
+    port = free_port()
+    errors: list[Any] = [None, None]
+    made: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        endpoint = endpoint_from(rank, 2, "127.0.0.1", port, [], "", False)
+        try:
+            made[rank] = GrpcTransport(
+                endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0, tls=tls if rank == tls_rank else None
+            )
+        except GrpcError as error:
+            errors[rank] = error
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    threads[1].join(20)
+    assert not threads[1].is_alive()
+    text = str(errors[1])
+    if tls_rank == 0:
+        assert "rank 1 does not use TLS, but the rank at 127.0.0.1:" in text, text
+    else:
+        assert "rank 1 uses TLS (COMMSCHED_GRPC_TLS_*), but the rank at 127.0.0.1:" in text, text
+    assert "COMMSCHED_GRPC_TLS_CA" in text and "on every rank, or on none" in text, text
+    threads[0].join(20)  # rank 0 gives up once its join window is over
+    assert made == [None, None] and errors[0] is not None
+    assert "COMMSCHED_GRPC_TLS_*" in str(errors[0]), errors[0]
+
+
+def test_tls_settings_are_checked(tmp_path: Path) -> None:
+    """All three files or none; each must be a readable PEM file; the error names the variable."""
+    files = make_job_certificates(str(tmp_path), ["127.0.0.1"])
+    assert config.resolve({}, environ=files).grpc_tls_cert == files["COMMSCHED_GRPC_TLS_CERT"]
+    partial = {"COMMSCHED_GRPC_TLS_CA": files["COMMSCHED_GRPC_TLS_CA"]}
+    with pytest.raises(config.SettingError, match="COMMSCHED_GRPC_TLS_CERT, COMMSCHED_GRPC_TLS_KEY not"):
+        config.resolve({}, environ=partial)
+    with pytest.raises(
+        config.SettingError, match="COMMSCHED_GRPC_TLS_KEY='/nonexistent/key.pem' cannot be read"
+    ):
+        config.resolve({}, environ={**files, "COMMSCHED_GRPC_TLS_KEY": "/nonexistent/key.pem"})
+    plain = tmp_path / "not-a-certificate.txt"
+    plain.write_text("hello\n")
+    with pytest.raises(config.SettingError, match="COMMSCHED_GRPC_TLS_CA=.* is not a PEM file"):
+        config.resolve({}, environ={**files, "COMMSCHED_GRPC_TLS_CA": str(plain)})
+    with pytest.raises(config.SettingError, match="COMMSCHED_GRPC_TLS_SERVER_NAME is set but TLS is off"):
+        config.resolve({}, environ={"COMMSCHED_GRPC_TLS_SERVER_NAME": "ranks.example"})
+
+
+def test_certificates_from_openssl_and_cryptography_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of making the throwaway CA give a certificate that chains to it, for client and server use."""
+    made = []
+    (tmp_path / "openssl").mkdir()
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "cryptography", None)  # its import fails: the openssl path
+        made.append(make_job_certificates(str(tmp_path / "openssl"), ["127.0.0.1"]))
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        (tmp_path / "cryptography").mkdir()
+        made.append(make_job_certificates(str(tmp_path / "cryptography"), ["127.0.0.1"]))
+    for files in made:
+        key = Path(files["COMMSCHED_GRPC_TLS_KEY"])
+        assert key.stat().st_mode & 0o077 == 0, oct(key.stat().st_mode)
+        for purpose in ("sslserver", "sslclient"):
+            check = subprocess.run(
+                [
+                    "openssl",
+                    "verify",
+                    "-purpose",
+                    purpose,
+                    "-CAfile",
+                    files["COMMSCHED_GRPC_TLS_CA"],
+                    files["COMMSCHED_GRPC_TLS_CERT"],
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert check.returncode == 0 and ": OK" in check.stdout, check.stdout + check.stderr
+        assert sorted(p.name for p in key.parent.iterdir()) == ["ca.pem", "rank.key", "rank.pem"]
+
+
+def test_commsched_run_grpc_tls_job(tmp_path: Path) -> None:
+    """commsched-run --grpc-tls: a 2-rank gRPC job over TLS passes its checked allreduces."""
+    script = str(ROOT / "tests" / "transport_ranks" / "grpc_job.py")
+    command = local_launch(2, script, "--rounds", "2")
+    command.insert(command.index("-n"), "--grpc-tls")
+    done = subprocess.run(
+        command, env=job_environment(), capture_output=True, text=True, timeout=120, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 0: OK" in output and "rank 1: OK" in output, output
+
+
+def test_refused_connections_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """A flood of wrong-token joins gives one WARNING line, and the count of the others at close."""
+    pair = make_pair()
+    flood = 200
+    try:
+        channel = grpc.insecure_channel(pair[0].addresses[0])
+        join = channel.unary_unary(
+            JOIN_METHOD,
+            request_serializer=wire.JoinRequest.SerializeToString,
+            response_deserializer=wire.JoinReply.FromString,
+        )
+        with caplog.at_level("WARNING", logger="commsched"):
+            for _ in range(flood):
+                with pytest.raises(grpc.RpcError):
+                    join(
+                        wire.JoinRequest(rank=1, size=2, address="x:1"), metadata=[("commsched-token", "bad")]
+                    )
+            assert caplog.text.count("wrong job token") == 1, caplog.text
+            channel.close()
+            pair[0].close()
+        assert f"{flood - 1} more connections refused" in caplog.text, caplog.text
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_speaks_tls_tells_the_two_servers_apart(tmp_path: Path) -> None:
+    """The probe behind the mismatch error: a TLS server and a plaintext one, each recognised."""
+    plain = make_pair()
+    secure = make_pair(tls=_tls(tmp_path))
+    try:
+        for pair, expected in ((plain, False), (secure, True)):
+            host, port = pair[0].addresses[0].rsplit(":", 1)
+            assert grpc_tls.speaks_tls(host, int(port)) is expected
+    finally:
+        for transport in plain + secure:
+            transport.close()
