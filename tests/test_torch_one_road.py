@@ -197,7 +197,7 @@ def test_allreduce_helpers_of_cuda_tensors_go_through_commsched(
     assert commsched.config()["transport"] == "nccl"
     ct.allreduce_(tensor, name="in_place")
     assert torch.equal(tensor, torch.arange(6.0).reshape(2, 3))
-    assert [name for _, name, _, _ in submitted] == ["avg", "in_place"]
+    assert [name for _, name, _, _ in submitted] == ["allreduce.avg", "allreduce.in_place"]  # Horovod's names
 
 
 def test_mixing_cpu_and_cuda_parameters_is_refused() -> None:

@@ -1,48 +1,127 @@
-"""commsched for TensorFlow 2 / Keras 3: async custom ops, DistributedOptimizer, DistributedGradientTape.
+"""commsched for TensorFlow 2 / Keras 3, with Horovod's API: ``import commsched.tensorflow as hvd``.
 
-    commsched.init()
-    optimizer = commsched.tensorflow.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1 * hvd.size()))
     model.compile(optimizer=optimizer, loss=...)
-    model.fit(..., callbacks=[commsched.tensorflow.BroadcastGlobalVariablesCallback(0)])
+    model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-or, in a custom loop, ``tape = commsched.tensorflow.DistributedGradientTape(tape)``.
-Gradients are reduced by C++ AsyncOpKernels that hand each tensor to the commsched core
-when TensorFlow computes it, so inside tf.function communication overlaps the backward
-pass; the priority of a gradient is its variable's position in the forward pass. The ops
-are compiled against the installed TensorFlow on first use into a cache directory
-(COMMSCHED_TF_OPS_DIR, default ~/.cache/commsched/tf-ops), rebuilt when TensorFlow or the
-sources change. IndexedSlices gradients (embeddings) are densified before reduction.
+or, in a custom loop, ``tape = hvd.DistributedGradientTape(tape)``. Gradients are reduced
+by C++ AsyncOpKernels that hand each tensor to the commsched core when TensorFlow computes
+it, so inside tf.function communication overlaps the backward pass; the priority of a
+gradient is its variable's position in the forward pass. The ops are compiled against the
+installed TensorFlow on first use into a cache directory (COMMSCHED_TF_OPS_DIR, default
+~/.cache/commsched/tf-ops), rebuilt when TensorFlow or the sources change. IndexedSlices
+gradients (embeddings) are densified before reduction. Collectives other than sum/average
+allreduce and broadcast (allgather, reducescatter, alltoall, min/max/product, objects,
+barrier) run eagerly through commsched's framework-free API.
 """
 
 from __future__ import annotations
 
+from commsched.tensorflow import callbacks
 from commsched.tensorflow._build import BuildError
 from commsched.tensorflow._order import forward_order
 from commsched.tensorflow.callbacks import BroadcastGlobalVariablesCallback
-from commsched.tensorflow.functions import allreduce, broadcast, broadcast_variables
+from commsched.tensorflow.collectives import (
+    allgather,
+    allgather_object,
+    alltoall,
+    barrier,
+    broadcast_,
+    broadcast_object,
+    join,
+    reducescatter,
+)
+from commsched.tensorflow.compression import Compression
+from commsched.tensorflow.functions import allreduce, broadcast, broadcast_variables, grouped_allreduce
 from commsched.tensorflow.optimizer import DistributedOptimizer
 from commsched.tensorflow.tape import DistributedGradientTape
 
-import commsched
+from commsched._horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 
 __all__ = [
+    "Adasum",
+    "Average",
     "BroadcastGlobalVariablesCallback",
     "BuildError",
+    "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
     "allreduce",
+    "alltoall",
+    "barrier",
     "broadcast",
+    "broadcast_",
+    "broadcast_object",
     "broadcast_variables",
+    "callbacks",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
     "forward_order",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
     "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
     "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
-
-init = commsched.init
-shutdown = commsched.shutdown
-rank = commsched.rank
-size = commsched.size
-local_rank = commsched.local_rank

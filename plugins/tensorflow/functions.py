@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from commsched.tensorflow import _build
+from commsched.tensorflow.compression import Compression, NoneCompressor, compressor
 
 import commsched
 import tensorflow as tf
+from commsched import _horovod
+from commsched._horovod import global_process_set
 
 _REDUCE_OPS = {"sum": 0, "average": 1}
 _SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8, tf.int8)
@@ -43,10 +47,43 @@ def _core_library() -> str:
     return str(_core.__file__)
 
 
-def _reduce_code(op: str) -> int:
-    if op not in _REDUCE_OPS:
-        raise ValueError(f'op must be "sum" or "average", not {op!r}')
-    return _REDUCE_OPS[op]
+def _reduce_code(op: Any) -> int:
+    if isinstance(op, str) and op.lower() in _REDUCE_OPS:
+        return _REDUCE_OPS[op.lower()]
+    raise ValueError(f'op must be hvd.Sum or hvd.Average ("sum" or "average"), not {op!r}')
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How gradients are reduced: op on the wire, compressor, scale factors before and after."""
+
+    op: str = "average"
+    compressor: Any = NoneCompressor
+    prescale: float = 1.0
+    postscale: float = 1.0  # times 1/size when `divide` (a predivided average)
+    divide: bool = False
+
+
+def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process_set: Any) -> Reduction:
+    """Checks DistributedOptimizer/DistributedGradientTape arguments against Horovod's rules."""
+    op = _horovod.resolve_op(op)
+    _reduce_code(op)
+    if not _horovod.is_global(process_set):
+        raise NotImplementedError(
+            "gradient reduction on a process set is not available in commsched.tensorflow (its ops reach the "
+            "core through a C ABI without process sets); reduce over all ranks"
+        )
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
+        raise TypeError(f"gradient_predivide_factor must be a number, not {gradient_predivide_factor!r}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be above 0, not {gradient_predivide_factor}")
+    chosen = compressor(compression)
+    if gradient_predivide_factor == 1.0:
+        return Reduction(op, chosen)
+    if op != "average":
+        raise ValueError("gradient_predivide_factor is supported only with op=hvd.Average (as in Horovod)")
+    factor = float(gradient_predivide_factor)
+    return Reduction("sum", chosen, 1.0 / factor, factor, divide=True)
 
 
 def densify(value: Any) -> Any:
@@ -97,19 +134,77 @@ def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int) -> tf.
     return tf.bitcast(sent, tensor.dtype)
 
 
-def allreduce(tensor: Any, name: str | None = None, op: str = "average", priority: int = 0) -> tf.Tensor:
-    """Allreduces `tensor` (sum or average) over all ranks; works eagerly and in tf.function."""
+@tf.RegisterGradient("CommschedAllreduce")
+def _allreduce_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
+    """The gradient of an allreduce is the same allreduce of the gradient (as in Horovod)."""
+    name = op.get_attr("tensor_name")
+    name = name.decode() if isinstance(name, bytes) else name
+    return _build.load().commsched_allreduce(
+        tf.convert_to_tensor(densify(grad)),
+        tensor_name=f"{name}.grad",
+        reduce_op=op.get_attr("reduce_op"),
+        priority=op.get_attr("priority"),
+        core_library=_core_library(),
+    )
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+    ignore_name_scope: bool = False,
+    priority: int = 0,
+) -> tf.Tensor:
+    """Averages (or op-reduces) `tensor` over all ranks; works eagerly and in tf.function.
+
+    Sum and average of floating tensors run as async custom ops, also inside tf.function.
+    Min, max, product, integer averages, and scale factors on integers take a numpy round trip
+    through commsched's framework-free API, in eager mode only. device_* are accepted for
+    Horovod's signature; TensorFlow places the ops.
+    """
     require_init("allreduce()")
-    code = _reduce_code(op)
+    op = _horovod.resolve_op(op, average)
+    value = tf.convert_to_tensor(densify(tensor))
     if name is None:
         # Numbered in call (or trace) order, which must then match on every rank, as in commsched.allreduce.
         name = f"tf.allreduce.unnamed.{next(_unnamed)}"
-    return _allreduce_op(tf.convert_to_tensor(densify(tensor)), name, code, priority)
+    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
+    if (
+        op not in _REDUCE_OPS
+        or not _horovod.is_global(process_set)
+        or (not value.dtype.is_floating and (op == "average" or scaled))
+    ):
+        from commsched.tensorflow import collectives
+
+        return collectives.eager_allreduce(value, name, op, prescale_factor, postscale_factor, process_set)
+    chosen = compressor(compression)
+    compressed, context = chosen.compress(value)
+    if prescale_factor != 1.0:
+        compressed = compressed * tf.cast(prescale_factor, compressed.dtype)
+    reduced = _allreduce_op(compressed, name, _REDUCE_OPS[op], priority)
+    if postscale_factor != 1.0:
+        reduced = reduced * tf.cast(postscale_factor, reduced.dtype)
+    return chosen.decompress(reduced, context)
 
 
-def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None, priority: int = 0) -> tf.Tensor:
-    """Returns `root_rank`'s value of `tensor` on every rank."""
+def broadcast(
+    tensor: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = global_process_set,
+    priority: int = 0,
+) -> tf.Tensor:
+    """Returns `root_rank`'s value of `tensor` on every rank; works eagerly and in tf.function."""
     require_init("broadcast()")
+    _global_only(process_set, "broadcast")
     if name is None:
         name = f"tf.broadcast.unnamed.{next(_unnamed)}"
     return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority)
@@ -134,25 +229,81 @@ _broadcast_group_eager = tf.function(_broadcast_group, autograph=False)
 
 
 def allreduce_many(
-    tensors: Sequence[Any | None], names: Sequence[str], priorities: Sequence[int], op: str = "average"
+    tensors: Sequence[Any | None],
+    names: Sequence[str],
+    priorities: Sequence[int],
+    op: str = "average",
+    how: Reduction | None = None,
 ) -> list[tf.Tensor | None]:
-    """Allreduces several tensors concurrently; None entries stay None."""
-    code = _reduce_code(op)
+    """Allreduces several tensors concurrently; None entries stay None. `how` overrides `op`."""
+    how = how or Reduction(_horovod.resolve_op(op))
+    code = _reduce_code(how.op)
     present = [i for i, t in enumerate(tensors) if t is not None]
-    values = [tf.convert_to_tensor(densify(tensors[i])) for i in present]
+    values, contexts = [], []
+    compresses = how.compressor is not NoneCompressor
+    for i in present:
+        value = tf.convert_to_tensor(densify(tensors[i]))
+        if how.prescale != 1.0:
+            value = value * tf.cast(how.prescale, value.dtype)
+        if compresses and how.op == "average" and value.dtype.is_floating:
+            value = value / tf.cast(commsched.size(), value.dtype)  # in full precision: no fp16 overflow
+        value, context = how.compressor.compress(value)
+        values.append(value)
+        contexts.append(context)
+    if compresses and how.op == "average":
+        code = _REDUCE_OPS["sum"]
     group_names = tuple(names[i] for i in present)
     group_priorities = tuple(int(priorities[i]) for i in present)
     run = _allreduce_group_eager if tf.executing_eagerly() else _allreduce_group
     reduced = run(values, group_names, group_priorities, code) if values else []
+    postscale = how.postscale / commsched.size() if how.divide else how.postscale
     result: list[tf.Tensor | None] = [None] * len(tensors)
-    for i, value in zip(present, reduced):
-        result[i] = value
+    for i, value, context in zip(present, reduced, contexts):
+        value = how.compressor.decompress(value, context)
+        result[i] = value * tf.cast(postscale, value.dtype) if postscale != 1.0 else value
     return result
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, prefix: str = "broadcast") -> None:
-    """Assigns every variable the value it has on `root_rank`."""
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+    ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    """Averages (or sums) each tensor over all ranks, all submitted at once; eager and in tf.function."""
+    require_init("grouped_allreduce()")
+    op = _horovod.resolve_op(op, average)
+    _global_only(process_set, "grouped_allreduce")
+    base = name or f"tf.grouped_allreduce.unnamed.{next(_unnamed)}"
+    how = Reduction(op, compressor(compression), prescale_factor, postscale_factor)
+    names = [f"{base}.{i}" for i in range(len(tensors))]
+    return allreduce_many(list(tensors), names, [0] * len(tensors), op, how)  # type: ignore[return-value]
+
+
+def _global_only(process_set: Any, what: str) -> None:
+    if not _horovod.is_global(process_set):
+        raise NotImplementedError(
+            f"{what} on a process set is not available in commsched.tensorflow's ops; run it over all ranks"
+        )
+
+
+def broadcast_variables(
+    variables: Sequence[Any],
+    root_rank: int = 0,
+    process_set: Any = global_process_set,
+    inplace: bool = False,
+    prefix: str = "broadcast",
+) -> None:
+    """Assigns every variable the value it has on `root_rank` (`inplace` is accepted for Horovod's signature)."""
     require_init("broadcast_variables()")
+    _global_only(process_set, "broadcast_variables")
     variables = list(variables)
     if not variables:
         return
@@ -178,9 +329,10 @@ def reduce_gradients(
     prefix: str,
     op: str = "average",
     forward_order: Sequence[Any] | None = None,
+    how: Reduction | None = None,
 ) -> list[tf.Tensor | None]:
     """Averages (or sums) each variable's gradient over ranks, first-used variables first."""
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
     names = [f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables)]
-    return allreduce_many(grads, names, priorities_for(variables, forward_order), op)
+    return allreduce_many(grads, names, priorities_for(variables, forward_order), op, how)

@@ -8,12 +8,16 @@ process trained on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import keras
 from commsched.tensorflow import functions
+from commsched.tensorflow.compression import Compression
+
+from commsched._horovod import Average, global_process_set
 
 
 @dataclass
@@ -23,6 +27,7 @@ class _Settings:
     prefix: str
     op: str
     forward_order: tuple[Any, ...] | None
+    how: functions.Reduction | None = None
 
 
 class _DistributedMixin:
@@ -41,7 +46,7 @@ class _DistributedMixin:
             variables = list(getattr(self, "_trainable_variables", []))
         settings = self._commsched
         reduced = functions.reduce_gradients(
-            grads, variables, settings.prefix, settings.op, settings.forward_order
+            grads, variables, settings.prefix, settings.op, settings.forward_order, settings.how
         )
         return super().apply(reduced, trainable_variables)  # type: ignore[misc]
 
@@ -61,16 +66,44 @@ def is_distributed(optimizer: Any) -> bool:
     return isinstance(optimizer, _DistributedMixin)
 
 
+def check_groups(num_groups: Any, groups: Any) -> None:
+    """Checks Horovod's num_groups / groups; grouping is the core's fusion here, so they are hints."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an integer >= 0, not {num_groups!r}")
+    if groups is not None and num_groups:
+        raise ValueError("pass either num_groups or groups, not both")
+    if groups is not None and not isinstance(groups, (int, list, tuple)):
+        raise TypeError(f"groups must be an integer or a list of lists of variables, not {groups!r}")
+
+
 def DistributedOptimizer(
     optimizer: Any,
     name: str | None = None,
-    op: str = "average",
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    scale_local_gradients: bool = True,
+    *,
     forward_order: Sequence[Any] | None = None,
 ) -> Any:
     """Returns a copy of the Keras optimizer that averages gradients over ranks before applying them.
 
-    Gradient priorities follow `forward_order` (variables in the order the forward pass uses
-    them, e.g. from commsched.tensorflow.forward_order); by default the order of the
+    Horovod's arguments: `compression` (Compression.fp16/bf16 cast gradients for the wire),
+    `gradient_predivide_factor` (divide by it before the sum, by size/it after),
+    `backward_passes_per_step` (Keras' own gradient accumulation; each pass is reduced, so the
+    result equals Horovod's; `average_aggregated_gradients` averages instead of summing the
+    passes), `op` (hvd.Average or hvd.Sum). Sparse gradients are always densified; device_*,
+    num_groups/groups (the core's fusion groups) and scale_local_gradients are accepted and
+    checked only. Gradient priorities follow `forward_order` (variables in the order the forward
+    pass uses them, e.g. from commsched.tensorflow.forward_order); by default the order of the
     variables handed to apply(), which for Keras models is model.trainable_variables.
     """
     if is_distributed(optimizer):
@@ -89,11 +122,26 @@ def DistributedOptimizer(
             "wrap the optimizer before its first step: it already holds slot variables that the "
             "wrapped copy would not carry over"
         )
-    functions._reduce_code(op)
-    wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(
+            f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
+        )
+    check_groups(num_groups, groups)
+    how = functions.reduction(op, compression, gradient_predivide_factor, process_set)
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ValueError(
+                "pass backward_passes_per_step or the optimizer's gradient_accumulation_steps, not both"
+            )
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+        if not average_aggregated_gradients:  # Horovod sums the passes; Keras averages them
+            how = dataclasses.replace(how, postscale=how.postscale * backward_passes_per_step)
+    wrapped = _distributed_class(type(optimizer)).from_config(config)
     wrapped._commsched = _Settings(
         prefix=name or f"DistributedOptimizer.{optimizer.name}",
-        op=op,
+        op=how.op,
         forward_order=tuple(forward_order) if forward_order is not None else None,
+        how=how,
     )
     return wrapped

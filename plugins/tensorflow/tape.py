@@ -6,8 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from commsched.tensorflow import functions
+from commsched.tensorflow.compression import Compression
+from commsched.tensorflow.optimizer import check_groups
 
 import tensorflow as tf
+from commsched._horovod import Average, global_process_set
 
 
 class DistributedGradientTape:
@@ -19,11 +22,23 @@ class DistributedGradientTape:
 
     def __init__(
         self,
-        tape: tf.GradientTape,
+        gradtape: tf.GradientTape,
+        device_dense: str = "",
+        device_sparse: str = "",
+        compression: Any = Compression.none,
+        sparse_as_dense: bool = False,
+        op: Any = Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: Any = global_process_set,
+        scale_local_gradients: bool = True,
+        *,
         name: str = "DistributedGradientTape",
-        op: str = "average",
         forward_order: Sequence[Any] | None = None,
     ) -> None:
+        """Horovod's arguments as for DistributedOptimizer; `forward_order` sets gradient priorities."""
+        tape = gradtape
         if isinstance(tape, DistributedGradientTape):
             # ValueError like DistributedOptimizer's: the type is right, the second wrap is the mistake.
             raise ValueError(  # noqa: TRY004
@@ -33,10 +48,11 @@ class DistributedGradientTape:
             raise TypeError(
                 f"DistributedGradientTape wraps a tf.GradientTape, not {type(tape).__module__}.{type(tape).__name__}"
             )
-        functions._reduce_code(op)  # rejects a bad op now rather than at the first step
+        check_groups(num_groups, groups)
+        self._how = functions.reduction(op, compression, gradient_predivide_factor, process_set)
         self._tape = tape
         self._name = name
-        self._op = op
+        self._op = self._how.op
         self._forward_order = list(forward_order) if forward_order is not None else None
 
     def __enter__(self) -> DistributedGradientTape:  # noqa: PYI034 (typing.Self needs 3.11)  # noqa: PYI034 - Self needs Python 3.11
@@ -62,6 +78,6 @@ class DistributedGradientTape:
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         reduced = functions.reduce_gradients(
-            flat_grads, flat_sources, self._name, self._op, self._forward_order
+            flat_grads, flat_sources, self._name, self._op, self._forward_order, self._how
         )
         return tf.nest.pack_sequence_as(grads, reduced)

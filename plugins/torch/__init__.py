@@ -1,42 +1,153 @@
-"""commsched for PyTorch: one-line optimizer wrap with forward-order priorities.
+"""commsched for PyTorch, with Horovod's API: ``import commsched.torch as hvd`` runs Horovod scripts.
 
-    optimizer = commsched.torch.DistributedOptimizer(optimizer, model=model)
-    commsched.torch.broadcast_parameters(model.state_dict(), root_rank=0)
-    commsched.torch.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Each gradient goes to the scheduler the moment backward accumulates it; its priority is
-the position where the first forward pass reached its parameter. ``overlap_forward=True``
-applies each update as soon as its gradient is reduced and lets the next forward wait
-module by module. Every tensor travels over the commsched core: CPU ones over MPI (under
-mpiexec) or Gloo (under torchrun), CUDA ones over NCCL, with the same priorities, partitions
-and credit. CUDA parameters start commsched with device="cuda" unless it is already running.
+Every collective (allreduce, allgather, broadcast, reducescatter, alltoall, barrier, and
+their grouped, asynchronous, in-place and object forms) is scheduled by the commsched core:
+each rank launches them in the same agreed order, by priority. Each gradient goes to the
+scheduler the moment backward accumulates it; its priority is the position where the first
+forward pass reached its parameter (pass ``model=`` to measure it, else declaration order).
+``overlap_forward=True`` applies each update as soon as its gradient is reduced and lets the
+next forward wait module by module. CPU tensors travel over MPI (under mpiexec) or Gloo
+(under torchrun), CUDA ones over NCCL.
 """
 
 from __future__ import annotations
 
+from commsched.torch.autograd import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allreduce,
+    reducescatter,
+)
 from commsched.torch.checkpoint import Checkpointer, Restored
-from commsched.torch.functions import allreduce, allreduce_, broadcast_optimizer_state, broadcast_parameters
+from commsched.torch.collectives import (
+    allgather_async,
+    allgather_object,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    barrier,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter_async,
+    synchronize,
+)
+from commsched.torch.compression import Compression
+from commsched.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from commsched.torch.optimizer import DistributedOptimizer
+from commsched.torch.sync_batch_norm import SyncBatchNorm
 
-import commsched
+from commsched._horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 
 __all__ = [
+    "Adasum",
+    "Average",
     "Checkpointer",
+    "Compression",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
     "Restored",
+    "Sum",
+    "SyncBatchNorm",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
     "allreduce",
     "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
     "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
 ]
-
-init = commsched.init
-shutdown = commsched.shutdown
-rank = commsched.rank
-size = commsched.size
-local_rank = commsched.local_rank

@@ -25,6 +25,7 @@ class _Record:
     used: bool  # this rank produced a gradient; otherwise `out.target` is a zeros scratch
     iteration: int
     guard: torch.Tensor | None = None
+    sparse: bool = False  # the gradient was sparse: `out.target` is its dense copy
 
 
 @dataclass(eq=False)
@@ -59,6 +60,11 @@ class ReducerOptions:
     # Where the used counts travel: the parameters' device (a GPU under NCCL, else the CPU).
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: float | None = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ranks: int | None = None  # ranks that average (a process set's size); None: all
+    core: dict[str, Any] = field(default_factory=dict)  # further arguments for commsched (process_set)
+    sparse_as_dense: bool = False  # sparse gradients come back dense (else sparse again)
 
 
 class Reducer:
@@ -113,17 +119,31 @@ class Reducer:
                 f"{self.options.backward_passes_per_step} backward pass(es), or set backward_passes_per_step"
             )
         param = slot.param
+        sparse = False
         if used:
             grad = param.grad
             if isinstance(grad, _guard.InFlightGrad):
                 grad = grad.as_subclass(torch.Tensor)
+            elif grad is not None and grad.is_sparse:
+                # Embedding(sparse=True): reduced densely (every rank submits the same shape), given back
+                # sparse unless sparse_as_dense. The sparse .grad stays readable meanwhile.
+                grad, sparse = grad.to_dense(), True
         else:
             grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        options = self.options
         out = _wire.start_allreduce(
-            grad, self.options.prefix + slot.label, slot.priority, self.options.op, self.options.wire_dtype
+            grad,
+            options.prefix + slot.label,
+            slot.priority,
+            options.op,
+            options.wire_dtype,
+            prescale_factor=options.prescale,
+            postscale_factor=options.postscale,
+            ranks=options.ranks,
+            **options.core,
         )
-        record = _Record(out, used, self._iteration)
-        if used:
+        record = _Record(out, used, self._iteration, sparse=sparse)
+        if used and not sparse:
             record.guard = _guard.guard(grad, slot.label, self._on_touch)
             param.grad = record.guard
         slot.record = record
@@ -147,7 +167,9 @@ class Reducer:
         self.finish_masks()
         name = f"{self.options.prefix}used"
         counts = counts.to(self.options.device)
-        self._masks[self._iteration] = _Mask(counts, _wire.start_allreduce(counts, name, -1, "sum"))
+        self._masks[self._iteration] = _Mask(
+            counts, _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
+        )
         self._iteration += 1
         self._closed = True
 
@@ -170,6 +192,8 @@ class Reducer:
         slot.record = None
         if record.guard is not None:
             _guard.release(record.guard)
+        if record.sparse and not self.options.sparse_as_dense:
+            reduced = reduced.to_sparse()
         if self._used_anywhere(record, slot):
             return reduced, True
         return None, False
@@ -192,7 +216,8 @@ class Reducer:
             current = slot.param.grad
             grad, replace = self._finish(slot)
             # The user may have zeroed .grad (optimizer.zero_grad) while it was in flight: keep that.
-            keep = grad if (record.guard is not None and current is record.guard) else current
+            in_flight = record.guard is not None and current is record.guard
+            keep = grad if in_flight or (record.sparse and current is not None) else current
             if replace:
                 slot.param.grad = grad
             after.append((slot, keep))

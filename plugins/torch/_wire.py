@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import commsched
 import torch
@@ -26,6 +27,8 @@ _CORE_DTYPES = frozenset(
         torch.int64,
         torch.uint8,
         torch.int8,
+        torch.int16,
+        torch.bool,
     }
 )
 
@@ -64,16 +67,19 @@ class Outgoing:
 
 
 def _wire_tensor(
-    tensor: torch.Tensor, op: str, wire_dtype: torch.dtype | None, device: torch.device | None
+    tensor: torch.Tensor, op: str, wire_dtype: torch.dtype | None, device: torch.device | None, ranks: int
 ) -> tuple[torch.Tensor, str]:
     """The tensor that goes on the wire and the op to run on it (no copy when none is needed)."""
     if device is not None and tensor.device != device:
         tensor = tensor.to(device)
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
-        scaled = tensor / commsched.size() if op == "average" else tensor
-        return scaled.to(wire_dtype).contiguous(), "sum"  # prescaled in full precision: no fp16 overflow
+        scaled = tensor / ranks if op == "average" else tensor
+        return scaled.to(wire_dtype).contiguous(), "sum" if op == "average" else op  # no fp16 overflow
     if tensor.dtype not in _CORE_DTYPES:
-        raise TypeError(f"commsched.torch cannot reduce {tensor.dtype} tensors; use a float or integer dtype")
+        raise TypeError(
+            f"commsched.torch cannot send {tensor.dtype} tensors; it takes float16, bfloat16, float32, float64, "
+            "int8, uint8, int16, int32, int64 and bool"
+        )
     if not tensor.is_contiguous():
         return tensor.contiguous(), op
     return tensor, op
@@ -86,28 +92,37 @@ def start_allreduce(
     op: str,
     wire_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    ranks: int | None = None,
+    **core: Any,
 ) -> Outgoing:
     """Starts an in-place allreduce of `tensor` through commsched; the result lands in it on finish().
 
-    `device`: where the bytes must be for the running transport (None: where they are).
+    `device`: where the bytes must be for the running transport (None: where they are); `ranks`:
+    how many ranks average (default all); `core`: further arguments for commsched (process_set).
     """
-    wire, wire_op = _wire_tensor(tensor, op, wire_dtype, device)
-    work = commsched.allreduce_async(wire, name=name, priority=priority, op=wire_op)
+    wire, wire_op = _wire_tensor(tensor, op, wire_dtype, device, commsched.size() if ranks is None else ranks)
+    if prescale_factor != 1.0 or postscale_factor != 1.0:  # older cores take no scale arguments
+        core.update(prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    work = commsched.allreduce_async(wire, name=name, priority=priority, op=wire_op, **core)
     return Outgoing(tensor, wire, work)
 
 
 def start_broadcast(
-    tensor: torch.Tensor, name: str, root: int, device: torch.device | None = None
+    tensor: torch.Tensor, name: str, root: int, device: torch.device | None = None, **core: Any
 ) -> Outgoing:
     """Starts an in-place broadcast of `tensor` from `root` (a commsched rank) through commsched."""
     wire = tensor
     if device is not None and wire.device != device:
         wire = wire.to(device)
-    if wire.dtype == torch.bool:
-        wire = wire.to(torch.uint8)
+    if wire.dtype not in _CORE_DTYPES:
+        wire = wire.view(torch.uint8) if wire.dtype == torch.bool else wire  # same bytes
+    if wire.dtype not in _CORE_DTYPES:
+        raise TypeError(f"commsched.torch cannot broadcast {tensor.dtype} tensors")
     if not wire.is_contiguous():
         wire = wire.contiguous()
-    work = commsched.broadcast_async(wire, root=root, name=name)
+    work = commsched.broadcast_async(wire, root=root, name=name, **core)
     return Outgoing(tensor, wire, work)
 
 

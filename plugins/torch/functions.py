@@ -1,4 +1,4 @@
-"""Collectives on torch tensors: broadcast of parameters and optimizer state, out-of-place allreduce."""
+"""Broadcast of a model's parameters and of an optimizer's state from one rank to all."""
 
 from __future__ import annotations
 
@@ -32,10 +32,18 @@ def _device_of(tensors: Iterable[Any]) -> str | None:
 def broadcast_parameters(
     params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     root_rank: int = 0,
+    prefix: str | None = None,
+    *,
     process_group: Any = None,
 ) -> None:
-    """Overwrites every tensor in `params` (a state_dict or named_parameters) with root_rank's values."""
+    """Overwrites every tensor in `params` (a state_dict or named_parameters) with root_rank's values.
+
+    `prefix` is put before each tensor's name (Horovod's argument); `process_group`: a
+    torch.distributed group to start commsched over, if it is not running.
+    """
     named = [(name, t) for name, t in _named(params) if isinstance(t, torch.Tensor)]  # skips _extra_state
+    if prefix is not None:
+        named = [(f"{prefix}{name}", t) for name, t in named]
     _wire.ensure_initialized(process_group, _device_of(t for _, t in named))
     device = _wire.wire_device(t for _, t in named)
     call = next(_calls)
@@ -48,8 +56,13 @@ def broadcast_parameters(
             out.finish()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Makes every rank's optimizer state (hyper-parameters, momentum, moments) equal to root_rank's."""
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, model: torch.nn.Module | None = None
+) -> None:
+    """Makes every rank's optimizer state (hyper-parameters, momentum, moments) equal to root_rank's.
+
+    `model` is accepted for Horovod's signature; the state is complete without it.
+    """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _wire.ensure_initialized(None, _device_of(params))
     device = _wire.wire_device(params)  # under NCCL, even the skeleton travels in GPU memory
@@ -79,26 +92,3 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         kinds = _codec.tensor_devices(skeleton)
         received = [w.cpu() if kind == "cpu" else w for w, kind in zip(wires, kinds)]
         optimizer.load_state_dict(_codec.decode(skeleton, received))
-
-
-def allreduce(
-    tensor: torch.Tensor, name: str | None = None, op: str = "average", process_group: Any = None
-) -> torch.Tensor:
-    """Returns the reduction of `tensor` over all ranks (a new tensor on its device; the input is left as is)."""
-    _wire.ensure_initialized(process_group, _device_of([tensor]))
-    if name is None:
-        name = f"torch.allreduce.{next(_calls)}"
-    result = tensor.detach().clone(memory_format=torch.contiguous_format)
-    _wire.start_allreduce(result, name, 0, op, None, _wire.wire_device([tensor])).finish()
-    return result
-
-
-def allreduce_(
-    tensor: torch.Tensor, name: str | None = None, op: str = "average", process_group: Any = None
-) -> torch.Tensor:
-    """Reduces `tensor` over all ranks in place and returns it."""
-    _wire.ensure_initialized(process_group, _device_of([tensor]))
-    if name is None:
-        name = f"torch.allreduce.{next(_calls)}"
-    with torch.no_grad():
-        return _wire.start_allreduce(tensor.detach(), name, 0, op, None, _wire.wire_device([tensor])).finish()

@@ -7,18 +7,23 @@ State (momentum, Adam moments) stays in the wrapped optimizer; this object share
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from commsched.torch import _optimizer_args as _args
 from commsched.torch import _wire
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import Reducer, ReducerOptions, Slot
+from commsched.torch.compression import Compression
 
 import commsched
 import torch
+from commsched._horovod import Average, global_process_set
 
 _instances = itertools.count()
 
@@ -44,22 +49,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        model: torch.nn.Module | None = None,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: Any = Compression.none,
         backward_passes_per_step: int = 1,
-        op: str = "average",
+        op: Any = Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = global_process_set,
+        *,
+        model: torch.nn.Module | None = None,
         overlap_forward: bool = False,
-        compression: str | None = None,
         process_group: Any = None,
     ) -> None:
+        """Horovod's arguments; `num_groups`/`groups` are checked but grouping is the core's fusion.
+
+        commsched's own: `model` (measures the forward order for priorities), `overlap_forward`
+        (per-parameter updates overlapping the next forward), `process_group` (a torch.distributed
+        group to start commsched over when it is not running).
+        """
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already a commsched DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}"
             )
-        if op not in ("average", "sum"):
-            raise ValueError(f'op must be "average" or "sum", not {op!r}')
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(
                 f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
@@ -74,24 +89,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} needs every gradient at once (its step takes a closure), so it "
                     "cannot apply updates per parameter; use barrier mode: overlap_forward=False"
                 )
-        wire_dtype = _wire.compression_dtype(compression)
+        named = _args.named(named_parameters)
+        _args.check_all_named(named, optimizer)
+        _args.check_groups(num_groups, groups, optimizer)
+        how = _args.reduction(op, compression, gradient_predivide_factor, process_set)
         self._inner = optimizer
         self._overlap = overlap_forward
         self._model = model
-        self._named = list(named_parameters) if named_parameters is not None else None
+        self._named = named
         # CUDA parameters start commsched on NCCL; a mix of CPU and CUDA ones is refused here.
         labelled = self._labelled_parameters()
         if _wire.training_device(labelled) == "cuda":
             _wire.ensure_initialized(process_group, _wire.cuda_device_name(p for _, p in labelled))
         else:
             _wire.ensure_initialized(process_group, "cpu")
+        how.settle()
         self._options = ReducerOptions(
             prefix=f"torch.opt{next(_instances)}.",
-            op=op,
+            op=how.op,
             backward_passes_per_step=backward_passes_per_step,
-            wire_dtype=wire_dtype,
+            wire_dtype=how.wire_dtype,
             overlap=overlap_forward,
+            prescale=how.prescale,
+            postscale=how.postscale,
+            ranks=how.ranks,
+            core=how.core,
+            sparse_as_dense=sparse_as_dense,
         )
+        self._synchronized = False  # synchronize() ran since the last step()
+        self._skip_synchronize = False
         # What torch.optim.Optimizer.__init__ would set; the hooks run around this wrapper's step().
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
@@ -222,8 +248,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the optimizer API -------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Waits for every outstanding reduction (and, in overlap mode, update) of this iteration."""
+        """Waits for every outstanding reduction (and, in overlap mode, update) of this iteration.
+
+        To change gradients before the update (clipping), call it, change them, then step inside
+        ``with optimizer.skip_synchronize():``.
+        """
         self._reducer.synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block step() applies the gradients as they are, after an explicit synchronize()."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Barrier mode: waits for all gradients, then steps. Overlap mode: closes the iteration."""
@@ -231,8 +271,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 raise ValueError("step(closure) needs every gradient at once; use overlap_forward=False")
             self._reducer.close()
+            self._synchronized = False
             commsched.autotune_step()  # an iteration boundary for COMMSCHED_AUTOTUNE; else a no-op
             return None
+        if self._synchronized and not self._skip_synchronize:
+            warnings.warn(
+                "optimizer.step() called after optimizer.synchronize() without the optimizer.skip_synchronize() "
+                "context; the gradients are already reduced and step() applies them as they are, but put step() "
+                "inside `with optimizer.skip_synchronize():` to say so (Horovod reduces them again here)",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._synchronized = False
         self._reducer.synchronize(counts_too=False)
         step = self._inner.step if closure is None else lambda: self._inner.step(closure)
         result = self._updating([p for g in self._inner.param_groups for p in g["params"]], step)

@@ -50,7 +50,10 @@ def train(
             # Parameters that got no gradient on this rank get their reduced one only here.
             optimizer.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
     optimizer.synchronize()
     return optimizer
 

@@ -1,0 +1,430 @@
+"""Horovod's asynchronous collectives on torch tensors, each one scheduled by the commsched core.
+
+    handle = hvd.allreduce_async(tensor, name="loss", op=hvd.Sum)
+    ...
+    reduced = hvd.synchronize(handle)          # hvd.poll(handle) says whether it is done
+
+Names: Horovod prefixes a collective's name with its kind ("allreduce.loss"), and numbers
+unnamed ones in call order ("allreduce.noname.3"), which then must match across ranks.
+Tensors that are not contiguous, or whose bytes must move to the transport's device, travel
+as a copy that is written back; the inputs of the out-of-place forms are never modified.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from commsched.torch import _wire
+
+import torch
+from commsched import _horovod
+from commsched._horovod import global_process_set
+
+_unnamed = itertools.count()
+
+
+class Handle:
+    """A collective in flight; synchronize(handle) returns its result, poll(handle) says if it is done."""
+
+    def __init__(self, done: Callable[[], bool], finish: Callable[[], Any]) -> None:
+        self._done = done
+        self._finish = finish
+        self._finished = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        """True once the collective finished (or failed)."""
+        return self._finished or bool(self._done())
+
+    def wait(self) -> Any:
+        """Waits and returns the result (the same object on every later call)."""
+        if not self._finished:
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+
+def synchronize(handle: Handle) -> Any:
+    """Waits for an asynchronous collective and returns its result."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize() takes a handle from a commsched.torch *_async call, not {handle!r}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when synchronize(handle) would return without waiting."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"poll() takes a handle from a commsched.torch *_async call, not {handle!r}")
+    return handle.done()
+
+
+def op_name(kind: str, name: str | None) -> str:
+    """The core's name for a collective: Horovod's "<kind>.<name>", or "<kind>.noname.<n>" in call order."""
+    if name is None:
+        return f"{kind}.noname.{next(_unnamed)}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string or None, not {name!r}")
+    return f"{kind}.{name}"
+
+
+def _started(tensor: torch.Tensor) -> torch.device:
+    """Starts commsched if the script did not (on the tensor's GPU for a CUDA tensor); the wire's device."""
+    _wire.ensure_initialized(None, _wire.cuda_device_name([tensor]))
+    return _wire.wire_device([tensor])
+
+
+def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{what} takes a dense tensor; send a sparse one's indices and values (allgather)")
+    return tensor
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def _allreduce_into(
+    target: torch.Tensor,
+    name: str | None,
+    op: str,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: Any,
+    source: torch.Tensor,
+) -> Handle:
+    device = _started(source)  # the caller's tensor says where it lives (a copy may not)
+    out = _wire.start_allreduce(
+        target,
+        op_name("allreduce", name),
+        0,
+        op,
+        device=device,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        ranks=_horovod.set_size(process_set),
+        **_horovod.core_arguments(process_set),
+    )
+    return Handle(out.work.done, out.finish)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Starts averaging (or op-reducing) `tensor` over all ranks into a new tensor; the input stays as is."""
+    op = _horovod.resolve_op(op, average)
+    output = _check_tensor(tensor, "allreduce_async").detach().clone(memory_format=torch.contiguous_format)
+    return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set, tensor)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Starts averaging (or op-reducing) `tensor` over all ranks in place."""
+    op = _horovod.resolve_op(op, average)
+    target = _check_tensor(tensor, "allreduce_async_").detach()
+    return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set, tensor)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> torch.Tensor:
+    """Averages (or op-reduces) `tensor` over all ranks in place and returns it."""
+    handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    synchronize(handle)
+    return tensor
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Starts reducing several tensors into new ones, admitted together on every rank."""
+    outputs = [_check_tensor(t, "grouped_allreduce_async").detach().clone() for t in tensors]
+    return grouped_allreduce_async_(
+        outputs, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Starts reducing several tensors in place, admitted together on every rank (one launch when they fit)."""
+    op = _horovod.resolve_op(op, average)
+    targets = [_check_tensor(t, "grouped_allreduce_async_").detach() for t in tensors]
+    if not targets:
+        return Handle(lambda: True, list)
+    device = _started(targets[0])
+    wires = [t.to(device).contiguous() for t in targets]
+    for wire in wires:
+        if wire.dtype not in _wire._CORE_DTYPES:
+            raise TypeError(f"grouped_allreduce cannot send {wire.dtype} tensors")
+    group = _horovod._core("grouped_allreduce_async")(
+        wires,
+        name=op_name("grouped_allreduce", name),
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        **_horovod.core_arguments(process_set),
+    )
+
+    def finish() -> list[torch.Tensor]:
+        group.wait()
+        for target, wire in zip(targets, wires):
+            if wire is not target:
+                target.copy_(wire)
+        return list(tensors)
+
+    return Handle(group.done, finish)
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduces several tensors in place, together, and returns them."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)  # type: ignore[no-any-return]
+
+
+# -- broadcast -----------------------------------------------------------------------------------
+def _broadcast_into(
+    target: torch.Tensor, root_rank: int, name: str | None, process_set: Any, source: torch.Tensor
+) -> Handle:
+    device = _started(source)
+    out = _wire.start_broadcast(
+        target, op_name("broadcast", name), root_rank, device, **_horovod.core_arguments(process_set)
+    )
+    return Handle(out.work.done, out.finish)
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    """Starts copying root_rank's `tensor` into a new tensor on every rank; the input stays as is."""
+    output = _check_tensor(tensor, "broadcast_async").detach().clone(memory_format=torch.contiguous_format)
+    return _broadcast_into(output, root_rank, name, process_set, tensor)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    """Starts overwriting `tensor` with root_rank's values, in place."""
+    target = _check_tensor(tensor, "broadcast_async_").detach()
+    return _broadcast_into(target, root_rank, name, process_set, tensor)
+
+
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+) -> torch.Tensor:
+    """Overwrites `tensor` with root_rank's values and returns it."""
+    synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return tensor
+
+
+# -- collectives with a new output ---------------------------------------------------------------
+def _host_wire(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The tensor as the core takes it for a collective with an output: contiguous host memory."""
+    _started(tensor)
+    if tensor.is_cuda:
+        raise NotImplementedError(
+            f"{what} of CUDA tensors is not available yet (commsched returns these results in host memory); "
+            "move the tensor to the CPU (.cpu()) and back"
+        )
+    if tensor.dtype not in _wire._CORE_DTYPES:
+        raise TypeError(f"{what} cannot send {tensor.dtype} tensors")
+    return tensor.detach().contiguous()
+
+
+def _like(result: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """A core result as a torch tensor of `tensor`'s dtype."""
+    out = result if isinstance(result, torch.Tensor) else torch.as_tensor(result)
+    return (
+        out.view(tensor.dtype)
+        if out.dtype != tensor.dtype and out.element_size() == tensor.element_size()
+        else out
+    )
+
+
+class Gathered:
+    """Result of an allgather: the tensor, and the rows each rank gave (for gradients)."""
+
+    def __init__(self, tensor: torch.Tensor, rows: list[int]) -> None:
+        self.tensor = tensor
+        self.rows = rows
+
+
+def allgather_rows(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
+    """Starts an allgather whose result is a Gathered (tensor and rows per rank)."""
+    wire = _host_wire(_check_tensor(tensor, "allgather"), "allgather")
+    shape = tensor.shape
+    if wire.dim() == 0:
+        wire = wire.reshape(1)
+    work = _horovod._core("allgather_async")(
+        wire, name=op_name("allgather", name), **_horovod.core_arguments(process_set)
+    )
+
+    def finish() -> Gathered:
+        gathered = _like(work.wait(), tensor)
+        if len(shape) == 0:
+            gathered = gathered.reshape(-1)
+        return Gathered(gathered, list(work.layout_rows()))
+
+    return Handle(work.done, finish)
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    """Starts concatenating every rank's `tensor` on the first dimension (which may differ between ranks)."""
+    inner = allgather_rows(tensor, name, process_set)
+    return Handle(inner.done, lambda: inner.wait().tensor)
+
+
+def reducescatter_parts(
+    tensor: torch.Tensor,
+    name: str | None,
+    op: str,
+    process_set: Any,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Any:
+    """Starts a reducescatter on the core; the core's handle (wait() returns this rank's part)."""
+    wire = _host_wire(_check_tensor(tensor, "reducescatter"), "reducescatter")
+    if wire.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension to cut")
+    return _horovod._core("reducescatter_async")(
+        wire,
+        op=op,
+        name=op_name("reducescatter", name),
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        **_horovod.core_arguments(process_set),
+    )
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = _horovod.Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Starts reducing every rank's `tensor` and cutting the result on the first dimension: rank r gets part r.
+
+    The first (rows % size) ranks get one row more, as in Horovod.
+    """
+    op = _horovod.resolve_op(op)
+    if op not in (_horovod.Average, _horovod.Sum):
+        raise ValueError(f"reducescatter takes op=hvd.Average or hvd.Sum, not {op!r}")
+    work = reducescatter_parts(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    return Handle(work.done, lambda: _like(work.wait(), tensor))
+
+
+def _split_counts(splits: Any) -> list[int] | None:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.dim() != 1:
+            raise TypeError(f"alltoall splits must be a 1-d integer tensor or a list of ints, not {splits!r}")
+        return [int(v) for v in splits.tolist()]
+    return [int(v) for v in splits]
+
+
+def alltoall_parts(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any) -> Handle:
+    """Starts an alltoall; synchronize() returns (output, received splits as an int32 tensor)."""
+    wire = _host_wire(_check_tensor(tensor, "alltoall"), "alltoall")
+    if wire.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension to split")
+    work = _horovod._core("alltoall_async")(
+        wire,
+        splits=_split_counts(splits),
+        name=op_name("alltoall", name),
+        **_horovod.core_arguments(process_set),
+    )
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        output, received = work.wait()
+        return _like(output, tensor), torch.tensor(list(received), dtype=torch.int32)
+
+    return Handle(work.done, finish)
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    """Starts sending rows splits[r] of `tensor` to rank r (equal parts without splits); see alltoall()."""
+    return alltoall_parts(tensor, splits, name, process_set)
+
+
+# -- synchronisation -----------------------------------------------------------------------------
+def barrier(process_set: Any = global_process_set) -> None:
+    """Returns once every rank (of the set) has called barrier()."""
+    _wire.ensure_initialized()
+    _horovod._core("barrier")(**_horovod.core_arguments(process_set))
+
+
+def join(device: int = -1) -> int:
+    """Marks this rank done with its data; returns, once every rank joined, the rank that joined last.
+
+    Until then this rank takes part in the other ranks' allreduces with zeros, as in Horovod.
+    """
+    _wire.ensure_initialized()
+    return int(_horovod._core("join")())
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """Returns root_rank's (picklable) object on every rank."""
+    _wire.ensure_initialized()
+    return _horovod._core("broadcast_object")(
+        obj, root_rank, name=op_name("broadcast_object", name), **_horovod.core_arguments(process_set)
+    )
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
+    """Returns the list of every rank's (picklable) object, in rank order."""
+    _wire.ensure_initialized()
+    return list(
+        _horovod._core("allgather_object")(
+            obj, name=op_name("allgather_object", name), **_horovod.core_arguments(process_set)
+        )
+    )
