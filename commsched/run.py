@@ -13,8 +13,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     ephemeral range where possible.
 
     The other ranks' gRPC servers listen on a port the OS picks from the ephemeral range, so a
-    rendezvous port from that range can be handed to one of them before rank 0 binds it (CI saw
-    rank 1 listen on MASTER_PORT and try to join itself).
+    rendezvous port from that range can be handed to one of them before rank 0 binds it (rank 1
+    would then listen on MASTER_PORT and try to join itself).
     """
     import random
     import socket

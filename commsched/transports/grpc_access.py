@@ -14,7 +14,7 @@ log = logging.getLogger("commsched")
 
 class RefusalLog:
     """Logs refused connections at most once per interval, with how many were refused in between,
-    so a flood of bad attempts cannot flood the log (each used to cost a WARNING line)."""
+    so a flood of bad attempts cannot flood the log with one WARNING line per attempt."""
 
     def __init__(self, rank: int, interval_s: float = 10.0) -> None:
         self._rank = rank

@@ -50,9 +50,8 @@ bool Runtime::round_due_locked(Clock::time_point now) const {
 bool Runtime::poll_for_news() {
   // A completion is news only when queued chunks wait for the credit it frees: credit comes
   // back through the next round, as the least any rank has completed, so every rank pops the
-  // same units at the same round. (Releasing it at the local completion instead let ranks pop
-  // at different times; with catch-up that was meant to be safe, but it hung the rig's grid
-  // of reconfigure() switches.)
+  // same units at the same round. (Releasing it at the local completion lets ranks pop at
+  // different times, which hangs a grid of reconfigure() switches on the rig even with catch-up.)
   if (in_flight_.empty()) return false;
   try {
     return poll_in_flight() && scheduler_.queued_chunks() > 0;
