@@ -272,7 +272,9 @@ def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) ->
     if core_kind == "python":
         return argument.rank, argument.size
     if core_kind == "native":
-        if len(argument) > 2:  # (factory, handle, owner): a native transport whose owner knows the ranks (Gloo)
+        if (
+            len(argument) > 2
+        ):  # (factory, handle, owner): a native transport whose owner knows the ranks (Gloo)
             return argument[2].rank, argument[2].size
         from mpi4py import MPI
 

@@ -112,7 +112,9 @@ class Settings:
     fusion_bytes: int = 1024**2
     inline_bytes: int = 4096  # tensors up to this size ride in the agreement round (host memory)
     transport: str = "auto"
-    device: str = "auto"  # where the tensors live: cpu, cuda, cuda:N, or auto (the first submitted tensor decides)
+    device: str = (
+        "auto"  # where the tensors live: cpu, cuda, cuda:N, or auto (the first submitted tensor decides)
+    )
     timeline: str = ""
     stall_timeout: float = 60.0
     stall_shutdown: float = 300.0

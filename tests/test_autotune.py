@@ -234,7 +234,9 @@ def test_nccl_searches_fusion_like_host_transports():
     tuner = autotune.Tuner(runtime, {}, autotune.Options(report=False), clock=clock)
     run_training(tuner, runtime, clock, 110)
     assert tuner.result is not None and runtime.switches
-    assert any(switch["fusion_bytes"] != DEFAULTS["fusion_bytes"] for switch in runtime.switches), runtime.switches
+    assert any(switch["fusion_bytes"] != DEFAULTS["fusion_bytes"] for switch in runtime.switches), (
+        runtime.switches
+    )
 
 
 def test_start_tunes_given_sizes_named_as_starting_points():

@@ -37,7 +37,12 @@ def test_cuda_aware_mpi_takes_device_buffers(fake_nccl: tuple[Path, ctypes.CDLL]
     mpix = fake_cuda.build_mpix(tmp_path)
     assert mpix is not None
     library = str(fake_nccl[0])
-    env = {"COMMSCHED_CUDART_LIBRARY": library, "LD_PRELOAD": str(mpix), "FAKE_MPIX_CUDA": "1", "FAKE_CUDA_DEVICES": "4"}
+    env = {
+        "COMMSCHED_CUDART_LIBRARY": library,
+        "LD_PRELOAD": str(mpix),
+        "FAKE_MPIX_CUDA": "1",
+        "FAKE_CUDA_DEVICES": "4",
+    }
     result = run_ranks(2, "device_collectives.py", "--transport", "mpi", timeout=180, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

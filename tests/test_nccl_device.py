@@ -221,7 +221,9 @@ def test_device_index_chooses_the_gpu(nccl_runtime: ctypes.CDLL) -> None:
 
 def test_device_and_transport_must_agree() -> None:
     """device="cuda" needs NCCL, auto or a CUDA-aware MPI; NCCL needs GPU tensors."""
-    with pytest.raises(SettingError, match="COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl, auto, or mpi"):
+    with pytest.raises(
+        SettingError, match="COMMSCHED_DEVICE=cuda needs COMMSCHED_TRANSPORT=nccl, auto, or mpi"
+    ):
         resolve({"device": "cuda", "transport": "gloo"}, {})
     with pytest.raises(SettingError, match="COMMSCHED_TRANSPORT=nccl moves GPU memory only"):
         resolve({}, {"COMMSCHED_DEVICE": "cpu", "COMMSCHED_TRANSPORT": "nccl"})

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_cuda import FakeCudaArray  # noqa: E402
+from fake_cuda import FakeCudaArray
 
-import commsched  # noqa: E402
+import commsched
 
 SIDE_STREAM = 0x5EED  # a producer's stream the fake has never seen: it gets a worker of its own
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8]
@@ -42,7 +42,9 @@ def check(name: str, got: np.ndarray, want: np.ndarray) -> None:
     """Raises naming the tensor when the result differs from the reference."""
     if not np.array_equal(got, want):
         bad = np.flatnonzero(got != want)
-        raise AssertionError(f"{name}: {bad.size} wrong elements, first at {bad[0]}: {got[bad[0]]} != {want[bad[0]]}")
+        raise AssertionError(
+            f"{name}: {bad.size} wrong elements, first at {bad[0]}: {got[bad[0]]} != {want[bad[0]]}"
+        )
 
 
 def mixed_tensors(policy: str, size: int, rank: int) -> None:
@@ -58,7 +60,9 @@ def mixed_tensors(policy: str, size: int, rank: int) -> None:
     handles = {}
     for index in order:
         dtype, count = specs[index]
-        handles[index] = commsched.allreduce_async(arrays[index], name=f"{policy}.t{index}", priority=int(index))
+        handles[index] = commsched.allreduce_async(
+            arrays[index], name=f"{policy}.t{index}", priority=int(index)
+        )
     for index, handle in handles.items():
         handle.wait(60)
         dtype, count = specs[index]
@@ -89,13 +93,21 @@ def late_producer(size: int, rank: int, library: ctypes.CDLL, delay_us: int) -> 
     Without the wait on the submit-time event the collective would sum the zeros there before the
     write, and the result would be wrong. Both an unfused (partitioned) and a fused tensor are checked.
     """
-    library.fake_launch_write.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    library.fake_launch_write.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint,
+    ]
     cases = [("late.big", 50_000)] + [(f"late.small{i}", 16 + i) for i in range(4)]
     sources, targets, handles = [], [], []
     for name, count in cases:
         source = rank_values(np.float32, count, rank, 3)
         target = FakeCudaArray(np.zeros(count, np.float32), stream=SIDE_STREAM)
-        library.fake_launch_write(SIDE_STREAM, target.host.ctypes.data, source.ctypes.data, source.nbytes, delay_us)
+        library.fake_launch_write(
+            SIDE_STREAM, target.host.ctypes.data, source.ctypes.data, source.nbytes, delay_us
+        )
         handles.append(commsched.allreduce_async(target, name=name))
         sources.append(source)
         targets.append(target)
@@ -141,7 +153,11 @@ def main() -> None:
     library = ctypes.CDLL(os.environ["COMMSCHED_CUDART_LIBRARY"])
     for policy in ("priority", "fifo"):
         commsched.init(
-            device="cuda", transport=args.transport, policy=policy, partition_bytes="16KiB", fusion_bytes="64KiB"
+            device="cuda",
+            transport=args.transport,
+            policy=policy,
+            partition_bytes="16KiB",
+            fusion_bytes="64KiB",
         )
         size, rank = commsched.size(), commsched.rank()
         mixed_tensors(policy, size, rank)
