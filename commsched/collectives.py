@@ -73,7 +73,10 @@ class OutputHandle(_api.Handle):
         memory, elements, _ = self._core_handle.output()
         dtype = self._view.dtype
         if _api._state.device_memory:
-            raise NotImplementedError("results of collectives on GPU memory are not available yet")
+            from commsched.device_output import device_result
+
+            result = device_result(memory, elements, dtype, self._row_shape, self._array)
+            return (result, self.layout_rows()) if self._kind == "alltoall" else result
         result = np.frombuffer(memory, dtype=_NUMPY_DTYPES[dtype], count=elements)
         result = (
             result.reshape((-1, *self._row_shape))

@@ -521,3 +521,94 @@ def test_collectives_across_processes_match_numpy(
                 got.view(dtype)[:8],
                 expected[:8],
             )
+
+
+# ---- PreMulSum and rooted reduces (in one process, one stream per rank) ----
+
+
+def _premul(fake: ctypes.CDLL, comm: int, scalar: np.ndarray) -> int:
+    op = ctypes.c_int(-1)
+    dtype = fake_cuda.NCCL_DTYPES[scalar.dtype.name]
+    assert fake.ncclRedOpCreatePreMulSum(ctypes.byref(op), address(scalar), dtype, 1, comm) == 0
+    return op.value
+
+
+def test_premulsum_multiplies_every_input_before_the_sum(
+    fake: ctypes.CDLL, new_stream: Callable[[], int]
+) -> None:
+    """sum(factor * input) on every rank, the factor read when the op is made (destroyed right after the
+    launch, as NCCL allows); a plain sum, a destroyed op or an op of another type is told apart."""
+    comms = _comms(fake, 2)
+    streams = [new_stream(), new_stream()]
+    int32 = fake_cuda.NCCL_DTYPES["int32"]
+    inputs = [np.arange(100, dtype=np.int32) + 7 * rank for rank in range(2)]
+    outputs = [np.zeros(100, np.int32) for _ in range(2)]
+    for rank, comm in enumerate(comms):
+        scalar = np.array([3], np.int32)
+        op = _premul(fake, comm, scalar)
+        scalar[0] = 1000  # host-immediate: already read
+        assert fake.ncclAllReduce(address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]) == 0
+        assert fake.ncclRedOpDestroy(op, comm) == 0
+        assert fake.ncclAllReduce(address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]) != 0
+        assert fake.ncclRedOpDestroy(op, comm) != 0
+    for stream in streams:
+        fake.cudaStreamSynchronize(stream)
+    plain_sum = inputs[0] + inputs[1]
+    for output in outputs:
+        assert np.array_equal(output, 3 * plain_sum) and not np.array_equal(output, plain_sum)
+    wrong_type = _premul(fake, comms[0], np.array([2.0], np.float32))
+    assert fake.ncclAllReduce(address(inputs[0]), address(outputs[0]), 100, int32, wrong_type, comms[0], streams[0]) != 0
+    assert fake.ncclBroadcast(address(inputs[0]), address(outputs[0]), 100, int32, 0, comms[0], streams[0]) == 0
+    assert fake.ncclBroadcast(address(inputs[1]), address(outputs[1]), 100, int32, 0, comms[1], streams[1]) == 0
+    for stream in streams:
+        fake.cudaStreamSynchronize(stream)
+    for comm in comms:
+        fake.ncclCommDestroy(comm)
+
+
+def test_premulsum_in_a_half_precision_reducescatter(fake: ctypes.CDLL, new_stream: Callable[[], int]) -> None:
+    """float16: each input is multiplied (rounded to half) before the sum, part by part."""
+    comms = _comms(fake, 2)
+    streams = [new_stream(), new_stream()]
+    float16 = fake_cuda.NCCL_DTYPES["float16"]
+    inputs = [(np.arange(8, dtype=np.float16) + rank) / np.float16(4) for rank in range(2)]
+    outputs = [np.zeros(4, np.float16) for _ in range(2)]
+    for rank, comm in enumerate(comms):
+        op = _premul(fake, comm, np.array([0.5], np.float16))
+        fake.ncclReduceScatter(address(inputs[rank]), address(outputs[rank]), 4, float16, op, comm, streams[rank])
+        fake.ncclRedOpDestroy(op, comm)
+    for stream in streams:
+        fake.cudaStreamSynchronize(stream)
+    scaled = [x * np.float16(0.5) for x in inputs]
+    for rank, output in enumerate(outputs):
+        assert np.array_equal(output, (scaled[0] + scaled[1])[rank * 4 : rank * 4 + 4])
+    for comm in comms:
+        fake.ncclCommDestroy(comm)
+
+
+def test_grouped_reduces_write_only_their_root(fake: ctypes.CDLL, new_stream: Callable[[], int]) -> None:
+    """Uneven parts as one ncclReduce per part in a group: each root gets its part's sum, the other
+    ranks' receive buffers stay as they were."""
+    comms = _comms(fake, 3)
+    streams = [new_stream() for _ in comms]
+    float64 = fake_cuda.NCCL_DTYPES["float64"]
+    parts = [1, 4, 2]
+    inputs = [np.arange(7, dtype=np.float64) * (rank + 1) for rank in range(3)]
+    outputs = [np.full(parts[rank], -5.0) for rank in range(3)]
+    for rank, comm in enumerate(comms):
+        fake.ncclGroupStart()
+        offset = 0
+        for root, count in enumerate(parts):
+            assert fake.ncclReduce(
+                address(inputs[rank]) + offset * 8, address(outputs[rank]), count, float64, 0, root, comm, streams[rank]
+            ) == 0
+            offset += count
+        assert fake.ncclGroupEnd() == 0
+    for stream in streams:
+        fake.cudaStreamSynchronize(stream)
+    total = sum(inputs)
+    bounds = np.cumsum([0, *parts])
+    for rank, output in enumerate(outputs):
+        assert np.array_equal(output, total[bounds[rank] : bounds[rank + 1]]), (rank, output)
+    for comm in comms:
+        fake.ncclCommDestroy(comm)

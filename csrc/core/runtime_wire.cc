@@ -210,7 +210,9 @@ void Runtime::launch(Launch next) {
     stats_.max_launch_bytes.store(plan.bytes, std::memory_order_relaxed);
   }
   timeline_.counter("bytes in flight", flight.started_us, static_cast<double>(bytes_in_flight_));
-  if (plan.kind == CollectiveKind::kAllreduce && plan.prescale != 1.0) {
+  op.prescale = plan.prescale;
+  op.postscale = plan.postscale;
+  if (plan.kind == CollectiveKind::kAllreduce && plan.prescale != 1.0 && !transport_->scales()) {
     transport_->multiply(op.data, op.count, op.dtype, plan.prescale);
   }
   // Bools are bytes of 0 or 1 on the wire: min, max and product on uint8 are and, or, and.
@@ -242,7 +244,8 @@ void Runtime::prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op) 
       elements = layout.at(me);
     }
   }
-  if (tensor.spec.kind == CollectiveKind::kReducescatter && tensor.spec.prescale != 1.0 && op.count > 0) {
+  if (tensor.spec.kind == CollectiveKind::kReducescatter && tensor.spec.prescale != 1.0 && op.count > 0 &&
+      !transport_->scales()) {
     // The input is the caller's and stays as it is: the scaled copy goes on the wire.
     flight.scratch = take_fusion_buffer(op.count * elem_size);
     transport_->copy(flight.scratch->data(), tensor.data, op.count * elem_size);
@@ -277,13 +280,13 @@ void Runtime::finish(InFlight& done) {
     if (plan.op == ReduceOp::kAverage && !transport_averages_) {
       transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
     }
-    if (plan.postscale != 1.0) transport_->multiply(done.wire_data, plan.bytes / elem_size, plan.dtype, plan.postscale);
+    if (plan.postscale != 1.0 && !transport_->scales()) transport_->multiply(done.wire_data, plan.bytes / elem_size, plan.dtype, plan.postscale);
   } else if (plan.kind == CollectiveKind::kReducescatter && done.output) {
     const uint64_t elements = tensors_.at(plan.chunks.front().tensor_id).output_elements;
     if (plan.op == ReduceOp::kAverage && !transport_averages_ && elements > 0) {
       transport_->scale(done.output->data(), elements, plan.dtype, static_cast<double>(size_));
     }
-    if (plan.postscale != 1.0 && elements > 0) {
+    if (plan.postscale != 1.0 && elements > 0 && !transport_->scales()) {
       transport_->multiply(done.output->data(), elements, plan.dtype, plan.postscale);
     }
   }

@@ -45,6 +45,10 @@ struct WireOp {
   // A fused launch on a transport that stages_fusion(): the tensors' memory that goes in and out of
   // `data`. Empty otherwise (the core has copied already).
   std::vector<Segment> fused;
+  // Allreduce, reducescatter: the agreed prescale_factor / postscale_factor. Only a transport that
+  // scales() applies them; for the others the core has applied them around start() already.
+  double prescale = 1.0;
+  double postscale = 1.0;
 };
 
 // Where a submitted tensor's bytes live and on which stream they are produced.
@@ -167,6 +171,9 @@ class Transport {
   virtual bool stages_fusion() const { return false; }
   // True when start() applies ReduceOp::kAverage itself (NCCL's ncclAvg): the core never calls scale().
   virtual bool averages() const { return false; }
+  // True when start() applies WireOp::prescale and postscale itself, in order with the collective
+  // (NCCL's PreMulSum): the core then never calls multiply() and makes no scaled copy of an input.
+  virtual bool scales() const { return false; }
 
   // Transports that can tell when a collective completes ring this; their poll interval
   // is then only a fallback.

@@ -259,17 +259,13 @@ def broadcast_(
 
 
 # -- collectives with a new output ---------------------------------------------------------------
-def _host_wire(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """The tensor as the core takes it for a collective with an output: contiguous host memory."""
-    _started(tensor)
-    if tensor.is_cuda:
-        raise NotImplementedError(
-            f"{what} of CUDA tensors is not available yet (commsched returns these results in host memory); "
-            "move the tensor to the CPU (.cpu()) and back"
-        )
+def _output_wire(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The tensor as the core takes it for a collective with an output: contiguous, on the wire's device
+    (a CUDA tensor stays on its GPU under NCCL; the result then comes back there too)."""
+    device = _started(tensor)
     if tensor.dtype not in _wire._CORE_DTYPES:
         raise TypeError(f"{what} cannot send {tensor.dtype} tensors")
-    return tensor.detach().contiguous()
+    return tensor.detach().to(device).contiguous()
 
 
 def _like(result: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -292,7 +288,7 @@ class Gathered:
 
 def allgather_rows(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
     """Starts an allgather whose result is a Gathered (tensor and rows per rank)."""
-    wire = _host_wire(_check_tensor(tensor, "allgather"), "allgather")
+    wire = _output_wire(_check_tensor(tensor, "allgather"), "allgather")
     shape = tensor.shape
     if wire.dim() == 0:
         wire = wire.reshape(1)
@@ -326,7 +322,7 @@ def reducescatter_parts(
     postscale_factor: float = 1.0,
 ) -> Any:
     """Starts a reducescatter on the core; the core's handle (wait() returns this rank's part)."""
-    wire = _host_wire(_check_tensor(tensor, "reducescatter"), "reducescatter")
+    wire = _output_wire(_check_tensor(tensor, "reducescatter"), "reducescatter")
     if wire.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension to cut")
     return _horovod._core("reducescatter_async")(
@@ -370,7 +366,7 @@ def _split_counts(splits: Any) -> list[int] | None:
 
 def alltoall_parts(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any) -> Handle:
     """Starts an alltoall; synchronize() returns (output, received splits as an int32 tensor)."""
-    wire = _host_wire(_check_tensor(tensor, "alltoall"), "alltoall")
+    wire = _output_wire(_check_tensor(tensor, "alltoall"), "alltoall")
     if wire.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension to split")
     work = _horovod._core("alltoall_async")(

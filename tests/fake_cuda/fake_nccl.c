@@ -145,7 +145,7 @@ void fake_fail_comm(fake_comm* comm, int error) {
 
 /* ---- collectives ---- */
 
-typedef enum { kAllReduce, kBroadcast, kAllGather, kReduceScatter } collective_kind;
+typedef enum { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kReduce } collective_kind;
 
 typedef struct {
   fake_op base;
@@ -156,6 +156,8 @@ typedef struct {
   char* recv;
   size_t count; /* per rank for allgather and reducescatter */
   int dtype, op, root;
+  int premul;               /* a PreMulSum op: every rank's input is multiplied by scalar, then summed */
+  unsigned char scalar[8];  /* copied at launch, so the op may be destroyed right after */
 } collective_op;
 
 /* Each phase: every rank fills its slot, barrier, every rank reads what it needs, barrier (so no slot is
@@ -173,12 +175,15 @@ static int run_chunks(collective_op* op) {
     } else if (op->kind != kBroadcast || comm->rank == op->root) {
       memcpy(mine, op->send + offset * element, bytes);
     }
+    if (op->premul) fake_multiply(mine, op->kind == kReduceScatter ? n * ranks : n, op->dtype, op->scalar);
     if (fake_barrier(comm) != 0) return -1;
     if (op->kind == kAllGather) {
       for (size_t source = 0; source < ranks; ++source)
         memcpy(op->recv + (source * op->count + offset) * element, fake_slot(comm, (int)source), bytes);
     } else if (op->kind == kBroadcast) {
       memcpy(op->recv + offset * element, fake_slot(comm, op->root), bytes);
+    } else if (op->kind == kReduce && comm->rank != op->root) {
+      /* only the root receives: the other ranks' recv buffers stay untouched */
     } else { /* reduce in rank order, so every rank computes bit-identical results */
       size_t part = op->kind == kReduceScatter ? (size_t)comm->rank * bytes : 0;
       char* out = op->recv + offset * element;
@@ -314,21 +319,76 @@ static int launch(fake_op* op, void* stream) {
 
 static int usable(const fake_comm* comm) { return comm != NULL && !comm->destroyed; }
 
+static int is_reduction(collective_kind kind) {
+  return kind == kAllReduce || kind == kReduceScatter || kind == kReduce;
+}
+
 static int collective(collective_kind kind, const void* send, void* recv, size_t count, int dtype, int op,
                       int root, fake_comm* comm, void* stream) {
-  if (!usable(comm) || fake_dtype_bytes(dtype) == 0 || op < 0 || op >= kOpCount || root < 0 ||
-      root >= comm->nranks || (count > 0 && recv == NULL) ||
+  if (!usable(comm) || fake_dtype_bytes(dtype) == 0 || op < 0 || root < 0 || root >= comm->nranks ||
+      (count > 0 && recv == NULL && (kind != kReduce || comm->rank == root)) || /* only the root receives */
       (count > 0 && send == NULL && (kind != kBroadcast || comm->rank == root))) /* only the root sends */
     return kNcclInvalidArgument;
+  int premul = 0;
+  unsigned char scalar[8] = {0};
+  if (op >= kOpCount) { /* a PreMulSum of this communicator, of this type, for a reduction */
+    pthread_mutex_lock(&comm->lock);
+    const fake_user_op* user = op - kOpCount < FAKE_MAX_USER_OPS ? &comm->user_ops[op - kOpCount] : NULL;
+    int valid = user != NULL && user->in_use && user->dtype == dtype && is_reduction(kind);
+    if (valid) memcpy(scalar, user->scalar, sizeof scalar);
+    pthread_mutex_unlock(&comm->lock);
+    if (!valid) {
+      fake_note("bad-op %d", op);
+      return kNcclInvalidArgument;
+    }
+    premul = 1;
+    op = kSum;
+  }
   collective_op* queued = calloc(1, sizeof *queued);
   if (queued == NULL) return kNcclSystemError;
   *queued = (collective_op){.base.run = run_collective, .comm = comm, .kind = kind, .send = send,
-                            .recv = recv, .count = count, .dtype = dtype, .op = op, .root = root};
+                            .recv = recv, .count = count, .dtype = dtype, .op = op, .root = root,
+                            .premul = premul};
+  memcpy(queued->scalar, scalar, sizeof scalar);
   comm_retain(comm);
   pthread_mutex_lock(&comm->lock);
   queued->seq = ++comm->next_seq;
   pthread_mutex_unlock(&comm->lock);
   return launch(&queued->base, stream);
+}
+
+/* Only a host-immediate factor (ncclScalarHostImmediate): the fake does not model a factor read from
+ * device memory at run time. */
+int ncclRedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence, fake_comm* comm) {
+  fake_note("premulsum type %d", dtype);
+  if (op == NULL || scalar == NULL || !usable(comm) || fake_dtype_bytes(dtype) == 0 || residence != 1)
+    return kNcclInvalidArgument;
+  int result = kNcclInternalError; /* every slot taken: ops are leaking */
+  pthread_mutex_lock(&comm->lock);
+  for (int index = 0; index < FAKE_MAX_USER_OPS; ++index) {
+    fake_user_op* user = &comm->user_ops[index];
+    if (user->in_use) continue;
+    user->in_use = 1;
+    user->dtype = dtype;
+    memset(user->scalar, 0, sizeof user->scalar);
+    memcpy(user->scalar, scalar, fake_dtype_bytes(dtype));
+    *op = kOpCount + index;
+    result = kNcclSuccess;
+    break;
+  }
+  pthread_mutex_unlock(&comm->lock);
+  return result;
+}
+
+int ncclRedOpDestroy(int op, fake_comm* comm) {
+  fake_note("opdestroy %d", op);
+  if (!usable(comm) || op < kOpCount || op - kOpCount >= FAKE_MAX_USER_OPS) return kNcclInvalidArgument;
+  pthread_mutex_lock(&comm->lock);
+  fake_user_op* user = &comm->user_ops[op - kOpCount];
+  int result = user->in_use ? kNcclSuccess : kNcclInvalidArgument;
+  user->in_use = 0;
+  pthread_mutex_unlock(&comm->lock);
+  return result;
 }
 
 int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, fake_comm* comm, void* stream) {
@@ -339,6 +399,12 @@ int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op,
 int ncclBroadcast(const void* send, void* recv, size_t count, int dtype, int root, fake_comm* comm, void* stream) {
   fake_note("broadcast %zu root %d", count, root);
   return collective(kBroadcast, send, recv, count, dtype, kSum, root, comm, stream);
+}
+
+int ncclReduce(const void* send, void* recv, size_t count, int dtype, int op, int root, fake_comm* comm,
+               void* stream) {
+  fake_note("reduce %zu type %d op %d root %d %s", count, dtype, op, root, fake_who());
+  return collective(kReduce, send, recv, count, dtype, op, root, comm, stream);
 }
 
 int ncclAllGather(const void* send, void* recv, size_t count, int dtype, fake_comm* comm, void* stream) {

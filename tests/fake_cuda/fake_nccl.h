@@ -38,6 +38,13 @@ typedef struct fake_region_header fake_region_header;
 typedef struct fake_rank_words fake_rank_words;
 typedef struct fake_channel_words fake_channel_words;
 
+/* Reduction ops made with ncclRedOpCreatePreMulSum: NCCL numbers them from ncclNumOps (kOpCount). */
+#define FAKE_MAX_USER_OPS 64
+typedef struct {
+  int in_use, dtype;
+  unsigned char scalar[8]; /* the factor, in the op's dtype */
+} fake_user_op;
+
 typedef struct fake_comm {
   int nranks, rank, device;
   double timeout_s; /* FAKE_NCCL_TIMEOUT_S when the communicator was made */
@@ -55,6 +62,7 @@ typedef struct fake_comm {
   uint64_t next_seq, done_seq; /* collectives run in launch order, one at a time */
   int refs;                    /* the user's, and one per queued operation */
   int aborted, destroyed, async_error;
+  fake_user_op user_ops[FAKE_MAX_USER_OPS]; /* this communicator's, as in NCCL */
 } fake_comm;
 
 /* Maps (or creates) the region named in id and waits for all ranks; returns an ncclResult_t. */
@@ -82,5 +90,7 @@ size_t fake_dtype_bytes(int dtype); /* 0 for an unknown type */
 /* out[i] = op(out[i], in[i]) in the type's arithmetic; sum for kAvg (finish with fake_average). */
 void fake_reduce(void* out, const void* in, size_t count, int dtype, int op);
 void fake_average(void* data, size_t count, int dtype, int nranks);
+/* data[i] *= scalar in the type's arithmetic (scalar holds one element of dtype): PreMulSum's step. */
+void fake_multiply(void* data, size_t count, int dtype, const unsigned char* scalar);
 
 #pragma GCC visibility pop

@@ -147,3 +147,45 @@ void fake_average(void* data, size_t count, int dtype, int nranks) {
     default: break;
   }
 }
+
+/* Integers wrap through the unsigned type, 16-bit floats multiply in float and round once. */
+#define MULTIPLY_INTEGER(T, U)                                                                        \
+  do {                                                                                                \
+    T* d = data;                                                                                      \
+    T factor;                                                                                         \
+    memcpy(&factor, scalar, sizeof factor);                                                           \
+    for (size_t i = 0; i < count; ++i) d[i] = (T)(U)((U)d[i] * (U)factor);                            \
+  } while (0)
+
+#define MULTIPLY_FLOAT(T)                                                                             \
+  do {                                                                                                \
+    T* d = data;                                                                                      \
+    T factor;                                                                                         \
+    memcpy(&factor, scalar, sizeof factor);                                                           \
+    for (size_t i = 0; i < count; ++i) d[i] = d[i] * factor;                                          \
+  } while (0)
+
+#define MULTIPLY_SHORT_FLOAT(TO_FLOAT, FROM_FLOAT)                                                    \
+  do {                                                                                                \
+    uint16_t* d = data;                                                                               \
+    uint16_t bits;                                                                                    \
+    memcpy(&bits, scalar, sizeof bits);                                                               \
+    float factor = TO_FLOAT(bits);                                                                    \
+    for (size_t i = 0; i < count; ++i) d[i] = FROM_FLOAT(TO_FLOAT(d[i]) * factor);                    \
+  } while (0)
+
+void fake_multiply(void* data, size_t count, int dtype, const unsigned char* scalar) {
+  switch (dtype) {
+    case kInt8: MULTIPLY_INTEGER(int8_t, uint8_t); break;
+    case kUint8: MULTIPLY_INTEGER(uint8_t, uint8_t); break;
+    case kInt32: MULTIPLY_INTEGER(int32_t, uint32_t); break;
+    case kUint32: MULTIPLY_INTEGER(uint32_t, uint32_t); break;
+    case kInt64: MULTIPLY_INTEGER(int64_t, uint64_t); break;
+    case kUint64: MULTIPLY_INTEGER(uint64_t, uint64_t); break;
+    case kFloat16: MULTIPLY_SHORT_FLOAT(half_to_float, float_to_half); break;
+    case kFloat32: MULTIPLY_FLOAT(float); break;
+    case kFloat64: MULTIPLY_FLOAT(double); break;
+    case kBfloat16: MULTIPLY_SHORT_FLOAT(bfloat16_to_float, float_to_bfloat16); break;
+    default: break;
+  }
+}

@@ -1,5 +1,7 @@
 #include "transport/nccl/nccl_comm.h"
 
+#include "transport/nccl/nccl_collectives.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -7,10 +9,6 @@
 #include <stdexcept>
 
 namespace commsched::nccl {
-
-namespace {
-
-}  // namespace
 
 std::string version_text(int code) {
   // ncclGetVersion: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch before.
@@ -138,7 +136,6 @@ void Communicator::copy_on_stream(void* dst, const void* src, uint64_t bytes) {
 
 std::unique_ptr<Work> Communicator::launch(const WireOp& op) {
   if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
-  const int type = nccl_dtype(op.dtype);
   const size_t elem_size = dtype_size(op.dtype);
   static const std::string kWhat = "NCCL transport";
   DeviceGuard guard(*api_, device_);
@@ -155,16 +152,8 @@ std::unique_ptr<Work> Communicator::launch(const WireOp& op) {
       buffer += piece.bytes;
     }
   }
-  if (op.kind == CollectiveKind::kAllreduce) {
-    // NCCL divides where the data already is (ncclAvg): no extra pass, no host round trip.
-    const int reduction = op.op == ReduceOp::kAverage ? kNcclAvg : kNcclSum;
-    api_->check(api_->ncclAllReduce(op.data, op.data, op.count, type, reduction, comm_, stream_), "ncclAllReduce");
-  } else {
-    if (op.root < 0 || op.root >= size_) {
-      throw std::invalid_argument("broadcast root " + std::to_string(op.root) + " is no rank");
-    }
-    api_->check(api_->ncclBroadcast(op.data, op.data, op.count, type, op.root, comm_, stream_), "ncclBroadcast");
-  }
+  // NCCL divides where the data already is (ncclAvg, PreMulSum): no extra pass, no host round trip.
+  enqueue_collective(NcclTarget{*api_, comm_, stream_, rank_, size_}, op);
   const char* buffer = static_cast<const char*>(op.data);
   for (const Segment& piece : op.fused) {
     copy_on_stream(piece.data, buffer, piece.bytes);

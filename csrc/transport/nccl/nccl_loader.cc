@@ -21,8 +21,10 @@ std::shared_ptr<SharedLibrary> SharedLibrary::open_first(const std::vector<std::
 
 SharedLibrary::~SharedLibrary() { dlclose(handle_); }
 
+void* SharedLibrary::find(const char* name) const { return dlsym(handle_, name); }
+
 void* SharedLibrary::symbol(const char* name) const {
-  void* found = dlsym(handle_, name);
+  void* found = find(name);
   if (found == nullptr) throw std::runtime_error(path_ + " has no symbol " + name + " (too old?)");
   return found;
 }
@@ -32,6 +34,13 @@ namespace {
 template <typename Function>
 void bind(const SharedLibrary& library, Function& slot, const char* name) {
   slot = reinterpret_cast<Function>(library.symbol(name));
+}
+
+// Entry points newer than the oldest NCCL the transport runs on: left null when missing, and
+// the collectives that need them are refused at submit.
+template <typename Function>
+void bind_if_present(const SharedLibrary& library, Function& slot, const char* name) {
+  slot = reinterpret_cast<Function>(library.find(name));
 }
 
 }  // namespace
@@ -73,6 +82,15 @@ Api Api::load(const std::vector<std::string>& nccl_candidates, const std::vector
   bind(n, api.ncclCommGetAsyncError, "ncclCommGetAsyncError");
   bind(n, api.ncclAllReduce, "ncclAllReduce");
   bind(n, api.ncclBroadcast, "ncclBroadcast");
+  bind(n, api.ncclReduce, "ncclReduce");
+  bind(n, api.ncclAllGather, "ncclAllGather");
+  bind(n, api.ncclReduceScatter, "ncclReduceScatter");
+  bind(n, api.ncclGroupStart, "ncclGroupStart");
+  bind(n, api.ncclGroupEnd, "ncclGroupEnd");
+  bind_if_present(n, api.ncclSend, "ncclSend");
+  bind_if_present(n, api.ncclRecv, "ncclRecv");
+  bind_if_present(n, api.ncclRedOpCreatePreMulSum, "ncclRedOpCreatePreMulSum");
+  bind_if_present(n, api.ncclRedOpDestroy, "ncclRedOpDestroy");
   bind(n, api.ncclGetErrorString, "ncclGetErrorString");
   return api;
 }

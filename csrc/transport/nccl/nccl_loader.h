@@ -29,8 +29,13 @@ enum NcclDataType : int {
   kNcclFloat16 = 6, kNcclFloat32 = 7, kNcclFloat64 = 8, kNcclBfloat16 = 9,
 };
 inline constexpr int kNcclSum = 0;
+inline constexpr int kNcclProd = 1;
+inline constexpr int kNcclMax = 2;
+inline constexpr int kNcclMin = 3;
 inline constexpr int kNcclAvg = 4;  // NCCL 2.10 and newer
 inline constexpr int kNcclFirstVersionWithAvg = 21000;  // ncclGetVersion's code for 2.10.0
+inline constexpr int kNcclFirstVersionWithPreMulSum = 21100;  // ncclRedOpCreatePreMulSum: 2.11.0
+inline constexpr int kNcclScalarHostImmediate = 1;  // ncclScalarResidence_t: read once, at creation
 inline constexpr cudaError_t kCudaErrorNotReady = 600;
 inline constexpr unsigned kCudaStreamNonBlocking = 0x01;
 inline constexpr unsigned kCudaEventDisableTiming = 0x02;
@@ -46,6 +51,7 @@ class SharedLibrary {
   SharedLibrary(const SharedLibrary&) = delete;
   SharedLibrary& operator=(const SharedLibrary&) = delete;
   void* symbol(const char* name) const;  // throws if missing
+  void* find(const char* name) const;    // null if missing
   const std::string& path() const { return path_; }
 
  private:
@@ -66,6 +72,16 @@ struct Api {
   ncclResult_t (*ncclCommGetAsyncError)(ncclComm_t, ncclResult_t*) = nullptr;
   ncclResult_t (*ncclAllReduce)(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
   ncclResult_t (*ncclBroadcast)(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclReduce)(const void*, void*, size_t, int, int, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclAllGather)(const void*, void*, size_t, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclReduceScatter)(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclGroupStart)() = nullptr;
+  ncclResult_t (*ncclGroupEnd)() = nullptr;
+  // Null where this NCCL is too old for them: send/recv before 2.7, PreMulSum before 2.11.
+  ncclResult_t (*ncclSend)(const void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclRecv)(void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*ncclRedOpCreatePreMulSum)(int*, void*, int, int, ncclComm_t) = nullptr;
+  ncclResult_t (*ncclRedOpDestroy)(int, ncclComm_t) = nullptr;
   const char* (*ncclGetErrorString)(ncclResult_t) = nullptr;
 
   cudaError_t (*cudaGetDeviceCount)(int*) = nullptr;

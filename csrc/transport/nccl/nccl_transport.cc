@@ -1,5 +1,7 @@
 #include "transport/nccl/nccl_transport.h"
 
+#include "transport/nccl/nccl_collectives.h"
+
 #include <stdexcept>
 
 namespace commsched::nccl {
@@ -79,24 +81,14 @@ void NcclTransport::prepare(const TensorSpec& spec, void* data, const Placement&
                                 "; move it there, or start one process per GPU with torch.cuda.set_device(local_rank)"
                                 " and commsched.init(device='cuda') on each");
   }
-  const bool average = spec.kind == CollectiveKind::kAllreduce && spec.op == ReduceOp::kAverage;
+  if (spec.kind == CollectiveKind::kBarrier) return;  // no memory: the agreement is the barrier
+  const bool average = (spec.kind == CollectiveKind::kAllreduce || spec.kind == CollectiveKind::kReducescatter) &&
+                       spec.op == ReduceOp::kAverage && spec.prescale == 1.0 && spec.postscale == 1.0;
   comm_->submitted(reinterpret_cast<uintptr_t>(data), spec.bytes(), average, placement.stream);
 }
 
 std::string NcclTransport::unsupported(const TensorSpec& spec) const {
-  const std::string basic = Transport::unsupported(spec);
-  if (!basic.empty()) return basic;
-  if (spec.dtype == DType::kInt16 || spec.dtype == DType::kBool) {
-    return std::string("the nccl transport does not implement ") + dtype_name(spec.dtype) + " (NCCL has no such type)";
-  }
-  if (spec.op == ReduceOp::kAverage && !dtype_is_floating(spec.dtype)) {
-    return "the nccl transport does not implement op=\"average\" of integers (ncclAvg truncates where commsched "
-           "floor-divides); use op=\"sum\" and divide";
-  }
-  if (spec.prescale != 1.0 || spec.postscale != 1.0) {
-    return "the nccl transport does not implement prescale_factor / postscale_factor; scale the tensor before or after";
-  }
-  return {};
+  return nccl_refusal(*comm_->api(), comm_->version(), spec);
 }
 
 void NcclTransport::forget(void* data) { comm_->forget(reinterpret_cast<uintptr_t>(data)); }
@@ -114,6 +106,11 @@ void NcclTransport::copy(void* dst, const void* src, size_t bytes) {
 void NcclTransport::scale(void* data, uint64_t count, DType dtype, double divisor) {
   (void)data, (void)count, (void)dtype, (void)divisor;
   throw std::logic_error("NCCL transport: the core asked to average device memory on the host (ncclAvg does it)");
+}
+
+void NcclTransport::multiply(void* data, uint64_t count, DType dtype, double factor) {
+  (void)data, (void)count, (void)dtype, (void)factor;
+  throw std::logic_error("NCCL transport: the core asked to scale device memory on the host (PreMulSum does it)");
 }
 
 std::unique_ptr<Transport> NcclTransportMaker::make(std::unique_ptr<Transport> control) {

@@ -34,10 +34,12 @@ class NcclTransport : public Transport {
   std::unique_ptr<FusionBuffer> allocate_fusion_buffer(size_t bytes) override;
   bool stages_fusion() const override { return true; }
   bool averages() const override { return true; }
+  bool scales() const override { return true; }
   std::string unsupported(const TensorSpec& spec) const override;
   // The core never touches device memory itself: these are refused rather than run on the host.
   void copy(void* dst, const void* src, size_t bytes) override;
   void scale(void* data, uint64_t count, DType dtype, double divisor) override;
+  void multiply(void* data, uint64_t count, DType dtype, double factor) override;
 
   const Communicator& communicator() const { return *comm_; }
 
