@@ -27,6 +27,8 @@ def test_device_collectives_are_exact(ranks: int, fake_nccl: tuple[Path, ctypes.
     assert result.stdout.count("DEVICE ALL OK") == ranks, output
     assert result.stdout.count("DEVICE OK late-producer") == ranks, output
     assert result.stdout.count("DEVICE OK refusal") == ranks, output
+    assert result.stdout.count("DEVICE OK reductions") == ranks, output
+    assert result.stdout.count("DEVICE OK output-collectives") == ranks, output
 
 
 def test_cuda_aware_mpi_takes_device_buffers(fake_nccl: tuple[Path, ctypes.CDLL], tmp_path: Path) -> None:

@@ -144,6 +144,132 @@ def refusal_reaches_every_rank(size: int, rank: int) -> None:
     print("DEVICE OK refusal", flush=True)
 
 
+def device_host(result: object, dtype: type) -> np.ndarray:
+    """A device result's bytes, read on the host (the fake's device memory is host memory)."""
+    interface = result.__cuda_array_interface__  # type: ignore[attr-defined]
+    count = int(np.prod(interface["shape"]))
+    raw = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(interface["data"][0])
+    return np.frombuffer(raw, dtype=dtype).reshape(interface["shape"]).copy()
+
+
+def reductions(size: int, rank: int) -> None:
+    """min, max and product (bool as and/or), prescale/postscale of sums and averages, fused (small)
+    and partitioned (large), all submitted before any is waited for."""
+    cases = []
+    for count in (5, 9, 20_000):
+        for dtype in (np.int32, np.float64, np.int8):
+            for op in ("min", "max", "product"):
+                values = rank_values(dtype, count, rank, count) % 3 + 1 if op == "product" else None
+                cases.append((f"{op}.{np.dtype(dtype).name}.{count}", dtype, count, op, values, 1.0, 1.0))
+        cases.append((f"bool.min.{count}", np.bool_, count, "min", None, 1.0, 1.0))
+        cases.append((f"bool.max.{count}", np.bool_, count, "max", None, 1.0, 1.0))
+        cases.append((f"bool.product.{count}", np.bool_, count, "product", None, 1.0, 1.0))
+        cases.append((f"scaled.sum.f32.{count}", np.float32, count, "sum", None, 0.5, 4.0))
+        cases.append((f"scaled.avg.f64.{count}", np.float64, count, "average", None, 2.0, 0.25))
+        cases.append((f"scaled.sum.f16.{count}", np.float16, count, "sum", None, 0.5, 2.0))
+        cases.append((f"scaled.sum.i64.{count}", np.int64, count, "sum", None, 3.0, 2.0))
+    arrays, inputs, handles = [], [], []
+    for salt, (name, dtype, count, op, values, pre, post) in enumerate(cases):
+        per_rank = []
+        for r in range(size):
+            if dtype is np.bool_:
+                per_rank.append(((np.arange(count) + r + salt) % (size + 1)) != 0)
+            elif op == "product":
+                per_rank.append((rank_values(dtype, count, r, salt) % 3 + 1).astype(dtype))
+            else:
+                per_rank.append(rank_values(dtype, count, r, salt))
+        inputs.append(per_rank)
+        arrays.append(FakeCudaArray(per_rank[rank].copy(), stream=2))
+        handles.append(
+            commsched.allreduce_async(
+                arrays[-1], name=name, op=op, prescale_factor=pre, postscale_factor=post
+            )
+        )
+    for handle, array, per_rank, (name, dtype, count, op, _, pre, post) in zip(handles, arrays, inputs, cases):
+        handle.wait(60)
+        if op in ("min", "max"):
+            want = np.minimum.reduce(per_rank) if op == "min" else np.maximum.reduce(per_rank)
+            check(name, array.host, want.astype(dtype))
+        elif op == "product":
+            want = np.ones(count, np.int64) if dtype is not np.bool_ else np.ones(count, bool)
+            for part in per_rank:
+                want = want & part if dtype is np.bool_ else want * part.astype(np.int64)
+            check(name, array.host, want.astype(dtype))
+        else:
+            total = sum(part.astype(np.float64) for part in per_rank) * pre * post
+            total = total / size if op == "average" else total
+            if np.dtype(dtype).kind == "i":
+                check(name, array.host, total.astype(dtype))
+            elif not np.allclose(array.host.astype(np.float64), total, rtol=1e-3, atol=1e-3):
+                raise AssertionError(f"{name}: {array.host[:5]} != {total[:5]}")
+    print("DEVICE OK reductions", flush=True)
+
+
+def output_collectives(size: int, rank: int) -> None:
+    """allgather (even and uneven rows), reducescatter (even and Horovod's uneven split, sum, average and
+    scaled), alltoall with splits, a barrier and a grouped allreduce, every result against numpy."""
+    row = 3
+    gathers = {
+        "gather.even": [rank_values(np.float32, 4 * row, r, 5).reshape(4, row) for r in range(size)],
+        "gather.uneven": [rank_values(np.int64, (r + 1) * row, r, 6).reshape(r + 1, row) for r in range(size)],
+        "gather.empty": [rank_values(np.int32, r * 700, r, 7).reshape(r, 700) for r in range(size)],
+    }
+    handles = {
+        name: commsched.allgather_async(FakeCudaArray(parts[rank].copy(), stream=2), name=name)
+        for name, parts in gathers.items()
+    }
+    scatters = {  # rows per input: size * 2 splits evenly, size * 2 + 1 leaves the first ranks a row more
+        "scatter.even.sum": (size * 2, "sum", 1.0, 1.0, np.float64),
+        "scatter.uneven.sum": (size * 2 + 1, "sum", 1.0, 1.0, np.int32),
+        "scatter.uneven.avg": (size * 2 + 1, "average", 1.0, 1.0, np.float64),
+        "scatter.even.scaled": (size * 2, "sum", 0.5, 3.0, np.float32),
+    }
+    scatter_inputs = {
+        name: [rank_values(dtype, rows * row, r, len(name)).reshape(rows, row) for r in range(size)]
+        for name, (rows, _, _, _, dtype) in scatters.items()
+    }
+    for name, (rows, op, pre, post, dtype) in scatters.items():
+        handles[name] = commsched.reducescatter_async(
+            FakeCudaArray(scatter_inputs[name][rank].copy(), stream=2),
+            name=name,
+            op=op,
+            prescale_factor=pre,
+            postscale_factor=post,
+        )
+    splits = [[(source + target) % 3 for target in range(size)] for source in range(size)]
+    sent = [rank_values(np.float32, sum(splits[r]) * row, r, 9).reshape(-1, row) for r in range(size)]
+    handles["alltoall"] = commsched.alltoall_async(
+        FakeCudaArray(sent[rank].copy(), stream=2), splits=splits[rank], name="alltoall"
+    )
+    for name, parts in gathers.items():
+        got = device_host(handles[name].wait(60), parts[0].dtype)
+        check(name, got, np.concatenate(parts))
+    for name, (rows, op, pre, post, dtype) in scatters.items():
+        mine = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        start = sum(mine[:rank])
+        total = sum(x.astype(np.float64) for x in scatter_inputs[name]) * pre * post
+        want = (total / size if op == "average" else total)[start : start + mine[rank]]
+        got = device_host(handles[name].wait(60), dtype)
+        if np.dtype(dtype).kind == "i":
+            check(name, got, want.astype(dtype))
+        elif got.shape != want.shape or not np.allclose(got, want, rtol=1e-5):
+            raise AssertionError(f"{name}: {got.ravel()[:5]} != {want.ravel()[:5]}")
+    result, received = handles["alltoall"].wait(60)
+    pieces = []
+    for source in range(size):
+        offsets = np.cumsum([0, *splits[source]])
+        pieces.append(sent[source][offsets[rank] : offsets[rank + 1]])
+    check("alltoall", device_host(result, np.float32), np.concatenate(pieces))
+    assert received == [splits[source][rank] for source in range(size)], received
+    commsched.barrier(timeout=60)
+    members = [FakeCudaArray(rank_values(np.float32, n, rank, n), stream=2) for n in (4, 50_000)]
+    group = commsched.grouped_allreduce_async(members, name="grouped", op="max")
+    group.wait(60)
+    for array, n in zip(members, (4, 50_000)):
+        check("grouped", array.host, np.maximum.reduce([rank_values(np.float32, n, r, n) for r in range(size)]))
+    print("DEVICE OK output-collectives", flush=True)
+
+
 def main() -> None:
     """Runs the cases named on the command line on this rank."""
     parser = argparse.ArgumentParser()
@@ -165,6 +291,9 @@ def main() -> None:
             average_and_broadcast(size, rank)
             late_producer(size, rank, library, args.delay_us)
             refusal_reaches_every_rank(size, rank)
+            if args.transport == "nccl":
+                reductions(size, rank)
+                output_collectives(size, rank)
         commsched.shutdown()
     print("DEVICE ALL OK", flush=True)
 
