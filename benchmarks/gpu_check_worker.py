@@ -103,6 +103,10 @@ class TorchKit:
             wide = tensor.to(torch.float64 if dtype in FLOATS else torch.int64)
             return wide.cpu().numpy()
 
+    def read_result(self, result: Any, dtype: str) -> np.ndarray:
+        """A collective's new tensor (allgather, reducescatter, alltoall) as flat host values."""
+        return self._read(result, dtype).ravel()
+
     def submit_on(self, place: str, values: np.ndarray, dtype: str, submit: Submit) -> tuple[Any, Any]:
         """Puts `values` on the GPU at `place` (late, after a sleep kernel, off the current stream), submits
         it from that stream, and returns (handle, read) where read() gives the host values."""
@@ -185,6 +189,14 @@ class FakeKit:
         self.fake_cuda.launch_write(self.lib, stream, device, host, FAKE_WRITE_DELAY_US)
         array = self.array(device, dtype, stream)
         return submit(array), lambda: self.values(array.host, dtype)
+
+    def read_result(self, result: Any, dtype: str) -> np.ndarray:
+        """A collective's new array (its bytes in the fake's host-visible device memory) as flat values."""
+        interface = result.__cuda_array_interface__
+        count = int(np.prod(interface["shape"]))
+        storage = np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+        raw = (ctypes.c_char * (count * storage.itemsize)).from_address(interface["data"][0])
+        return self.values(np.frombuffer(raw, dtype=storage).copy(), dtype)
 
     @staticmethod
     def _check(status: int, call: str) -> None:
@@ -295,6 +307,91 @@ class Checks:
 
         self._row(f"fused ({tensors} tensors)", "float32", "sum", count, "current stream", run)
 
+    def scaled_or_min_max(self, dtype: str, op: str, prescale: float, postscale: float) -> None:
+        """An allreduce with op min, max or product, or a sum with scale factors, against the host."""
+
+        def run() -> str:
+            values, salt = self._inputs(dtype, COUNT)
+            everyone = [rank_values(dtype, COUNT, r, salt) for r in range(self.size)]
+            if op == "min":
+                want = np.minimum.reduce(everyone)
+            elif op == "max":
+                want = np.maximum.reduce(everyone)
+            elif op == "product":
+                want = np.multiply.reduce(everyone)
+            else:
+                want = sum(everyone) * prescale * postscale
+            name = f"check.{len(self.rows)}"
+            handle, read = self.kit.submit_on(
+                "current stream",
+                values,
+                dtype,
+                lambda a: commsched.allreduce_async(
+                    a, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale
+                ),
+            )
+            handle.wait(TIMEOUT_S)
+            return compare(read(), want, dtype, op, self.size)
+
+        label = op if prescale == postscale == 1.0 else f"{op} x{prescale} x{postscale}"
+        self._row("allreduce", dtype, label, COUNT, "current stream", run)
+
+    def with_output(self, kind: str, dtype: str) -> None:
+        """Uneven allgather, Horovod's uneven reducescatter, or alltoall with splits, against the host."""
+        row = 2
+        ranks = self.size
+
+        def run() -> str:
+            self._salt += 1
+            salt = self._salt
+            if kind == "allgather":
+                counts = [(r + 1) * row for r in range(ranks)]
+            elif kind == "reducescatter":
+                counts = [(2 * ranks + 1) * row] * ranks
+            else:
+                splits = [[(source + target) % 2 + 1 for target in range(ranks)] for source in range(ranks)]
+                counts = [sum(split) * row for split in splits]
+            everyone = [rank_values(dtype, counts[r], r, salt) for r in range(ranks)]
+            values = everyone[self.rank] + (1 if self.rank == self.corrupt_rank else 0)
+            name = f"check.{len(self.rows)}"
+            if kind == "allgather":
+                want = np.concatenate(everyone)
+                submit = lambda a: commsched.allgather_async(a, name=name)
+            elif kind == "reducescatter":
+                rows = 2 * ranks + 1
+                mine = [rows // ranks + (1 if r < rows % ranks else 0) for r in range(ranks)]
+                start = sum(mine[: self.rank]) * row
+                want = sum(everyone)[start : start + mine[self.rank] * row]
+                submit = lambda a: commsched.reducescatter_async(a, name=name)
+            else:
+                pieces = []
+                for source in range(ranks):
+                    offsets = np.cumsum([0, *splits[source]]) * row
+                    pieces.append(everyone[source][offsets[self.rank] : offsets[self.rank + 1]])
+                want = np.concatenate(pieces)
+                submit = lambda a: commsched.alltoall_async(
+                    a, splits=[s * row for s in splits[self.rank]], name=name
+                )
+            handle, _ = self.kit.submit_on("current stream", values, dtype, submit)
+            result = handle.wait(TIMEOUT_S)
+            if kind == "alltoall":
+                result = result[0]
+            return compare(self.kit.read_result(result, dtype), want, dtype, "sum", self.size)
+
+        self._row(kind, dtype, "sum", 0, "current stream", run)
+
+    def more_collectives(self) -> None:
+        """min/max/product, scale factors, and the collectives with a new output, for every dtype."""
+        for dtype in DTYPES:
+            for op in ("min", "max", "product"):
+                self.scaled_or_min_max(dtype, op, 1.0, 1.0)
+            if dtype in FLOATS:
+                self.scaled_or_min_max(dtype, "sum", 0.5, 4.0)
+            else:
+                self.scaled_or_min_max(dtype, "sum", 3.0, 2.0)
+            for kind in ("allgather", "reducescatter", "alltoall"):
+                self.with_output(kind, dtype)
+
     def run_all(self) -> list[Row]:
         """Every dtype and op, partitioned, fused, and each stream place."""
         for dtype in DTYPES:
@@ -302,6 +399,7 @@ class Checks:
                 self.reduce("allreduce", dtype, op, COUNT)
         self.partitioned()
         self.fused()
+        self.more_collectives()
         for place in self.kit.places():
             self.reduce("late write", "float32", "sum", 1 << 20, place)
             # CuPy has no bfloat16: its half-precision check is float16.

@@ -547,9 +547,19 @@ def test_premulsum_multiplies_every_input_before_the_sum(
         scalar = np.array([3], np.int32)
         op = _premul(fake, comm, scalar)
         scalar[0] = 1000  # host-immediate: already read
-        assert fake.ncclAllReduce(address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]) == 0
+        assert (
+            fake.ncclAllReduce(
+                address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]
+            )
+            == 0
+        )
         assert fake.ncclRedOpDestroy(op, comm) == 0
-        assert fake.ncclAllReduce(address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]) != 0
+        assert (
+            fake.ncclAllReduce(
+                address(inputs[rank]), address(outputs[rank]), 100, int32, op, comm, streams[rank]
+            )
+            != 0
+        )
         assert fake.ncclRedOpDestroy(op, comm) != 0
     for stream in streams:
         fake.cudaStreamSynchronize(stream)
@@ -557,16 +567,27 @@ def test_premulsum_multiplies_every_input_before_the_sum(
     for output in outputs:
         assert np.array_equal(output, 3 * plain_sum) and not np.array_equal(output, plain_sum)
     wrong_type = _premul(fake, comms[0], np.array([2.0], np.float32))
-    assert fake.ncclAllReduce(address(inputs[0]), address(outputs[0]), 100, int32, wrong_type, comms[0], streams[0]) != 0
-    assert fake.ncclBroadcast(address(inputs[0]), address(outputs[0]), 100, int32, 0, comms[0], streams[0]) == 0
-    assert fake.ncclBroadcast(address(inputs[1]), address(outputs[1]), 100, int32, 0, comms[1], streams[1]) == 0
+    assert (
+        fake.ncclAllReduce(
+            address(inputs[0]), address(outputs[0]), 100, int32, wrong_type, comms[0], streams[0]
+        )
+        != 0
+    )
+    assert (
+        fake.ncclBroadcast(address(inputs[0]), address(outputs[0]), 100, int32, 0, comms[0], streams[0]) == 0
+    )
+    assert (
+        fake.ncclBroadcast(address(inputs[1]), address(outputs[1]), 100, int32, 0, comms[1], streams[1]) == 0
+    )
     for stream in streams:
         fake.cudaStreamSynchronize(stream)
     for comm in comms:
         fake.ncclCommDestroy(comm)
 
 
-def test_premulsum_in_a_half_precision_reducescatter(fake: ctypes.CDLL, new_stream: Callable[[], int]) -> None:
+def test_premulsum_in_a_half_precision_reducescatter(
+    fake: ctypes.CDLL, new_stream: Callable[[], int]
+) -> None:
     """float16: each input is multiplied (rounded to half) before the sum, part by part."""
     comms = _comms(fake, 2)
     streams = [new_stream(), new_stream()]
@@ -575,7 +596,9 @@ def test_premulsum_in_a_half_precision_reducescatter(fake: ctypes.CDLL, new_stre
     outputs = [np.zeros(4, np.float16) for _ in range(2)]
     for rank, comm in enumerate(comms):
         op = _premul(fake, comm, np.array([0.5], np.float16))
-        fake.ncclReduceScatter(address(inputs[rank]), address(outputs[rank]), 4, float16, op, comm, streams[rank])
+        fake.ncclReduceScatter(
+            address(inputs[rank]), address(outputs[rank]), 4, float16, op, comm, streams[rank]
+        )
         fake.ncclRedOpDestroy(op, comm)
     for stream in streams:
         fake.cudaStreamSynchronize(stream)
@@ -599,9 +622,19 @@ def test_grouped_reduces_write_only_their_root(fake: ctypes.CDLL, new_stream: Ca
         fake.ncclGroupStart()
         offset = 0
         for root, count in enumerate(parts):
-            assert fake.ncclReduce(
-                address(inputs[rank]) + offset * 8, address(outputs[rank]), count, float64, 0, root, comm, streams[rank]
-            ) == 0
+            assert (
+                fake.ncclReduce(
+                    address(inputs[rank]) + offset * 8,
+                    address(outputs[rank]),
+                    count,
+                    float64,
+                    0,
+                    root,
+                    comm,
+                    streams[rank],
+                )
+                == 0
+            )
             offset += count
         assert fake.ncclGroupEnd() == 0
     for stream in streams:

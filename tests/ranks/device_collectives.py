@@ -185,7 +185,9 @@ def reductions(size: int, rank: int) -> None:
                 arrays[-1], name=name, op=op, prescale_factor=pre, postscale_factor=post
             )
         )
-    for handle, array, per_rank, (name, dtype, count, op, _, pre, post) in zip(handles, arrays, inputs, cases):
+    for handle, array, per_rank, (name, dtype, count, op, _, pre, post) in zip(
+        handles, arrays, inputs, cases
+    ):
         handle.wait(60)
         if op in ("min", "max"):
             want = np.minimum.reduce(per_rank) if op == "min" else np.maximum.reduce(per_rank)
@@ -211,7 +213,9 @@ def output_collectives(size: int, rank: int) -> None:
     row = 3
     gathers = {
         "gather.even": [rank_values(np.float32, 4 * row, r, 5).reshape(4, row) for r in range(size)],
-        "gather.uneven": [rank_values(np.int64, (r + 1) * row, r, 6).reshape(r + 1, row) for r in range(size)],
+        "gather.uneven": [
+            rank_values(np.int64, (r + 1) * row, r, 6).reshape(r + 1, row) for r in range(size)
+        ],
         "gather.empty": [rank_values(np.int32, r * 700, r, 7).reshape(r, 700) for r in range(size)],
     }
     handles = {
@@ -266,7 +270,9 @@ def output_collectives(size: int, rank: int) -> None:
     group = commsched.grouped_allreduce_async(members, name="grouped", op="max")
     group.wait(60)
     for array, n in zip(members, (4, 50_000)):
-        check("grouped", array.host, np.maximum.reduce([rank_values(np.float32, n, r, n) for r in range(size)]))
+        check(
+            "grouped", array.host, np.maximum.reduce([rank_values(np.float32, n, r, n) for r in range(size)])
+        )
     print("DEVICE OK output-collectives", flush=True)
 
 
