@@ -208,6 +208,7 @@ class FakeCudaArray:
 
     def __init__(self, host: np.ndarray, stream: int | None = 0xABC, device_id: int | None = None) -> None:
         self.host = host
+        self.shape = host.shape  # as CuPy and torch arrays have: the output collectives read rows from it
         self.__cuda_array_interface__ = {
             "data": (host.ctypes.data, False),
             "shape": host.shape,
