@@ -231,15 +231,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for old in [*report_dir.glob("rank*.log"), *report_dir.glob("rank*.failures")]:
         old.unlink()
     inner = [str(Path(__file__).resolve()), "--rank-mode", "--report-dir", str(report_dir)]
-    inner += ["--stack-dump", str(options.stack_dump), test_path]
-    inner += [] if options.per_test or not options.pytest_args else ["--", *options.pytest_args]
+    inner += ["--stack-dump", str(options.stack_dump)]
+    extra = ["--", *options.pytest_args] if options.pytest_args and not options.per_test else []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     if options.per_test:
         for test in _collect(test_path, env, options.pytest_args):
-            _launch(options, [*inner, "--", "-k", test.rpartition("::")[2]], env)
+            _launch(options, [*inner, f"{test_path}::{test.partition('::')[2]}"], env)
     else:
-        _launch(options, inner, env)
+        _launch(options, [*inner, test_path, *extra], env)
 
     found, unfinished = outcomes(report_dir)
     for where in unfinished:
