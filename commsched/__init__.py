@@ -81,6 +81,8 @@ __all__ = [
     "reducescatter_async",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
 __version__ = "0.1.0"
 
@@ -107,6 +109,8 @@ class _State:
         self.device_memory = False
         # init() whose transport waits for the first tensor: (launch info, rank, size).
         self.pending: tuple[_launch.LaunchInfo, int, int] | None = None
+        # start_timeline() called while pending: (path, mark_cycles), opened when the core starts.
+        self.timeline_request: tuple[str, bool] | None = None
 
 
 _state = _State()
@@ -256,6 +260,10 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     _state.device_memory = core_kind == "device"
     _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
     _state.pending = None
+    if _state.timeline_request is not None:
+        from commsched.timeline import apply_pending_request
+
+        apply_pending_request()
 
 
 def _start_pending(cuda: bool, device: int | None = None) -> None:
@@ -297,6 +305,7 @@ def shutdown() -> None:
         _core.stop()
         _state.settings = None
         _state.pending = None
+        _state.timeline_request = None
         _state.device_memory = False
 
 
@@ -662,3 +671,4 @@ from commsched.collectives import (
     reducescatter,
     reducescatter_async,
 )
+from commsched.timeline import start_timeline, stop_timeline

@@ -108,9 +108,20 @@ def gloo_built() -> bool:
     return bool(_core("gloo_built")())
 
 
-def nccl_built() -> bool:
-    """True when commsched has its NCCL transport."""
-    return bool(_core("nccl_built")())
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 22105) when commsched's NCCL transport is built and NCCL loads, else 0.
+
+    As Horovod's: scripts compare it with a version (`hvd.nccl_built() >= 2700`), so it is a number.
+    """
+    if not _core("nccl_built")():
+        return 0
+    from commsched import _nccl
+    from commsched.transports import nccl
+
+    try:
+        return int(_nccl.version(nccl.load_api()))
+    except RuntimeError:  # the extension is built but NCCL or CUDA does not load here: unusable
+        return 0
 
 
 def mpi_enabled() -> bool:
@@ -130,7 +141,7 @@ def mpi_threads_supported() -> bool:
 
 def cuda_built() -> bool:
     """True when commsched can move CUDA tensors (its NCCL transport is built)."""
-    return nccl_built()
+    return bool(_core("nccl_built")())
 
 
 def rocm_built() -> bool:

@@ -119,6 +119,13 @@ class Runtime {
                   const std::string& args_json) {
     timeline_.span(track, name, ts_us, dur_us, args_json);
   }
+  // Starts (or moves) the trace to `path` while running; `mark_cycles` marks each round of the core.
+  void start_timeline(const std::string& path, bool mark_cycles) {
+    timeline_.open(path, rank_);
+    timeline_.set_mark_cycles(mark_cycles);
+  }
+  // Ends the trace file started by start_timeline() or COMMSCHED_TIMELINE.
+  void stop_timeline() { timeline_.close(); }
 
  private:
   struct Submission {

@@ -218,6 +218,7 @@ bool Runtime::run_round() {
     take_submissions(status);
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
+    if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, exchange_start_us);
     const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
     after_exchange = Clock::now();
     agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);

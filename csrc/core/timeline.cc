@@ -36,28 +36,49 @@ std::string Timeline::quote(const std::string& text) {
 
 void Timeline::open(const std::string& path, int rank) {
   if (path.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  end_file_locked();
   rank_ = rank;
   out_.open(path, std::ios::out | std::ios::trunc);
-  if (!out_) throw std::runtime_error("COMMSCHED_TIMELINE: cannot open '" + path + "' for writing");
-  enabled_ = true;
+  if (!out_) {
+    throw std::runtime_error("cannot open the timeline file '" + path +
+                             "' for writing; give a writable path (COMMSCHED_TIMELINE or start_timeline)");
+  }
+  first_ = true;
+  named_tracks_.clear();
   out_ << "[\n";
   const std::string pid = std::to_string(rank_);
-  emit("{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"args\":{\"name\":\"rank " + pid + "\"}}");
+  write_locked("{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"args\":{\"name\":\"rank " + pid +
+               "\",\"start_time_since_epoch_in_micros\":" + std::to_string(now_us()) + "}}");
   const char* tracks[] = {"agreement", "wire", "tensors"};
   for (int tid = 0; tid < 3; ++tid) {
-    emit("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"tid\":" + std::to_string(tid) +
-         ",\"args\":{\"name\":\"" + tracks[tid] + "\"}}");
+    write_locked("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + pid + ",\"tid\":" + std::to_string(tid) +
+                 ",\"args\":{\"name\":\"" + tracks[tid] + "\"}}");
   }
+  enabled_.store(true);
 }
 
-Timeline::~Timeline() {
+void Timeline::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  end_file_locked();
+}
+
+void Timeline::end_file_locked() {
+  enabled_.store(false);
   if (!out_.is_open()) return;
   out_ << "\n]\n";
   out_.close();
 }
 
+Timeline::~Timeline() { close(); }
+
 void Timeline::emit(const std::string& event_json) {
   std::lock_guard<std::mutex> lock(mutex_);
+  write_locked(event_json);
+}
+
+void Timeline::write_locked(const std::string& event_json) {
+  if (!out_.is_open()) return;  // closed between the caller's enabled() and here
   if (!first_) out_ << ",\n";
   first_ = false;
   out_ << event_json;
@@ -120,9 +141,8 @@ void Timeline::span(const std::string& track, const std::string& name, uint64_t 
 }
 
 void Timeline::flush() {
-  if (!enabled()) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  out_.flush();
+  if (out_.is_open()) out_.flush();
 }
 
 }  // namespace commsched

@@ -1,7 +1,9 @@
 // Chrome trace ("JSON array format") writer that Perfetto and chrome://tracing open.
 // Written by the core's background thread; span() also by other threads (a mutex orders the writes).
+// open() and close() may come from any thread while the core runs (start_timeline/stop_timeline).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <fstream>
 #include <map>
@@ -15,14 +17,19 @@ class Timeline {
   enum Track : int { kAgreementTrack = 0, kWireTrack = 1, kTensorTrack = 2 };
 
   Timeline() = default;
-  // Opens `path` for rank `rank`; an empty path leaves the timeline disabled.
+  // Opens `path` for rank `rank`, ending the file written so far (if any); an empty path does nothing.
   void open(const std::string& path, int rank);
+  // Ends the file (a complete JSON array) and stops recording; a no-op when not recording.
+  void close();
   ~Timeline();
   Timeline(const Timeline&) = delete;
   Timeline& operator=(const Timeline&) = delete;
 
-  // Set once by open(), before the core's thread starts: callers on other threads may read it.
-  bool enabled() const { return enabled_; }
+  // Callers on any thread may read it; an event begun just before close() is dropped, not torn.
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  // Whether each round of the core is marked (Horovod's mark_cycles), while recording.
+  void set_mark_cycles(bool mark) { mark_cycles_.store(mark, std::memory_order_relaxed); }
+  bool marks_cycles() const { return enabled() && mark_cycles_.load(std::memory_order_relaxed); }
   static uint64_t now_us();
   // now_us() while tracing, else 0: a clock read costs ~20 ns, a tenth of the core's work on a small collective.
   uint64_t stamp_us() const { return enabled() ? now_us() : 0; }
@@ -42,12 +49,15 @@ class Timeline {
 
  private:
   void emit(const std::string& event_json);
+  void write_locked(const std::string& event_json);  // the caller holds mutex_
+  void end_file_locked();
   std::mutex mutex_;  // uncontended unless a span() comes from another thread
   std::map<std::string, int> named_tracks_;
   std::ofstream out_;
   int rank_ = 0;
   bool first_ = true;
-  bool enabled_ = false;
+  std::atomic<bool> enabled_{false};
+  std::atomic<bool> mark_cycles_{false};
 };
 
 }  // namespace commsched

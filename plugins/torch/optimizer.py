@@ -276,9 +276,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         if self._synchronized and not self._skip_synchronize:
             warnings.warn(
-                "optimizer.step() called after optimizer.synchronize() without the optimizer.skip_synchronize() "
-                "context; the gradients are already reduced and step() applies them as they are, but put step() "
-                "inside `with optimizer.skip_synchronize():` to say so (Horovod reduces them again here)",
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(); the gradients are already reduced and step() applies them as they "
+                "are, but put step() inside `with optimizer.skip_synchronize():` to say so (Horovod reduces "
+                "them again here)",
                 UserWarning,
                 stacklevel=2,
             )
