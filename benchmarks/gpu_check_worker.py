@@ -347,7 +347,8 @@ class Checks:
             if kind == "allgather":
                 counts = [(r + 1) * row for r in range(ranks)]
             elif kind == "reducescatter":
-                counts = [(2 * ranks + 1) * row] * ranks
+                # Flat arrays split by elements: an odd count gives the first ranks one more.
+                counts = [2 * ranks + 1] * ranks
             else:
                 splits = [[(source + target) % 2 + 1 for target in range(ranks)] for source in range(ranks)]
                 counts = [sum(split) * row for split in splits]
@@ -360,8 +361,8 @@ class Checks:
             elif kind == "reducescatter":
                 rows = 2 * ranks + 1
                 mine = [rows // ranks + (1 if r < rows % ranks else 0) for r in range(ranks)]
-                start = sum(mine[: self.rank]) * row
-                want = sum(everyone)[start : start + mine[self.rank] * row]
+                start = sum(mine[: self.rank])
+                want = sum(everyone)[start : start + mine[self.rank]]
                 submit = lambda a: commsched.reducescatter_async(a, name=name)
             else:
                 pieces = []

@@ -13,7 +13,7 @@ import os
 
 import commsched as _api
 from commsched import _core
-from commsched import config as _config
+from commsched.config import timeline_path_for
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -28,7 +28,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
             return
         if not _core.running():
             raise ValueError("start_timeline() needs commsched started: call init() (hvd.init()) first")
-        _core.start_timeline(_config.timeline_path_for(path, _core.rank(), _core.size()), bool(mark_cycles))
+        _core.start_timeline(timeline_path_for(path, _core.rank(), _core.size()), bool(mark_cycles))
 
 
 def stop_timeline() -> None:
@@ -45,4 +45,4 @@ def apply_pending_request() -> None:
     if request is not None:
         _api._state.timeline_request = None
         path, mark_cycles = request
-        _core.start_timeline(_config.timeline_path_for(path, _core.rank(), _core.size()), mark_cycles)
+        _core.start_timeline(timeline_path_for(path, _core.rank(), _core.size()), mark_cycles)

@@ -69,6 +69,7 @@ std::unique_ptr<PendingOp> NcclTransport::start(const WireOp& op) {
 }
 
 void NcclTransport::prepare(const TensorSpec& spec, void* data, const Placement& placement) {
+  if (spec.kind == CollectiveKind::kBarrier) return;  // no memory: the agreement is the barrier
   if (!placement.device) {
     throw std::invalid_argument(
         "it is in host memory, but commsched runs the nccl transport, which moves GPU memory only; move it to "
@@ -81,7 +82,6 @@ void NcclTransport::prepare(const TensorSpec& spec, void* data, const Placement&
                                 "; move it there, or start one process per GPU with torch.cuda.set_device(local_rank)"
                                 " and commsched.init(device='cuda') on each");
   }
-  if (spec.kind == CollectiveKind::kBarrier) return;  // no memory: the agreement is the barrier
   const bool average = (spec.kind == CollectiveKind::kAllreduce || spec.kind == CollectiveKind::kReducescatter) &&
                        spec.op == ReduceOp::kAverage && spec.prescale == 1.0 && spec.postscale == 1.0;
   comm_->submitted(reinterpret_cast<uintptr_t>(data), spec.bytes(), average, placement.stream);
