@@ -165,6 +165,7 @@ class Runtime {
     std::unique_ptr<PendingOp> op;
     void* wire_data = nullptr;
     uint64_t started_us = 0;
+    int set_size = 1;  // the ranks of its process set, which average divides by
   };
 
   using Clock = std::chrono::steady_clock;

@@ -203,6 +203,7 @@ void Runtime::launch(Launch next) {
     op.data = buffer;
   }
   flight.wire_data = op.data;
+  flight.set_size = plan.process_set == 0 ? size_ : static_cast<int>(agreement_.members(plan.process_set).size());
   flight.started_us = timeline_.stamp_us();
   for (const ChunkRef& chunk : plan.chunks) {
     LocalTensor& tensor = tensors_.at(chunk.tensor_id);
@@ -289,7 +290,7 @@ bool Runtime::poll_in_flight() {
 void Runtime::finish(InFlight& done) {
   const Launch& plan = done.launch;
   const size_t elem_size = dtype_size(plan.dtype);
-  const auto ranks = static_cast<double>(agreement_.members(plan.process_set).size());
+  const auto ranks = static_cast<double>(done.set_size);
   if (plan.kind == CollectiveKind::kAllreduce) {
     if (plan.op == ReduceOp::kAverage && !transport_averages_) {
       transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, ranks);

@@ -146,7 +146,7 @@ class Transport {
   virtual void add_process_set(int32_t id, const std::vector<int>& ranks) {
     (void)id;
     if (static_cast<int>(ranks.size()) == size()) return;  // every rank: the transport's own communicator
-    throw UsageError("the " + name() + " transport does not implement process sets; use mpi, gloo or grpc");
+    throw UsageError("the " + name() + " transport does not implement process sets; use the mpi or gloo transport");
   }
   // Frees what add_process_set() built; nothing runs on the set any more. Any thread.
   virtual void remove_process_set(int32_t id) { (void)id; }

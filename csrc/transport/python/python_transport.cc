@@ -52,6 +52,8 @@ PythonTransport::PythonTransport(py::object impl)
       has_copy_(py::hasattr(impl_, "copy")),
       has_scale_(py::hasattr(impl_, "scale")),
       has_unsupported_(py::hasattr(impl_, "unsupported")),
+      // Without add_process_set a transport takes only sets of every rank, which run as its own collectives.
+      has_process_sets_(py::hasattr(impl_, "add_process_set")),
       host_memory_(!py::hasattr(impl_, "host_memory") || impl_.attr("host_memory").cast<bool>()) {}
 
 PythonTransport::~PythonTransport() {
@@ -86,7 +88,7 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     py::object pending;
     // Only set collectives name their set, so transports without process sets keep their signature.
     py::dict extra;
-    if (op.process_set != 0) extra["process_set"] = op.process_set;
+    if (op.process_set != 0 && has_process_sets_) extra["process_set"] = op.process_set;
     const auto address = reinterpret_cast<uintptr_t>(op.data);
     const bool plain = op.op == ReduceOp::kSum || op.op == ReduceOp::kAverage;
     if (kind_has_output(op.kind)) {

@@ -65,6 +65,7 @@ class PythonTransport : public Transport {
   bool has_copy_;
   bool has_scale_;
   bool has_unsupported_;
+  bool has_process_sets_;
   bool host_memory_;
 };
 
