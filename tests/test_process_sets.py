@@ -69,3 +69,39 @@ def test_grpc_refuses_sets_of_some_ranks(tmp_path: Path) -> None:
     output = _run("grpc", tmp_path)
     for rank in range(3):
         assert f"rank {rank}: PROCESS SETS REFUSED over grpc" in output, output
+
+
+def test_process_set_arguments_are_checked_on_one_rank() -> None:
+    """Bad ranks, unregistered and removed sets are refused naming the fix; the set of every rank works."""
+    import numpy as np
+
+    import commsched
+
+    commsched.init(transport="loopback")
+    try:
+        with pytest.raises(ValueError, match="must be between 0 and 0"):
+            commsched.add_process_set([1])
+        with pytest.raises(ValueError, match="name a rank twice"):
+            commsched.ProcessSet([0, 0])
+        with pytest.raises(TypeError, match="list of ranks"):
+            commsched.add_process_set(3)
+        loose = commsched.ProcessSet([0])
+        with pytest.raises(ValueError, match="not registered"):
+            commsched.allreduce(np.ones(2), process_set=loose)
+        with pytest.raises(ValueError, match="not registered"):
+            loose.size()
+        everyone = commsched.add_process_set(loose)
+        assert everyone is loose and everyone.process_set_id == 1
+        assert (everyone.size(), everyone.rank(), everyone.included()) == (1, 0, True)
+        with pytest.raises(ValueError, match="exists already"):
+            commsched.add_process_set([0])
+        np.testing.assert_array_equal(
+            commsched.allreduce(np.ones(2), op="average", process_set=everyone), [1, 1]
+        )
+        commsched.barrier(process_set=everyone)
+        assert not commsched.remove_process_set(commsched.global_process_set)
+        assert commsched.remove_process_set(everyone) and not commsched.remove_process_set(everyone)
+        with pytest.raises(ValueError, match="not registered"):
+            commsched.allgather(np.ones(2), process_set=everyone)
+    finally:
+        commsched.shutdown()
