@@ -67,6 +67,7 @@ __all__ = [
     "config",
     "cross_rank",
     "cross_size",
+    "get_process_sets",
     "global_process_set",
     "gloo_built",
     "grouped_allreduce",
@@ -697,6 +698,7 @@ from commsched.collectives import (
 from commsched.process_sets import (
     ProcessSet,
     add_process_set,
+    get_process_sets,
     global_process_set,
     remove_process_set,
 )

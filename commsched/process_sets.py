@@ -143,6 +143,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+def get_process_sets() -> dict[int, list[int]]:
+    """Every registered set's id and ranks, the global set (id 0) included, as Horovod's get_process_sets()."""
+    return {0: list(range(_api.size())), **{i: list(s.ranks or []) for i, s in sorted(_registered.items())}}
+
+
 def resolve(process_set: Any) -> int:
     """The id of `process_set` (None: the global set); raises ValueError unless this rank is a member."""
     if process_set is None or process_set is global_process_set:

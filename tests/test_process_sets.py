@@ -93,6 +93,7 @@ def test_process_set_arguments_are_checked_on_one_rank() -> None:
         everyone = commsched.add_process_set(loose)
         assert everyone is loose and everyone.process_set_id == 1
         assert (everyone.size(), everyone.rank(), everyone.included()) == (1, 0, True)
+        assert commsched.get_process_sets() == {0: [0], 1: [0]}
         with pytest.raises(ValueError, match="exists already"):
             commsched.add_process_set([0])
         np.testing.assert_array_equal(
