@@ -47,9 +47,11 @@ __all__ = [
     "Max",
     "Min",
     "NotRunningError",
+    "ProcessSet",
     "Product",
     "RankFailure",
     "Sum",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -65,6 +67,8 @@ __all__ = [
     "config",
     "cross_rank",
     "cross_size",
+    "get_process_sets",
+    "global_process_set",
     "gloo_built",
     "grouped_allreduce",
     "grouped_allreduce_async",
@@ -79,6 +83,7 @@ __all__ = [
     "reconfigure",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "shutdown",
     "size",
     "start_timeline",
@@ -179,6 +184,7 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         _state.settings = resolved
         _state.launcher = info.launcher
         _state.unnamed = itertools.count()
+        _process_sets._reset()
         _state.user_given = _config.user_given(settings)
         defer = resolved.device == "auto" and resolved.transport == "auto" and comm is None
         if defer and process_group is None and info.size > 0 and _gpu_visible():
@@ -421,7 +427,8 @@ def _run_now(
     name, root, priority = _checked(name, kind, op, root, priority)
     op = _op_name(op)
     tuner = _state.tuner
-    if _state.pending is None and not _state.device_memory and (tuner is None or not tuner.recording):
+    plain = _state.pending is None and not _state.device_memory and _process_sets.current() == 0
+    if plain and (tuner is None or not tuner.recording):
         limit = -1.0 if timeout is None else timeout
         if kind == "broadcast":
             done = _core.broadcast_buffer(array, name, root, priority, limit)
@@ -456,9 +463,10 @@ def _checked(name: str | None, kind: str, op: str, root: Any, priority: Any) -> 
     that name then fail instead of waiting for this one.
     """
     if name is None:
-        name = f"{kind}.unnamed.{next(_state.unnamed)}"
+        name = f"{kind}.unnamed.{_process_sets.next_unnamed(_state.unnamed)}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"tensor name must be a non-empty string, not {name!r}")
+    name = _process_sets.qualified(name)
     try:
         root = _integer(root, f"root of '{name}'", "a rank number")
         priority = _integer(priority, f"priority of '{name}'", "a 32-bit integer")
@@ -503,7 +511,7 @@ def _integer(value: Any, what: str, form: str) -> int:
 def _refuse(name: str, error: BaseException) -> None:
     """Tells the other ranks this rank refused `name`, so their collectives under it fail now."""
     if _state.pending is None and _core.running():
-        _core.refuse(name, str(error))
+        _core.refuse(name, str(error), process_set=_process_sets.current())
 
 
 def _enqueue(
@@ -556,6 +564,7 @@ def _submit_view(
         device=view.on_gpu,
         device_id=-1 if view.device is None else view.device,
         stream=view.stream,
+        process_set=_process_sets.current(),
         **extra,
     )
     tuner = _state.tuner
@@ -587,13 +596,18 @@ def allreduce_async(
     op: str = "sum",
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> Handle:
     """Starts an in-place allreduce; smaller priority numbers go on the wire first.
 
     op: sum, average (integers floor-divide, as Horovod), min, max or product (bool: min and
     product are logical and, max is logical or). prescale_factor multiplies this rank's data before
-    the reduction, postscale_factor the result after it.
+    the reduction, postscale_factor the result after it. process_set: the ProcessSet it runs on
+    (default: every rank); average divides by the set's size.
     """
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return allreduce_async(array, name, priority, op, prescale_factor, postscale_factor)
     if prescale_factor == 1.0 and postscale_factor == 1.0:
         return _submit(array, name, "allreduce", op, 0, priority)
     name, root, priority = _checked(name, "allreduce", op, 0, priority)
@@ -616,8 +630,12 @@ def allreduce(
     timeout: float | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> Any:
-    """Allreduces in place and returns the array (op and scale factors as allreduce_async)."""
+    """Allreduces in place and returns the array (op, scale factors and process_set as allreduce_async)."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return allreduce(array, name, priority, op, timeout, prescale_factor, postscale_factor)
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         handle = allreduce_async(array, name, priority, op, prescale_factor, postscale_factor)
         return handle.wait(timeout)
@@ -630,6 +648,7 @@ def allreduce(
         and _state.pending is None
         and not _state.device_memory
         and _state.tuner is None
+        and _process_sets.current() == 0
     ):
         done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
         if done != -2:  # -1: valid arguments, not a host buffer the core takes: no second try
@@ -637,19 +656,33 @@ def allreduce(
     return _run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 
-def broadcast_async(array: Any, root: int = 0, name: str | None = None, priority: int = 0) -> Handle:
-    """Starts an in-place broadcast from `root`."""
+def broadcast_async(
+    array: Any, root: int = 0, name: str | None = None, priority: int = 0, process_set: Any = None
+) -> Handle:
+    """Starts an in-place broadcast from `root` (a global rank, a member of process_set when given)."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return broadcast_async(array, root, name, priority)
     return _submit(array, name, "broadcast", "sum", root, priority)
 
 
 def broadcast(
-    array: Any, root: int = 0, name: str | None = None, priority: int = 0, timeout: float | None = None
+    array: Any,
+    root: int = 0,
+    name: str | None = None,
+    priority: int = 0,
+    timeout: float | None = None,
+    process_set: Any = None,
 ) -> Any:
-    """Broadcasts in place from `root` and returns the array."""
+    """Broadcasts in place from `root` and returns the array (process_set as broadcast_async)."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return broadcast(array, root, name, priority, timeout)
     return _run_now(array, name, "broadcast", "sum", root, priority, timeout)
 
 
-# The collectives beyond allreduce and broadcast, and Horovod's helpers, live in their own module.
+# Process sets and the collectives beyond allreduce and broadcast live in their own modules.
+from commsched import process_sets as _process_sets
 from commsched.collectives import (
     GroupHandle,
     allgather,
@@ -672,3 +705,10 @@ from commsched.collectives import (
     reducescatter_async,
 )
 from commsched.timeline import start_timeline, stop_timeline
+from commsched.process_sets import (
+    ProcessSet,
+    add_process_set,
+    get_process_sets,
+    global_process_set,
+    remove_process_set,
+)

@@ -20,6 +20,7 @@ from typing import Any
 
 import commsched as _api
 from commsched import _core
+from commsched import process_sets as _process_sets
 
 # commsched dtype -> numpy dtype of the result (bfloat16 as its raw 16 bits, which torch views back).
 _NUMPY_DTYPES = {
@@ -47,6 +48,7 @@ class OutputHandle(_api.Handle):
         self._row_shape = row_shape
         self._kind = kind
         self._result: Any = None
+        self._me = _process_sets.position()  # alltoall: this rank's index in its set's layout
 
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until done and returns the result; raises TimeoutError or a CommschedError."""
@@ -61,8 +63,7 @@ class OutputHandle(_api.Handle):
         row = _row_elements(self._row_shape)
         size = len(layout) if self._kind != "alltoall" else math.isqrt(len(layout))
         if self._kind == "alltoall":
-            me = _core.rank()
-            counts = [layout[source * size + me] for source in range(size)]
+            counts = [layout[source * size + self._me] for source in range(size)]
         else:
             counts = list(layout)
         return [count // row if row else 0 for count in counts]
@@ -166,22 +167,40 @@ def _submit_output(
     return OutputHandle(core_handle, array, view, row_shape, kind)
 
 
-def allgather_async(array: Any, name: str | None = None, priority: int = 0) -> OutputHandle:
-    """Starts an allgather: every rank's array concatenated on the first dimension (which may differ)."""
+def allgather_async(
+    array: Any, name: str | None = None, priority: int = 0, process_set: Any = None
+) -> OutputHandle:
+    """Starts an allgather: every rank's array concatenated on the first dimension (which may differ);
+    with process_set, its members' arrays in rank order."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return allgather_async(array, name, priority)
     return _submit_output(array, name, "allgather", "sum", priority)
 
 
-def allgather(array: Any, name: str | None = None, priority: int = 0, timeout: float | None = None) -> Any:
-    """Returns every rank's array concatenated on the first dimension, in rank order."""
-    return allgather_async(array, name, priority).wait(timeout)
+def allgather(
+    array: Any,
+    name: str | None = None,
+    priority: int = 0,
+    timeout: float | None = None,
+    process_set: Any = None,
+) -> Any:
+    """Returns every rank's (process_set: every member's) array concatenated on the first dimension, in rank order."""
+    return allgather_async(array, name, priority, process_set).wait(timeout)
 
 
-def allgather_object(obj: Any, name: str | None = None, timeout: float | None = None) -> list[Any]:
-    """Returns the list of every rank's (picklable) object, in rank order."""
+def allgather_object(
+    obj: Any, name: str | None = None, timeout: float | None = None, process_set: Any = None
+) -> list[Any]:
+    """Returns the list of every rank's (process_set: every member's) picklable object, in rank order."""
     import numpy as np
 
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return allgather_object(obj, name, timeout)
     payload = np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8)
-    handle = allgather_async(payload, name or f"allgather_object.unnamed.{next(_api._state.unnamed)}")
+    unnamed = _process_sets.next_unnamed(_api._state.unnamed)
+    handle = allgather_async(payload, name or f"allgather_object.unnamed.{unnamed}")
     gathered = bytes(handle.wait(timeout))
     objects, offset = [], 0
     for length in handle.layout_rows():
@@ -191,19 +210,25 @@ def allgather_object(obj: Any, name: str | None = None, timeout: float | None = 
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, timeout: float | None = None
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    timeout: float | None = None,
+    process_set: Any = None,
 ) -> Any:
-    """Returns root_rank's (picklable) object on every rank: an allgather that only the root fills."""
+    """Returns root_rank's (picklable) object on every rank (of process_set): an allgather only the root fills."""
     import numpy as np
 
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return broadcast_object(obj, root_rank, name, timeout)
     root = _api._integer(root_rank, "root_rank of broadcast_object", "a rank number")
-    if not 0 <= root < _api.size():
-        raise ValueError(f"root_rank {root} is not a rank; use a rank between 0 and {_api.size() - 1}")
+    if root not in _process_sets.ranks():
+        raise ValueError(f"root_rank {root} is not a rank of the set; use one of {_process_sets.ranks()}")
     mine = pickle.dumps(obj) if _api.rank() == root else b""
     payload = np.frombuffer(bytearray(mine), dtype=np.uint8)
-    gathered = allgather(
-        payload, name or f"broadcast_object.unnamed.{next(_api._state.unnamed)}", timeout=timeout
-    )
+    unnamed = _process_sets.next_unnamed(_api._state.unnamed)
+    gathered = allgather(payload, name or f"broadcast_object.unnamed.{unnamed}", timeout=timeout)
     return obj if _api.rank() == root else pickle.loads(bytes(gathered))
 
 
@@ -214,9 +239,14 @@ def reducescatter_async(
     priority: int = 0,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> OutputHandle:
     """Starts a reducescatter: the reduction (sum or average) of every rank's array, cut on the
-    first dimension; rank r keeps part r, the first (rows % size) ranks one row more (as Horovod)."""
+    first dimension; rank r keeps part r, the first (rows % size) ranks one row more (as Horovod).
+    With process_set, over its members, numbered by their position in the set."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return reducescatter_async(array, op, name, priority, prescale_factor, postscale_factor)
     checked = _api._checked(name, "reducescatter", op, 0, priority)[0]
     scales = _scales(checked, prescale_factor, postscale_factor)
     return _submit_output(array, checked, "reducescatter", op, priority, **scales)
@@ -230,19 +260,28 @@ def reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     timeout: float | None = None,
+    process_set: Any = None,
 ) -> Any:
     """Returns this rank's part of the reduction of every rank's array (see reducescatter_async)."""
-    return reducescatter_async(array, op, name, priority, prescale_factor, postscale_factor).wait(timeout)
+    handle = reducescatter_async(array, op, name, priority, prescale_factor, postscale_factor, process_set)
+    return handle.wait(timeout)
 
 
 def alltoall_async(
-    array: Any, splits: Sequence[int] | None = None, name: str | None = None, priority: int = 0
+    array: Any,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    priority: int = 0,
+    process_set: Any = None,
 ) -> OutputHandle:
     """Starts an alltoall: rows splits[r] of the array go to rank r (equal parts without splits);
-    wait() returns (output, received_splits)."""
+    wait() returns (output, received_splits). With process_set, r is a position in the set."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return alltoall_async(array, splits, name, priority)
     checked = _api._checked(name, "alltoall", "sum", 0, priority)[0]
     array, rows, _ = _rows_and_shape(array, checked)
-    size = _api.size()
+    size = _process_sets.size()
     try:
         if splits is None:
             if rows % size:
@@ -266,16 +305,22 @@ def alltoall(
     name: str | None = None,
     priority: int = 0,
     timeout: float | None = None,
+    process_set: Any = None,
 ) -> tuple[Any, list[int]]:
     """Returns (output, received_splits): the rows every rank sent here, in rank order."""
-    result: tuple[Any, list[int]] = alltoall_async(array, splits, name, priority).wait(timeout)
+    result: tuple[Any, list[int]] = alltoall_async(array, splits, name, priority, process_set).wait(timeout)
     return result
 
 
-def barrier(name: str | None = None, timeout: float | None = None) -> None:
-    """Returns once every rank has called barrier(); it goes through the agreement like any collective."""
-    name = name or f"barrier.unnamed.{next(_barriers)}"
-    core_handle = _core.enqueue(name, 0, 0, "uint8", "sum", "barrier", 0, 0, wake_core=True)
+def barrier(name: str | None = None, timeout: float | None = None, process_set: Any = None) -> None:
+    """Returns once every rank (of process_set) has called barrier(); it goes through the agreement."""
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return barrier(name, timeout)
+    name = _process_sets.qualified(name or f"barrier.unnamed.{_process_sets.next_unnamed(_barriers)}")
+    core_handle = _core.enqueue(
+        name, 0, 0, "uint8", "sum", "barrier", 0, 0, wake_core=True, process_set=_process_sets.current()
+    )
     _api.Handle(core_handle, None, None).wait(timeout)
 
 
@@ -286,10 +331,15 @@ def grouped_allreduce_async(
     op: str = "sum",
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> GroupHandle:
-    """Starts in-place allreduces of several arrays that every rank agrees on and launches together
-    (one fused launch when they fit the fusion size)."""
+    """Starts in-place allreduces of several arrays that every rank (of process_set) agrees on and
+    launches together (one fused launch when they fit the fusion size)."""
     from commsched import buffers
+
+    if process_set is not None:
+        with _process_sets.scope(process_set):
+            return grouped_allreduce_async(arrays, name, priority, op, prescale_factor, postscale_factor)
 
     base, _, priority = _api._checked(name, "grouped_allreduce", op, 0, priority)
     names = [f"{base}.{index}" for index in range(len(arrays))]
@@ -317,7 +367,9 @@ def grouped_allreduce_async(
                 view.stream,
             )
         )
-    core_handles = _core.enqueue_group(members, _api._op_name(op), priority, **scales)
+    core_handles = _core.enqueue_group(
+        members, _api._op_name(op), priority, **scales, process_set=_process_sets.current()
+    )
     return GroupHandle([_api.Handle(h, a, v) for h, a, v in zip(core_handles, arrays, views)])
 
 
@@ -329,11 +381,13 @@ def grouped_allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     timeout: float | None = None,
+    process_set: Any = None,
 ) -> list[Any]:
     """Allreduces several arrays in place, together; returns them."""
-    return grouped_allreduce_async(arrays, name, priority, op, prescale_factor, postscale_factor).wait(
-        timeout
+    handle = grouped_allreduce_async(
+        arrays, name, priority, op, prescale_factor, postscale_factor, process_set
     )
+    return handle.wait(timeout)
 
 
 def local_size() -> int:

@@ -86,6 +86,16 @@ class Groups:
                 dist.destroy_process_group(group)
         self.owned.clear()
 
+    def make_process_set(self, ranks: list[int]) -> Any:
+        """A Gloo group of `ranks` (ranks of this transport); None on a rank outside it. Every rank calls it."""
+        import torch.distributed as dist
+
+        group = dist.new_group([self.ranks[r] for r in ranks], backend="gloo")
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+            return None
+        self.owned.append(group)
+        return group
+
 
 def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
     """Initialises torch.distributed if needed and makes the data and agreement groups."""
@@ -161,7 +171,12 @@ def _native_seed(groups: Groups) -> tuple[Any, str]:
     try:
         cpu = torch.device("cpu")
         data, control = groups.data._get_backend(cpu), groups.control._get_backend(cpu)
-        return _gloo.Seed(data, control, groups.close), ""
+
+        def make_process_set(set_id: int, ranks: list[int]) -> Any:
+            group = groups.make_process_set(ranks)
+            return None if group is None else group._get_backend(cpu)
+
+        return _gloo.Seed(data, control, groups.close, make_process_set), ""
     except (AttributeError, RuntimeError, ValueError, TypeError) as error:
         return None, f"commsched._gloo cannot use these process groups ({error})"
 
@@ -219,6 +234,8 @@ class GlooTransport:
         self._dist = dist
         _WIDENED.setdefault("int16", torch.int32)
         self._owned = groups.owned  # subgroups made for this transport
+        self._groups = groups
+        self._sets: dict[int, tuple[Any, list[int]]] = {}  # process set id -> (group, ranks); members only
         self._data = groups.data
         self._control = groups.control
         self._global_ranks = groups.ranks
@@ -396,23 +413,52 @@ class GlooTransport:
         """Gloo runs every collective and op commsched has (see start_collective for how)."""
         return ""
 
+    def add_process_set(self, set_id: int, ranks: list[int]) -> None:
+        """Builds a Gloo group of the set's members (every rank calls it, in the same order)."""
+        group = self._groups.make_process_set(list(ranks))
+        if group is not None:
+            self._sets[set_id] = (group, list(ranks))
+
+    def remove_process_set(self, set_id: int) -> None:
+        """Forgets a set's group; close() destroys it with the others."""
+        self._sets.pop(set_id, None)
+
+    def _on(self, process_set: int) -> tuple[Any, int, list[int]]:
+        """(group, this rank's position in it, its ranks) for a collective of `process_set`."""
+        if process_set == 0:
+            return self._data, self.rank, list(range(self.size))
+        group, ranks = self._sets[process_set]
+        return group, ranks.index(self.rank), ranks
+
     def _reduce_op(self, op: str) -> Any:
         ops = self._dist.ReduceOp
         return {"min": ops.MIN, "max": ops.MAX, "product": ops.PRODUCT}.get(op, ops.SUM)
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> _Pending:
-        """Starts an in-place allreduce (sum, min, max, product) or broadcast on raw memory."""
+    def start(
+        self,
+        address: int,
+        count: int,
+        dtype: str,
+        kind: str,
+        root: int,
+        op: str = "sum",
+        process_set: int = 0,
+    ) -> _Pending:
+        """Starts an in-place allreduce (sum, min, max, product) or broadcast on raw memory; `root`
+        is a position in `process_set`."""
+        group, _, members = self._on(process_set)
         tensor = self._tensor_at(address, count, dtype)
         if kind == "allreduce" and dtype in _WIDENED:
             # Gloo reduces no int16: in int32, whose low 16 bits wrap as int16 arithmetic would.
             wide = tensor.to(_WIDENED[dtype])
-            work = self._dist.all_reduce(wide, op=self._reduce_op(op), group=self._data, async_op=True)
+            work = self._dist.all_reduce(wide, op=self._reduce_op(op), group=group, async_op=True)
             return self._track(_Pending(work, self, lambda: tensor.copy_(wide.to(tensor.dtype))))
         if kind == "allreduce":
-            work = self._dist.all_reduce(tensor, op=self._reduce_op(op), group=self._data, async_op=True)
+            work = self._dist.all_reduce(tensor, op=self._reduce_op(op), group=group, async_op=True)
         else:
             tensor = _movable(tensor)
-            work = self._dist.broadcast(tensor, src=self._global_ranks[root], group=self._data, async_op=True)
+            source = self._global_ranks[members[root]]
+            work = self._dist.broadcast(tensor, src=source, group=group, async_op=True)
         return self._track(_Pending(work, self))
 
     def _track(self, pending: _Pending) -> _Pending:
@@ -431,13 +477,15 @@ class GlooTransport:
         recv_counts: list[int],
         send_counts: list[int],
         layout: list[int],
+        process_set: int = 0,
     ) -> _Pending:
         """Allgather (all_gather of equal, padded parts), reducescatter (an allreduce of a copy, of
         which this rank keeps its part) or alltoall (all_to_all_single) into `output`."""
         torch, dist = self._torch, self._dist
+        group, me, members = self._on(process_set)
         source = self._tensor_at(address, count, dtype)
         target = self._tensor_at(
-            output, sum(recv_counts) if kind != "reducescatter" else recv_counts[self.rank], dtype
+            output, sum(recv_counts) if kind != "reducescatter" else recv_counts[me], dtype
         )
         if kind != "reducescatter":  # moving bytes only: any type of the same width does
             source, target = _movable(source), _movable(target)
@@ -445,8 +493,8 @@ class GlooTransport:
             width = max(recv_counts)
             padded = torch.zeros(width, dtype=source.dtype)
             padded[:count] = source
-            parts = [torch.empty(width, dtype=source.dtype) for _ in range(self.size)]
-            work = dist.all_gather(parts, padded, group=self._data, async_op=True)
+            parts = [torch.empty(width, dtype=source.dtype) for _ in range(len(members))]
+            work = dist.all_gather(parts, padded, group=group, async_op=True)
 
             def gathered() -> None:
                 offset = 0
@@ -457,11 +505,11 @@ class GlooTransport:
             return self._track(_Pending(work, self, gathered))
         if kind == "reducescatter":
             reduced = source.to(_WIDENED[dtype]) if dtype in _WIDENED else source.clone()
-            work = dist.all_reduce(reduced, op=self._reduce_op(op), group=self._data, async_op=True)
-            start = sum(recv_counts[: self.rank])
+            work = dist.all_reduce(reduced, op=self._reduce_op(op), group=group, async_op=True)
+            start = sum(recv_counts[:me])
 
             def kept() -> None:
-                target[:] = reduced[start : start + recv_counts[self.rank]].to(target.dtype)
+                target[:] = reduced[start : start + recv_counts[me]].to(target.dtype)
 
             return self._track(_Pending(work, self, kept))
         work = dist.all_to_all_single(
@@ -469,7 +517,7 @@ class GlooTransport:
             source,
             output_split_sizes=recv_counts,
             input_split_sizes=send_counts,
-            group=self._data,
+            group=group,
             async_op=True,
         )
         return self._track(_Pending(work, self))

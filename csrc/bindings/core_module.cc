@@ -256,8 +256,9 @@ PYBIND11_MODULE(_core, module) {
       [owners](const std::string& name, uintptr_t address, uint64_t count, const std::string& dtype,
                const std::string& op, const std::string& kind, int root, int priority, bool wake_core,
                py::object owner, bool device, int device_id, std::optional<uintptr_t> stream, double prescale,
-               double postscale, std::vector<uint64_t> row_shape, std::vector<uint64_t> splits) {
+               double postscale, std::vector<uint64_t> row_shape, std::vector<uint64_t> splits, int32_t process_set) {
         TensorSpec spec;
+        spec.process_set = process_set;
         spec.name = name;
         spec.dtype = dtype_from_name(dtype);
         spec.op = op_from_name(op);
@@ -279,7 +280,7 @@ PYBIND11_MODULE(_core, module) {
       py::arg("root"), py::arg("priority"), py::arg("wake_core") = true, py::arg("owner") = py::none(),
       py::arg("device") = false, py::arg("device_id") = -1, py::arg("stream") = py::none(),
       py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("row_shape") = std::vector<uint64_t>{},
-      py::arg("splits") = std::vector<uint64_t>{},
+      py::arg("splits") = std::vector<uint64_t>{}, py::arg("process_set") = 0,
       "Submits a collective on raw memory; `owner` (what keeps that memory alive) is held until it finishes. GPU "
       "memory says its device and the stream that produces it (None: no ordering needed).");
   module.def(
@@ -292,7 +293,7 @@ PYBIND11_MODULE(_core, module) {
   module.def(
       "enqueue_group",
       [owners](const std::vector<py::tuple>& members, const std::string& op, int priority, double prescale,
-               double postscale, bool wake_core) {
+               double postscale, bool wake_core, int32_t process_set) {
         // Each member: (name, address, count, dtype, owner, device, device_id, stream).
         std::vector<Runtime::GroupMember> specs;
         for (const py::tuple& member : members) {
@@ -305,6 +306,7 @@ PYBIND11_MODULE(_core, module) {
           entry.spec.priority = priority;
           entry.spec.prescale = prescale;
           entry.spec.postscale = postscale;
+          entry.spec.process_set = process_set;
           entry.data = reinterpret_cast<void*>(member[1].cast<uintptr_t>());
           const bool device = member[5].cast<bool>();
           entry.placement = Placement{device, member[6].cast<int>(),
@@ -319,16 +321,31 @@ PYBIND11_MODULE(_core, module) {
         return handles;
       },
       py::arg("members"), py::arg("op"), py::arg("priority"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
-      py::arg("wake_core") = true,
+      py::arg("wake_core") = true, py::arg("process_set") = 0,
       "Submits allreduces that every rank announces and the core admits together (one fused launch when they fit).");
   module.def(
       "refuse",
-      [](const std::string& name, const std::string& reason) {
+      [](const std::string& name, const std::string& reason, int32_t process_set) {
         auto runtime = runtime_slot().get();
-        if (runtime) runtime->refuse(name, reason);
+        if (runtime) runtime->refuse(name, reason, process_set);
       },
-      py::arg("name"), py::arg("reason"),
+      py::arg("name"), py::arg("reason"), py::arg("process_set") = 0,
       "Tells every rank this rank refused a submission of `name`, so theirs fail instead of waiting.");
+  module.def(
+      "add_process_set",
+      [](int32_t id, const std::vector<int>& ranks) {
+        auto runtime = runtime_slot().require("add_process_set");
+        py::gil_scoped_release release;  // the members meet in the transport; Python transports need the GIL
+        runtime->add_process_set(id, ranks);
+      },
+      py::arg("id"), py::arg("ranks"),
+      "Registers process set `id` with the transport and the agreement (every rank, same order).");
+  module.def(
+      "remove_process_set", [](int32_t id) { runtime_slot().require("remove_process_set")->remove_process_set(id); },
+      py::arg("id"), "Forgets process set `id` on this rank.");
+  module.def(
+      "process_set_ranks", [](int32_t id) { return runtime_slot().require("process_set_ranks")->process_set_ranks(id); },
+      py::arg("id"), "The ranks of a registered process set (0: every rank).");
   module.def("kept_owners", [owners] { return owners->held(); },
              "How many owners of unfinished collectives the core keeps alive (finished ones are released).");
 

@@ -20,10 +20,12 @@ constexpr uint8_t kFlagSettings = 4;
 constexpr uint8_t kEntryCached = 0;
 constexpr uint8_t kEntryFull = 1;
 constexpr uint8_t kEntryRefused = 2;
+constexpr uint8_t kEntryRefusedInSet = 3;  // a refusal of a collective on a process set other than 0
 constexpr uint8_t kExtraPrescale = 1;
 constexpr uint8_t kExtraPostscale = 2;
 constexpr uint8_t kExtraRowShape = 4;
 constexpr uint8_t kExtraSplits = 8;
+constexpr uint8_t kExtraProcessSet = 16;
 // A row of an allgather, reducescatter or alltoall has at most this many dimensions.
 constexpr size_t kMaxRowDims = 64;
 // Abort and refusal messages are cut to this; they name tensors, so they may run long.
@@ -143,15 +145,35 @@ std::string rank_list(const std::vector<int>& ranks) {
 }  // namespace
 
 Agreement::Agreement(int rank, int size, size_t max_cached_names)
-    : rank_(rank), size_(size), max_cached_names_(std::min<size_t>(max_cached_names, UINT32_MAX)) {}
+    : rank_(rank), size_(size), max_cached_names_(std::min<size_t>(max_cached_names, UINT32_MAX)) {
+  for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
+}
+
+void Agreement::add_process_set(int32_t id, std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  process_sets_[id] = std::move(ranks);
+}
+
+void Agreement::remove_process_set(int32_t id) { process_sets_.erase(id); }
+
+const std::vector<int>& Agreement::members(int32_t id) const {
+  if (id == 0) return all_ranks_;
+  auto found = process_sets_.find(id);
+  if (found == process_sets_.end()) {
+    throw CommError("an agreement report names process set " + std::to_string(id) +
+                    ", which this rank has not registered; every rank must call add_process_set in the same order");
+  }
+  return found->second;
+}
 
 void Agreement::announce(const TensorSpec& spec, std::string payload, uint64_t local_id) {
   outbox_.push_back(Outgoing{spec, std::move(payload), {}, local_id});
 }
 
-void Agreement::refuse(const std::string& name, const std::string& reason) {
+void Agreement::refuse(const std::string& name, const std::string& reason, int32_t process_set) {
   TensorSpec spec;
   spec.name = name;
+  spec.process_set = process_set;
   outbox_.push_back(Outgoing{std::move(spec), {}, reason.empty() ? "refused" : reason, kNoLocalTensor});
 }
 
@@ -177,9 +199,10 @@ std::string Agreement::build_report(const ReportStatus& status) {
     const TensorSpec& spec = outgoing.spec;
     const std::string& payload = outgoing.payload;
     if (!outgoing.refusal.empty()) {
-      writer.put_byte(kEntryRefused);
+      writer.put_byte(spec.process_set == 0 ? kEntryRefused : kEntryRefusedInSet);
       writer.put_string(spec.name);
       writer.put_string(outgoing.refusal, kMaxMessageBytes);
+      if (spec.process_set != 0) writer.put_signed(spec.process_set);
       continue;
     }
     auto cached = cache_ids_.find(spec.name);
@@ -200,8 +223,10 @@ std::string Agreement::build_report(const ReportStatus& status) {
     writer.put_signed(spec.priority);
     // What most tensors leave at their defaults travels only when set, behind one flags byte.
     const uint8_t extras = (spec.prescale != 1.0 ? kExtraPrescale : 0) | (spec.postscale != 1.0 ? kExtraPostscale : 0) |
-                           (spec.row_shape.empty() ? 0 : kExtraRowShape) | (spec.splits.empty() ? 0 : kExtraSplits);
+                           (spec.row_shape.empty() ? 0 : kExtraRowShape) | (spec.splits.empty() ? 0 : kExtraSplits) |
+                           (spec.process_set == 0 ? 0 : kExtraProcessSet);
     writer.put_byte(extras);
+    if (extras & kExtraProcessSet) writer.put_signed(spec.process_set);
     if (extras & kExtraPrescale) writer.put_double(spec.prescale);
     if (extras & kExtraPostscale) writer.put_double(spec.postscale);
     if (extras & kExtraRowShape) writer.put_varints(spec.row_shape);
@@ -284,10 +309,11 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         }
         spec = cache_[id].spec;
         spec.priority = reader.get_int32();
-      } else if (tag == kEntryRefused) {
+      } else if (tag == kEntryRefused || tag == kEntryRefusedInSet) {
         spec.name = reader.get_string(kMaxTensorNameBytes);
         refusal = reader.get_string(kMaxMessageBytes);
         if (refusal.empty()) reader.fail("refusal of '" + spec.name + "' without a reason");
+        if (tag == kEntryRefusedInSet) spec.process_set = reader.get_int32();
       } else if (tag == kEntryFull) {
         spec.name = reader.get_string(kMaxTensorNameBytes);
         const uint8_t dtype = reader.get_byte();
@@ -301,13 +327,17 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         spec.count = reader.get_varint();
         spec.priority = reader.get_int32();
         const uint8_t extras = reader.get_byte();
-        if (extras & ~(kExtraPrescale | kExtraPostscale | kExtraRowShape | kExtraSplits)) reader.fail("bad extras");
+        if (extras & ~(kExtraPrescale | kExtraPostscale | kExtraRowShape | kExtraSplits | kExtraProcessSet)) {
+          reader.fail("bad extras");
+        }
+        if (extras & kExtraProcessSet) spec.process_set = reader.get_int32();
         if (extras & kExtraPrescale) spec.prescale = reader.get_double();
         if (extras & kExtraPostscale) spec.postscale = reader.get_double();
         if (extras & kExtraRowShape) spec.row_shape = reader.get_varints(kMaxRowDims);
         if (extras & kExtraSplits) {
-          spec.splits = reader.get_varints(static_cast<size_t>(size_));
-          if (spec.splits.size() != static_cast<size_t>(size_)) reader.fail("alltoall splits for another number of ranks");
+          const size_t ranks = members(spec.process_set).size();
+          spec.splits = reader.get_varints(ranks);
+          if (spec.splits.size() != ranks) reader.fail("alltoall splits for another number of ranks");
         }
       } else {
         reader.fail("bad entry tag " + std::to_string(tag));
@@ -361,6 +391,16 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, std:
   }
   const std::string& name = it->first;
   Pending& entry = it->second;
+  const std::vector<int>& expected = members(spec.process_set);
+  if (!std::binary_search(expected.begin(), expected.end(), from_rank)) {
+    throw CommError("rank " + std::to_string(from_rank) + " announced tensor '" + name + "' on process set " +
+                    std::to_string(spec.process_set) + ", which it is not a member of");
+  }
+  if (entry.reported > 0 && entry.process_set != spec.process_set) {
+    throw CommError("tensor '" + name + "' was announced on process sets " + std::to_string(entry.process_set) +
+                    " and " + std::to_string(spec.process_set) + "; one name belongs to one set at a time");
+  }
+  entry.process_set = spec.process_set;
   if (entry.by_rank[from_rank]) {
     throw CommError("rank " + std::to_string(from_rank) + " announced tensor '" + name +
                     "' twice before it was agreed");
@@ -372,7 +412,7 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, std:
     ++own_pending_;
     entry.local_id = local_id;
   }
-  if (++entry.reported == size_) close(it, outcome);
+  if (++entry.reported == static_cast<int>(expected.size())) close(it, outcome);
 }
 
 void Agreement::close(PendingMap::iterator it, CycleOutcome& outcome) {
@@ -407,9 +447,10 @@ void Agreement::fail_refused(const std::string& name, const Pending& entry, Cycl
 }
 
 void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& outcome) {
-  TensorSpec agreed = *entry.by_rank[0];
+  const std::vector<int>& ranks = members(entry.process_set);
+  TensorSpec agreed = *entry.by_rank[ranks.front()];
   bool consistent = true;
-  for (int r = 1; r < size_; ++r) {
+  for (int r : ranks) {
     const TensorSpec& other = *entry.by_rank[r];
     consistent = consistent && other.agrees_with(agreed);
     agreed.priority = std::min(agreed.priority, other.priority);
@@ -417,7 +458,7 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   if (!consistent) {
     // Group ranks by what they submitted so the message stays short at scale.
     std::vector<std::pair<std::string, std::vector<int>>> variants;
-    for (int r = 0; r < size_; ++r) {
+    for (int r : ranks) {
       const std::string described = entry.by_rank[r]->describe();
       auto found = std::find_if(variants.begin(), variants.end(),
                                 [&](const auto& variant) { return variant.first == described; });
@@ -448,7 +489,9 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   // Inline only when the result follows from the payloads alone; else every rank launches it. A
   // barrier is complete once agreed.
   bool complete = agreed.kind == CollectiveKind::kBarrier;
-  if (agreed.kind == CollectiveKind::kBroadcast) {
+  if (agreed.process_set != 0) {
+    // Set collectives carry no inline bytes: the non-members' empty payloads would mislead the test below.
+  } else if (agreed.kind == CollectiveKind::kBroadcast) {
     complete = !entry.payloads[agreed.root].empty();
   } else if (agreed.kind == CollectiveKind::kAllreduce) {
     complete =
@@ -462,13 +505,15 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
 void Agreement::fill_layout(const Pending& entry, TensorSpec& agreed) const {
   if (!kind_has_output(agreed.kind)) return;
   const uint64_t row = agreed.row_elements();
-  const size_t ranks = static_cast<size_t>(size_);
+  // Indexed by position in the process set (every rank for set 0).
+  const std::vector<int>& members_in_order = members(entry.process_set);
+  const size_t ranks = members_in_order.size();
   agreed.layout.clear();
   if (agreed.kind == CollectiveKind::kAllgather) {
     agreed.count = 0;
     for (size_t r = 0; r < ranks; ++r) {
-      agreed.layout.push_back(entry.by_rank[r]->count);
-      agreed.count += entry.by_rank[r]->count;
+      agreed.layout.push_back(entry.by_rank[members_in_order[r]]->count);
+      agreed.count += entry.by_rank[members_in_order[r]]->count;
     }
   } else if (agreed.kind == CollectiveKind::kReducescatter) {
     // As Horovod splits the first dimension: the first (rows % ranks) ranks get one row more.
@@ -477,7 +522,7 @@ void Agreement::fill_layout(const Pending& entry, TensorSpec& agreed) const {
   } else {
     agreed.count = 0;
     for (size_t source = 0; source < ranks; ++source) {
-      const TensorSpec& sent = *entry.by_rank[source];
+      const TensorSpec& sent = *entry.by_rank[members_in_order[source]];
       for (size_t target = 0; target < ranks; ++target) agreed.layout.push_back(sent.splits.at(target) * row);
       agreed.count += sent.count;
     }
@@ -530,7 +575,9 @@ std::vector<StalledTensor> Agreement::stalled(double now_s, double older_than_s)
   for (const auto& [name, entry] : pending_) {
     if (now_s - entry.first_seen_s < older_than_s) continue;
     StalledTensor stalled{name, {}, {}, now_s - entry.first_seen_s};
-    for (int r = 0; r < size_; ++r) (entry.by_rank[r] ? stalled.ready_ranks : stalled.missing_ranks).push_back(r);
+    auto set = process_sets_.find(entry.process_set);
+    const std::vector<int>& ranks = set == process_sets_.end() ? all_ranks_ : set->second;  // removed: say all
+    for (int r : ranks) (entry.by_rank[r] ? stalled.ready_ranks : stalled.missing_ranks).push_back(r);
     result.push_back(std::move(stalled));
   }
   return result;

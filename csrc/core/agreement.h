@@ -86,7 +86,8 @@ class Agreement {
   // Records that this rank refused a submission of `name` (bad arguments on this rank only). It
   // stands in for this rank's announcement: once every rank has announced the name, the tensor
   // fails on every rank with `reason` and this rank named, instead of the others waiting for it.
-  void refuse(const std::string& name, const std::string& reason);
+  // `process_set`: the set the refused collective was for; only its members are waited for.
+  void refuse(const std::string& name, const std::string& reason, int32_t process_set = 0);
   bool has_announcements() const { return !outbox_.empty(); }
 
   // Serialises this rank's report and clears the announcements it carries.
@@ -104,6 +105,13 @@ class Agreement {
   bool waiting_on_others() const { return own_pending_ > 0; }
   size_t cached_names() const { return cache_ids_.size(); }
 
+  // Process sets: a collective on one is agreed once every member reported it, and only they
+  // launch it. Every rank registers the same sets under the same ids before any report names them.
+  void add_process_set(int32_t id, std::vector<int> ranks);
+  void remove_process_set(int32_t id);
+  // The ranks of process set `id`, ascending (0: every rank). Throws CommError for an unknown id.
+  const std::vector<int>& members(int32_t id) const;
+
  private:
   struct Outgoing {
     TensorSpec spec;
@@ -116,6 +124,7 @@ class Agreement {
     std::vector<std::string> payloads;
     std::vector<std::string> refusals;  // by rank; non-empty where that rank refused it
     int reported = 0;
+    int32_t process_set = 0;  // only its members report the entry
     double first_seen_s = 0;
     uint64_t local_id = kNoLocalTensor;
   };
@@ -155,6 +164,8 @@ class Agreement {
   PendingMap::node_type spare_;  // the last finished entry, emptied for the next name
   size_t own_pending_ = 0;
   uint32_t agreed_settings_epoch_ = 0;  // the lowest settings epoch in the last round's reports
+  std::vector<int> all_ranks_;  // process set 0
+  std::map<int32_t, std::vector<int>> process_sets_;
 };
 
 }  // namespace commsched

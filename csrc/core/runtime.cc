@@ -65,11 +65,105 @@ Runtime::~Runtime() {
   doorbell_->disconnect();
 }
 
-std::string Runtime::local_refusal(const TensorSpec& spec) const {
+std::vector<int> Runtime::check_membership(const TensorSpec& spec) const {
+  const std::vector<int> ranks = process_set_ranks(spec.process_set);
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) {
+    throw UsageError(std::string(kind_name(spec.kind)) + " of '" + spec.name + "' on process set " +
+                     std::to_string(spec.process_set) + " (ranks " + join_ranks(ranks) + "): rank " +
+                     std::to_string(rank_) + " is not a member; only the set's ranks may call collectives on it");
+  }
+  return ranks;
+}
+
+std::vector<int> Runtime::process_set_ranks(int32_t id) const {
+  if (id == 0) {
+    std::vector<int> everyone(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) everyone[static_cast<size_t>(r)] = r;
+    return everyone;
+  }
+  std::lock_guard<std::mutex> lock(inbox_mutex_);
+  auto found = process_sets_.find(id);
+  if (found == process_sets_.end()) {
+    throw UsageError("process set " + std::to_string(id) +
+                     " is not registered (never added, or removed); add it with add_process_set on every rank first");
+  }
+  return found->second;
+}
+
+void Runtime::add_process_set(int32_t id, const std::vector<int>& ranks) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  if (id <= 0) throw UsageError("process set id " + std::to_string(id) + " is reserved; use a positive id");
+  if (sorted.empty()) throw UsageError("a process set needs at least one rank");
+  if (sorted.front() < 0 || sorted.back() >= size_ || std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw UsageError("process set ranks [" + join_ranks(ranks) + "] must be distinct ranks between 0 and " +
+                     std::to_string(size_ - 1));
+  }
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (process_sets_.count(id) != 0) throw UsageError("process set " + std::to_string(id) + " is already registered");
+  }
+  // Outside the lock: the members meet here to build the set's communicator, while the driver runs on.
+  transport_->add_process_set(id, sorted);
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    process_sets_[id] = sorted;
+    set_changes_.emplace_back(id, sorted);
+  }
+  wake_all();
+}
+
+void Runtime::remove_process_set(int32_t id) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (process_sets_.erase(id) == 0) {
+      throw UsageError("process set " + std::to_string(id) + " is not registered (never added, or removed already)");
+    }
+    set_changes_.emplace_back(id, std::vector<int>{});
+  }
+  transport_->remove_process_set(id);
+  wake_all();
+}
+
+void Runtime::take_set_changes() {
+  std::vector<std::pair<int32_t, std::vector<int>>> changes;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (set_changes_.empty()) return;
+    changes.swap(set_changes_);
+  }
+  for (auto& [id, ranks] : changes) {
+    if (ranks.empty()) {
+      agreement_.remove_process_set(id);
+      set_schedulers_.erase(id);
+    } else {
+      agreement_.add_process_set(id, std::move(ranks));
+    }
+  }
+}
+
+Scheduler& Runtime::scheduler_for(int32_t process_set) {
+  if (process_set == 0) return scheduler_;
+  // Without a credit gate every member pops a set's units in the round that agreed them, in the
+  // same order; a credit released by completions would let members pop at different rounds.
+  SchedulingSettings settings = scheduler_.settings();
+  settings.credit_bytes = UINT64_MAX;
+  return set_schedulers_.try_emplace(process_set, settings).first->second;
+}
+
+int Runtime::position_in(const std::vector<int>& ranks, int rank) {
+  return static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank) - ranks.begin());
+}
+
+std::string Runtime::local_refusal(const TensorSpec& spec, const std::vector<int>& set_ranks) const {
   const std::string what = std::string(kind_name(spec.kind)) + " of '" + spec.name + "': ";
   if (spec.kind == CollectiveKind::kBroadcast && (spec.root < 0 || spec.root >= size_)) {
     return what + "root " + std::to_string(spec.root) + " is not a rank; use a root between 0 and " +
            std::to_string(size_ - 1);
+  }
+  if (spec.kind == CollectiveKind::kBroadcast && !std::binary_search(set_ranks.begin(), set_ranks.end(), spec.root)) {
+    return what + "root " + std::to_string(spec.root) + " is not in process set " + std::to_string(spec.process_set) +
+           " (ranks " + join_ranks(set_ranks) + "); use a member as the root";
   }
   if (kind_reduces(spec.kind)) {
     if (spec.dtype == DType::kBool && (spec.op == ReduceOp::kSum || spec.op == ReduceOp::kAverage)) {
@@ -92,9 +186,10 @@ std::string Runtime::local_refusal(const TensorSpec& spec) const {
     }
   }
   if (spec.kind == CollectiveKind::kAlltoall) {
-    if (spec.splits.size() != static_cast<size_t>(size_)) {
+    if (spec.splits.size() != set_ranks.size()) {
       return what + "splits name " + std::to_string(spec.splits.size()) + " ranks, but there are " +
-             std::to_string(size_) + "; give one row count per rank";
+             std::to_string(set_ranks.size()) + (spec.process_set == 0 ? "" : " in its process set") +
+             "; give one row count per rank";
     }
     uint64_t rows = 0;
     for (uint64_t split : spec.splits) rows += split;
@@ -119,8 +214,10 @@ std::vector<std::shared_ptr<HandleState>> Runtime::enqueue_group(const std::vect
 }
 
 std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<GroupMember>& members, bool wake_core) {
+  std::vector<std::vector<int>> set_ranks;
   for (const GroupMember& member : members) {
     const TensorSpec& spec = member.spec;
+    set_ranks.push_back(check_membership(spec));  // a non-member is refused here alone: no member waits for it
     if (spec.name.size() > kMaxTensorNameBytes) {
       // Too long to tell the other ranks about, so refused here alone.
       throw UsageError("tensor name '" + spec.name.substr(0, 64) + "...' is " + std::to_string(spec.name.size()) +
@@ -134,8 +231,9 @@ std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<Grou
   const auto forget_prepared = [&] {
     for (void* data : prepared) transport_->forget(data);
   };
-  for (const GroupMember& member : members) {
-    refusal = local_refusal(member.spec);
+  for (size_t i = 0; i < members.size(); ++i) {
+    const GroupMember& member = members[i];
+    refusal = local_refusal(member.spec, set_ranks[i]);
     if (!refusal.empty()) break;
     try {
       // On this, the submitting, thread: a GPU producer's stream is known here and nowhere later.
@@ -187,7 +285,9 @@ std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<Grou
       // The other ranks may have submitted these names correctly: they hear of the refusal in the
       // next round and fail, instead of waiting for COMMSCHED_STALL_SHUTDOWN.
       release_names(members.size());
-      for (const GroupMember& member : members) refusals_.emplace_back(member.spec.name, refusal);
+      for (const GroupMember& member : members) {
+        refusals_.emplace_back(member.spec.name, refusal, member.spec.process_set);
+      }
       refusals_waiting_ = true;
     } else {
       const uint64_t now_us = timeline_.stamp_us();
@@ -213,12 +313,12 @@ void Runtime::abort(const std::string& reason) {
   wake_all();
 }
 
-void Runtime::refuse(const std::string& name, const std::string& reason) {
+void Runtime::refuse(const std::string& name, const std::string& reason, int32_t process_set) {
   if (name.empty() || name.size() > kMaxTensorNameBytes) return;  // no other rank can know it
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     if (stopped_ || shutdown_requested_ || active_names_.count(name) != 0) return;
-    refusals_.emplace_back(name, reason);
+    refusals_.emplace_back(name, reason, process_set);
     refusals_waiting_ = true;
   }
   wake_all();
@@ -226,13 +326,13 @@ void Runtime::refuse(const std::string& name, const std::string& reason) {
 
 void Runtime::take_refusals() {
   if (!refusals_waiting_.load()) return;
-  std::vector<std::pair<std::string, std::string>> refusals;
+  std::vector<std::tuple<std::string, std::string, int32_t>> refusals;
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     refusals.swap(refusals_);
     refusals_waiting_ = false;
   }
-  for (const auto& [name, reason] : refusals) agreement_.refuse(name, reason);
+  for (const auto& [name, reason, process_set] : refusals) agreement_.refuse(name, reason, process_set);
 }
 
 void Runtime::finish_failed(const TensorFailure& failure) {

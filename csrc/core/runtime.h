@@ -12,6 +12,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -88,7 +89,17 @@ class Runtime {
   // Tells every rank that this rank refused a submission of `name` for `reason`, so their
   // collectives under that name fail with it instead of waiting. Nothing happens while the
   // name is in flight here (that submission goes on) or when the runtime has stopped.
-  void refuse(const std::string& name, const std::string& reason);
+  void refuse(const std::string& name, const std::string& reason, int32_t process_set = 0);
+
+  // Registers process set `id` (its ranks, ascending, at least one) with the transport and, before
+  // this rank's next report, with the agreement. Every rank calls it with the same arguments in the
+  // same order, and then waits for a global barrier before using the set. Blocks while the transport
+  // builds the set's communicator (the members meet there); any thread.
+  void add_process_set(int32_t id, const std::vector<int>& ranks);
+  // Forgets process set `id` on this rank; every rank calls it once nothing runs on the set.
+  void remove_process_set(int32_t id);
+  // The ranks of process set `id` (0: every rank); throws UsageError for an unknown id.
+  std::vector<int> process_set_ranks(int32_t id) const;
 
   // Stops every rank in the next round with `reason` as this rank's failure (say, the process is
   // exiting on an uncaught exception), so the others name it instead of seeing a plain shutdown.
@@ -161,6 +172,7 @@ class Runtime {
     std::unique_ptr<PendingOp> op;
     void* wire_data = nullptr;
     uint64_t started_us = 0;
+    int set_size = 1;  // the ranks of its process set, which average divides by
   };
 
   using Clock = std::chrono::steady_clock;
@@ -196,7 +208,16 @@ class Runtime {
   // Fills `op` for a collective with an output (allgather, reducescatter, alltoall) of one tensor.
   void prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op);
   // Why this rank cannot take `spec` (empty: it can): bad arguments, or a transport that lacks it.
-  std::string local_refusal(const TensorSpec& spec) const;
+  // `set_ranks`: the members of the spec's process set.
+  std::string local_refusal(const TensorSpec& spec, const std::vector<int>& set_ranks) const;
+  // Throws UsageError unless this rank is a member of `spec`'s process set, whose ranks it returns.
+  std::vector<int> check_membership(const TensorSpec& spec) const;
+  // Hands process sets added or removed since the last round to the agreement (driver only).
+  void take_set_changes();
+  // The scheduler of a process set: set 0's is gated by credit; the others launch what is agreed.
+  Scheduler& scheduler_for(int32_t process_set);
+  // The position of `rank` in `ranks` (ascending): a set's communicator numbers its members so.
+  static int position_in(const std::vector<int>& ranks, int rank);
   // Checks, registers and queues submissions under one lock; the caller holds none.
   std::vector<std::shared_ptr<HandleState>> submit(const std::vector<GroupMember>& members, bool wake_core);
   // A pooled fusion buffer of at least `bytes`, allocated through the transport when none fits.
@@ -246,7 +267,12 @@ class Runtime {
   std::string stop_reason_;
   FailureKind stop_kind_ = FailureKind::kNotRunning;  // guarded by inbox_mutex_, like stop_reason_
   int stop_rank_ = -1;
-  std::vector<std::pair<std::string, std::string>> refusals_;  // (name, reason); guarded by inbox_mutex_
+  // (name, reason, process set); guarded by inbox_mutex_
+  std::vector<std::tuple<std::string, std::string, int32_t>> refusals_;
+  // Guarded by inbox_mutex_: the registered process sets, and the changes the agreement has not
+  // seen yet (an empty rank list removes the set).
+  std::map<int32_t, std::vector<int>> process_sets_;
+  std::vector<std::pair<int32_t, std::vector<int>>> set_changes_;
   std::atomic<bool> refusals_waiting_{false};  // spares the driver the lock when there are none
   std::string abort_requested_;  // guarded by inbox_mutex_; abort()'s reason, for the next report
   std::atomic<bool> shutdown_requested_{false};
@@ -267,6 +293,7 @@ class Runtime {
   std::vector<Submission> intake_;  // take_submissions' batch, kept for its capacity
   CycleOutcome outcome_;  // run_round's, kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
+  std::map<int32_t, Scheduler> set_schedulers_;  // process sets other than 0
   NodeRecycler<std::unordered_map<uint64_t, LocalTensor>> tensor_nodes_;
   std::vector<InFlight> in_flight_;
   uint64_t bytes_in_flight_ = 0;

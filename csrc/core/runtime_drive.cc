@@ -214,6 +214,7 @@ bool Runtime::run_round() {
       if (abort_message_.empty() && !abort_requested_.empty()) abort_message_ = abort_requested_;
     }
     ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+    take_set_changes();  // before the submissions: a set's first collective may be among them
     take_refusals();
     take_submissions(status);
     const bool had_news = agreement_.has_announcements();

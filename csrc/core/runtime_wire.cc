@@ -47,7 +47,8 @@ void Runtime::take_submissions(ReportStatus& status) {
     std::string payload;
     // A tensor the partition size would cut is not small: it goes on the wire in chunks.
     const uint64_t partition = scheduler_.settings().partition_bytes;
-    if (bytes > 0 && bytes <= inline_limit_bytes_ && (partition == 0 || bytes <= partition) && sends_bytes) {
+    const bool global = submission.spec.process_set == 0;
+    if (global && bytes > 0 && bytes <= inline_limit_bytes_ && (partition == 0 || bytes <= partition) && sends_bytes) {
       payload.assign(static_cast<const char*>(submission.data), bytes);
     }
     agreement_.announce(submission.spec, std::move(payload), id);
@@ -64,6 +65,11 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     // Every rank sees the same reports, so every rank switches in this same cycle.
     applied_epoch_ = outcome.root_settings_epoch;
     scheduler_.reconfigure(outcome.root_settings);
+    for (auto& [process_set, set_scheduler] : set_schedulers_) {
+      SchedulingSettings uncredited = outcome.root_settings;
+      uncredited.credit_bytes = UINT64_MAX;
+      set_scheduler.reconfigure(uncredited);
+    }
     std::lock_guard<std::mutex> lock(settings_mutex_);
     applied_settings_ = outcome.root_settings;
   }
@@ -75,6 +81,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
   for (size_t i = 0; i < outcome.agreed.size(); ++i) {
     const TensorSpec& agreed = outcome.agreed[i];
     const uint64_t id = outcome.agreed_ids[i];
+    if (id == kNoLocalTensor) continue;  // a collective of a process set this rank is not in
     timeline_.async_end(agreed.name, "negotiate", id, now_us);
     if (!outcome.inline_payloads[i].empty()) {
       complete_inline(id, agreed, outcome.inline_payloads[i]);
@@ -83,7 +90,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     LocalTensor& tensor = tensors_.at(id);
     tensor.agreed = true;
     tensor.layout = agreed.layout;
-    tensor.chunks_left = scheduler_.add(id, agreed);
+    tensor.chunks_left = scheduler_for(agreed.process_set).add(id, agreed);
     timeline_.async_begin(agreed.name, "queued", id, now_us);
     queued_phases.push_back(tensor.phase);
   }
@@ -152,6 +159,12 @@ void Runtime::launch_ready() {
   // The credit is what every rank has completed, so every rank pops the same units here.
   scheduler_.set_completed_bytes(agreed_completed_bytes_);
   for (Launch& next : scheduler_.next_launches()) launch(std::move(next));
+  for (auto& [process_set, set_scheduler] : set_schedulers_) {
+    for (Launch& next : set_scheduler.next_launches()) {
+      next.process_set = process_set;
+      launch(std::move(next));
+    }
+  }
 }
 
 void Runtime::launch(Launch next) {
@@ -163,7 +176,9 @@ void Runtime::launch(Launch next) {
   op.kind = plan.kind;
   op.dtype = plan.dtype;
   op.op = plan.op;
-  op.root = plan.root;
+  op.process_set = plan.process_set;
+  // A set's communicator numbers its members 0..n-1 in rank order: the root goes by that number.
+  op.root = plan.process_set == 0 ? plan.root : position_in(agreement_.members(plan.process_set), plan.root);
   op.count = plan.bytes / elem_size;
   if (kind_has_output(plan.kind)) {
     prepare_output(flight, tensors_.at(plan.chunks.front().tensor_id), op);
@@ -188,6 +203,7 @@ void Runtime::launch(Launch next) {
     op.data = buffer;
   }
   flight.wire_data = op.data;
+  flight.set_size = plan.process_set == 0 ? size_ : static_cast<int>(agreement_.members(plan.process_set).size());
   flight.started_us = timeline_.stamp_us();
   for (const ChunkRef& chunk : plan.chunks) {
     LocalTensor& tensor = tensors_.at(chunk.tensor_id);
@@ -223,8 +239,9 @@ void Runtime::launch(Launch next) {
 
 void Runtime::prepare_output(InFlight& flight, LocalTensor& tensor, WireOp& op) {
   const size_t elem_size = dtype_size(tensor.spec.dtype);
-  const auto ranks = static_cast<size_t>(size_);
-  const auto me = static_cast<size_t>(rank_);
+  const std::vector<int>& members = agreement_.members(tensor.spec.process_set);
+  const auto ranks = members.size();
+  const auto me = static_cast<size_t>(position_in(members, rank_));
   const std::vector<uint64_t>& layout = tensor.layout;
   op.layout = layout;
   op.data = tensor.data;
@@ -276,15 +293,16 @@ bool Runtime::poll_in_flight() {
 void Runtime::finish(InFlight& done) {
   const Launch& plan = done.launch;
   const size_t elem_size = dtype_size(plan.dtype);
+  const auto ranks = static_cast<double>(done.set_size);
   if (plan.kind == CollectiveKind::kAllreduce) {
     if (plan.op == ReduceOp::kAverage && !transport_averages_) {
-      transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, static_cast<double>(size_));
+      transport_->scale(done.wire_data, plan.bytes / elem_size, plan.dtype, ranks);
     }
     if (plan.postscale != 1.0 && !transport_->scales()) transport_->multiply(done.wire_data, plan.bytes / elem_size, plan.dtype, plan.postscale);
   } else if (plan.kind == CollectiveKind::kReducescatter && done.output) {
     const uint64_t elements = tensors_.at(plan.chunks.front().tensor_id).output_elements;
     if (plan.op == ReduceOp::kAverage && !transport_averages_ && elements > 0) {
-      transport_->scale(done.output->data(), elements, plan.dtype, static_cast<double>(size_));
+      transport_->scale(done.output->data(), elements, plan.dtype, ranks);
     }
     if (plan.postscale != 1.0 && elements > 0 && !transport_->scales()) {
       transport_->multiply(done.output->data(), elements, plan.dtype, plan.postscale);
@@ -306,7 +324,8 @@ void Runtime::finish(InFlight& done) {
     }
     if (--tensor.chunks_left == 0) finish_tensor(chunk.tensor_id, "");
   }
-  completed_bytes_ += plan.bytes;
+  // The credit gate counts set 0's launches only: the other sets' schedulers have no credit.
+  if (plan.process_set == 0) completed_bytes_ += plan.bytes;
   bytes_in_flight_ -= plan.bytes;
   if (timeline_.enabled()) {
     const std::string label = std::string(kind_name(plan.kind)) + " " + dtype_name(plan.dtype) + " " +

@@ -35,6 +35,7 @@ struct Launch {
   double postscale = 1.0;
   uint64_t bytes = 0;
   std::vector<ChunkRef> chunks;
+  int32_t process_set = 0;  // set by the runtime, which keeps one scheduler per process set
 };
 
 class Scheduler {

@@ -110,7 +110,7 @@ bool TensorSpec::agrees_with(const TensorSpec& other) const {
   const bool counts_may_differ = kind == CollectiveKind::kAllgather || kind == CollectiveKind::kAlltoall;
   return dtype == other.dtype && op == other.op && kind == other.kind && root == other.root &&
          (counts_may_differ || count == other.count) && prescale == other.prescale &&
-         postscale == other.postscale && row_shape == other.row_shape;
+         postscale == other.postscale && row_shape == other.row_shape && process_set == other.process_set;
 }
 
 namespace {
@@ -142,6 +142,7 @@ std::string TensorSpec::describe() const {
     for (size_t i = 0; i < splits.size(); ++i) text += (i ? "," : "") + std::to_string(splits[i]);
     text += "]";
   }
+  if (process_set != 0) text += " process_set=" + std::to_string(process_set);
   return text;
 }
 

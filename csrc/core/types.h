@@ -65,6 +65,9 @@ struct TensorSpec {
   // reducescatter, the elements each rank receives (by rank); alltoall, the elements rank s sends
   // to rank d at [s * size + d]. `count` then becomes the total over ranks, the same everywhere.
   std::vector<uint64_t> layout;
+  // The process set the collective runs on (0: every rank). Once the set is registered, every
+  // rank-indexed field above (root excepted: a global rank) counts the set's members in rank order.
+  int32_t process_set = 0;
 
   uint64_t bytes() const { return count * dtype_size(dtype); }
   uint64_t row_elements() const;
@@ -72,7 +75,7 @@ struct TensorSpec {
   bool same_shape_as(const TensorSpec& other) const {
     return dtype == other.dtype && op == other.op && kind == other.kind && root == other.root &&
            count == other.count && prescale == other.prescale && postscale == other.postscale &&
-           row_shape == other.row_shape && splits == other.splits;
+           row_shape == other.row_shape && splits == other.splits && process_set == other.process_set;
   }
   // The submissions of one collective agree across ranks: like same_shape_as, except that the
   // element counts (and alltoall's splits) of an allgather or alltoall may differ.

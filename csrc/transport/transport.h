@@ -49,6 +49,10 @@ struct WireOp {
   // scales() applies them; for the others the core has applied them around start() already.
   double prescale = 1.0;
   double postscale = 1.0;
+  // The process set it runs on (0: every rank), on the communicator add_process_set() built. Every
+  // rank-indexed field above (root, recv_counts, send_counts, layout) then numbers the set's members
+  // 0..n-1 in rank order, as that communicator does.
+  int32_t process_set = 0;
 };
 
 // Where a submitted tensor's bytes live and on which stream they are produced.
@@ -138,6 +142,18 @@ class Transport {
     }
     return {};
   }
+
+  // Builds what process set `id` (its ranks, ascending) runs on, before any collective names it.
+  // Every rank calls it with the same arguments in the same order, on a user thread while the core's
+  // thread goes on with other collectives; it may block until the members have all called it.
+  // Throws UsageError when the transport has no process sets.
+  virtual void add_process_set(int32_t id, const std::vector<int>& ranks) {
+    (void)id;
+    if (static_cast<int>(ranks.size()) == size()) return;  // every rank: the transport's own communicator
+    throw UsageError("the " + name() + " transport does not implement process sets; use the mpi or gloo transport");
+  }
+  // Frees what add_process_set() built; nothing runs on the set any more. Any thread.
+  virtual void remove_process_set(int32_t id) { (void)id; }
 
   // How long the core may sleep between polls of collectives in flight. Zero means the
   // library moves data only while polled (MPI's progress engine), so the core keeps

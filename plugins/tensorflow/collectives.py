@@ -73,6 +73,14 @@ def eager_allreduce(
     return _to_tensor(array, dtype)
 
 
+def eager_broadcast(tensor: tf.Tensor, name: str, root_rank: int, process_set: Any) -> tf.Tensor:
+    """Broadcast on a process set through commsched's broadcast (eager only; the ops have no sets)."""
+    _eager("broadcast() on a process set")
+    array, dtype = _to_numpy(tensor, reduces=False)
+    commsched.broadcast(array, root=root_rank, name=name, **_horovod.core_arguments(process_set))
+    return _to_tensor(array, dtype)
+
+
 def allgather(
     tensor: Any,
     name: str | None = None,

@@ -70,8 +70,9 @@ def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process
     _reduce_code(op)
     if not _horovod.is_global(process_set):
         raise NotImplementedError(
-            "gradient reduction on a process set is not available in commsched.tensorflow (its ops reach the "
-            "core through a C ABI without process sets); reduce over all ranks"
+            "DistributedOptimizer / DistributedGradientTape with process_set= is not available in "
+            "commsched.tensorflow yet (its gradient ops reach the core through a C ABI without process sets); "
+            "reduce over all ranks, or allreduce the gradients with hvd.allreduce(..., process_set=) in eager mode"
         )
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
         raise TypeError(f"gradient_predivide_factor must be a number, not {gradient_predivide_factor!r}")
@@ -204,9 +205,12 @@ def broadcast(
 ) -> tf.Tensor:
     """Returns `root_rank`'s value of `tensor` on every rank; works eagerly and in tf.function."""
     require_init("broadcast()")
-    _global_only(process_set, "broadcast")
     if name is None:
         name = f"tf.broadcast.unnamed.{next(_unnamed)}"
+    if not _horovod.is_global(process_set):
+        from commsched.tensorflow import collectives
+
+        return collectives.eager_broadcast(tf.convert_to_tensor(tensor), name, root_rank, process_set)
     return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority)
 
 
@@ -280,18 +284,18 @@ def grouped_allreduce(
     """Averages (or sums) each tensor over all ranks, all submitted at once; eager and in tf.function."""
     require_init("grouped_allreduce()")
     op = _horovod.resolve_op(op, average)
-    _global_only(process_set, "grouped_allreduce")
     base = name or f"tf.grouped_allreduce.unnamed.{next(_unnamed)}"
+    if not _horovod.is_global(process_set):
+        from commsched.tensorflow import collectives
+
+        scales = (prescale_factor, postscale_factor)
+        return [
+            collectives.eager_allreduce(tf.convert_to_tensor(t), f"{base}.{i}", op, *scales, process_set)
+            for i, t in enumerate(tensors)
+        ]
     how = Reduction(op, compressor(compression), prescale_factor, postscale_factor)
     names = [f"{base}.{i}" for i in range(len(tensors))]
     return allreduce_many(list(tensors), names, [0] * len(tensors), op, how)  # type: ignore[return-value]
-
-
-def _global_only(process_set: Any, what: str) -> None:
-    if not _horovod.is_global(process_set):
-        raise NotImplementedError(
-            f"{what} on a process set is not available in commsched.tensorflow's ops; run it over all ranks"
-        )
 
 
 def broadcast_variables(
@@ -303,11 +307,18 @@ def broadcast_variables(
 ) -> None:
     """Assigns every variable the value it has on `root_rank` (`inplace` is accepted for Horovod's signature)."""
     require_init("broadcast_variables()")
-    _global_only(process_set, "broadcast_variables")
     variables = list(variables)
     if not variables:
         return
     names = tuple(f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables))
+    if not _horovod.is_global(process_set):
+        from commsched.tensorflow import collectives
+
+        for name, variable in zip(names, variables):
+            variable.assign(
+                collectives.eager_broadcast(tf.convert_to_tensor(variable), name, root_rank, process_set)
+            )
+        return
     values = [tf.convert_to_tensor(v) for v in variables]
     run = _broadcast_group_eager if tf.executing_eagerly() else _broadcast_group
     received = run(values, names, tuple(range(len(variables))), root_rank)

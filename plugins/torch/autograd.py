@@ -155,7 +155,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         reduced = allreduce(grad, op=_horovod.Average, process_set=ctx.process_set)
-        if _horovod.set_rank(ctx.process_set) != ctx.root_rank:
+        if _horovod.rank() != ctx.root_rank:  # root_rank is a global rank, also on a process set
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 

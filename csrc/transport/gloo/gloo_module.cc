@@ -65,12 +65,41 @@ c10::intrusive_ptr<c10d::Backend> backend_of(const py::object& backend, const ch
   return c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
 }
 
+// Python's maker of process sets' groups, called from C++ on a thread that may not hold the GIL.
+class PythonSetMaker {
+ public:
+  explicit PythonSetMaker(py::object callable) : callable_(std::move(callable)) {}
+  ~PythonSetMaker() {
+    py::gil_scoped_acquire gil;
+    callable_ = py::object();
+  }
+  PythonSetMaker(const PythonSetMaker&) = delete;
+  PythonSetMaker& operator=(const PythonSetMaker&) = delete;
+
+  c10::intrusive_ptr<c10d::Backend> operator()(int32_t id, const std::vector<int>& ranks) {
+    py::gil_scoped_acquire gil;
+    py::list members;
+    for (int rank : ranks) members.append(rank);
+    try {
+      py::object backend = callable_(id, members);
+      if (backend.is_none()) return {};
+      return backend_of(backend, "process set");
+    } catch (const py::error_already_set& error) {
+      throw CommError(std::string("gloo: building process set ") + std::to_string(id) + " failed: " + error.what());
+    }
+  }
+
+ private:
+  py::object callable_;
+};
+
 // What the Python side hands the core: the two backends, until the factory turns them into the
 // transport, and the transport's counters, which outlive it.
 class GlooSeed {
  public:
-  GlooSeed(const py::object& data, const py::object& control, py::object on_close)
-      : data_(backend_of(data, "data")),
+  GlooSeed(const py::object& data, const py::object& control, py::object on_close, py::object make_set)
+      : make_set_(make_set.is_none() ? nullptr : std::make_shared<PythonSetMaker>(std::move(make_set))),
+        data_(backend_of(data, "data")),
         control_(backend_of(control, "agreement")),
         on_close_(on_close.is_none() ? nullptr : std::make_shared<PythonCallback>(std::move(on_close))),
         counters_(std::make_shared<GlooCounters>()),
@@ -81,7 +110,12 @@ class GlooSeed {
     if (!data_) throw UsageError("gloo: this transport seed was used already; build a new one for each init()");
     std::function<void()> on_close;
     if (on_close_) on_close = [callback = std::move(on_close_)] { (*callback)(); };
-    return std::make_unique<GlooTransport>(std::move(data_), std::move(control_), counters_, std::move(on_close));
+    GlooSetMaker make_set;
+    if (make_set_) {
+      make_set = [maker = make_set_](int32_t id, const std::vector<int>& ranks) { return (*maker)(id, ranks); };
+    }
+    return std::make_unique<GlooTransport>(std::move(data_), std::move(control_), counters_, std::move(on_close),
+                                           std::move(make_set));
   }
 
   int rank() const { return rank_; }
@@ -94,6 +128,7 @@ class GlooSeed {
   }
 
  private:
+  std::shared_ptr<PythonSetMaker> make_set_;
   c10::intrusive_ptr<c10d::Backend> data_;
   c10::intrusive_ptr<c10d::Backend> control_;
   std::shared_ptr<PythonCallback> on_close_;
@@ -123,10 +158,11 @@ PYBIND11_MODULE(_gloo, module) {
       },
       "Returns a capsule holding the factory the core calls to build the Gloo transport from a seed's address.");
   py::class_<GlooSeed>(module, "Seed", "The data and agreement groups, until the core turns them into its transport.")
-      .def(py::init<const py::object&, const py::object&, py::object>(), py::arg("data_backend"),
-           py::arg("control_backend"), py::arg("on_close") = py::none(),
+      .def(py::init<const py::object&, const py::object&, py::object, py::object>(), py::arg("data_backend"),
+           py::arg("control_backend"), py::arg("on_close") = py::none(), py::arg("make_process_set") = py::none(),
            "Takes the CPU backends (ProcessGroup._get_backend(cpu)) of the data and agreement groups; "
-           "`on_close()` runs when the core releases the transport.")
+           "`on_close()` runs when the core releases the transport; `make_process_set(id, ranks)` returns a "
+           "process set's CPU backend (None outside it).")
       .def_property_readonly("rank", &GlooSeed::rank)
       .def_property_readonly("size", &GlooSeed::size)
       .def(

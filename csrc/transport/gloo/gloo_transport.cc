@@ -159,12 +159,14 @@ class DoneOp : public PendingOp {
 }  // namespace
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrusive_ptr<c10d::Backend> control,
-                             std::shared_ptr<GlooCounters> counters, std::function<void()> on_close)
+                             std::shared_ptr<GlooCounters> counters, std::function<void()> on_close,
+                             GlooSetMaker make_set)
     : data_(std::move(data)),
       control_(std::move(control)),
       probe_(std::make_shared<PeerProbe>(control_, data_->getRank(), data_->getSize())),
       counters_(counters ? std::move(counters) : std::make_shared<GlooCounters>()),
       on_close_(std::move(on_close)),
+      make_set_(std::move(make_set)),
       rank_(data_->getRank()),
       size_(data_->getSize()) {
   if (control_->getSize() != size_ || control_->getRank() != rank_) {
@@ -189,6 +191,10 @@ GlooTransport::~GlooTransport() {
   }
   // The backends go first: the groups the Python side destroys in on_close_ are then unreferenced.
   probe_->release();
+  {
+    std::lock_guard<std::mutex> lock(sets_mutex_);
+    sets_.clear();
+  }
   data_.reset();
   control_.reset();
   send_slot_.reset();
@@ -318,6 +324,30 @@ std::unique_ptr<PendingOp> GlooTransport::start(const WireOp& op) {
   return pending;
 }
 
+void GlooTransport::add_process_set(int32_t id, const std::vector<int>& ranks) {
+  if (!make_set_) return Transport::add_process_set(id, ranks);
+  c10::intrusive_ptr<c10d::Backend> backend = make_set_(id, ranks);
+  if (!backend) return;  // not a member
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  sets_[id] = Group{backend, backend->getRank(), backend->getSize()};
+}
+
+void GlooTransport::remove_process_set(int32_t id) {
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  sets_.erase(id);
+}
+
+GlooTransport::Group GlooTransport::group_for(int32_t process_set) {
+  if (process_set == 0) return Group{data_, rank_, size_};
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  auto found = sets_.find(process_set);
+  if (found == sets_.end()) {
+    throw CommError("the gloo transport has no group for process set " + std::to_string(process_set) + " on rank " +
+                    std::to_string(rank_));
+  }
+  return found->second;
+}
+
 GlooLaunch GlooTransport::launch(const WireOp& op) {
   switch (op.kind) {
     case CollectiveKind::kAllreduce: return launch_allreduce(op);
@@ -337,6 +367,7 @@ GlooLaunch GlooTransport::launch(const WireOp& op) {
 }
 
 GlooLaunch GlooTransport::launch_allreduce(const WireOp& op) {
+  const Group group = group_for(op.process_set);
   GlooLaunch launched;
   if (op.count == 0) return launched;
   at::Tensor tensor = view_of(op.data, op.count, scalar_type(op.dtype));
@@ -349,30 +380,32 @@ GlooLaunch GlooTransport::launch_allreduce(const WireOp& op) {
     launched.temporaries.push_back(wide);
     launched.finish = [tensor, wide]() mutable { tensor.copy_(wide); };
   }
-  launched.work = data_->allreduce(tensors, options);
+  launched.work = group.backend->allreduce(tensors, options);
   return launched;
 }
 
 GlooLaunch GlooTransport::launch_broadcast(const WireOp& op) {
+  const Group group = group_for(op.process_set);
   GlooLaunch launched;
   if (op.count == 0) return launched;
   std::vector<at::Tensor> tensors{view_of(op.data, op.count, moved_type(op.dtype))};
   c10d::BroadcastOptions options;
   options.rootRank = op.root;
-  launched.work = data_->broadcast(tensors, options);
+  launched.work = group.backend->broadcast(tensors, options);
   return launched;
 }
 
 GlooLaunch GlooTransport::launch_allgather(const WireOp& op) {
+  const Group group = group_for(op.process_set);
   // Gloo gathers equal parts: uneven ones travel padded to the longest and are unpadded after.
   GlooLaunch launched;
-  if (op.recv_counts.size() != static_cast<size_t>(size_)) {
+  if (op.recv_counts.size() != static_cast<size_t>(group.size)) {
     throw CommError("gloo allgather: " + std::to_string(op.recv_counts.size()) + " receive counts for " +
-                    std::to_string(size_) + " ranks");
+                    std::to_string(group.size) + " ranks");
   }
-  if (op.recv_counts[static_cast<size_t>(rank_)] != op.count) {
+  if (op.recv_counts[static_cast<size_t>(group.rank)] != op.count) {
     throw CommError("gloo allgather: this rank submitted " + std::to_string(op.count) + " elements, but the agreed " +
-                    "layout gives it " + std::to_string(op.recv_counts[static_cast<size_t>(rank_)]));
+                    "layout gives it " + std::to_string(op.recv_counts[static_cast<size_t>(group.rank)]));
   }
   const uint64_t total = total_of(op.recv_counts);
   if (total == 0) return launched;
@@ -386,7 +419,7 @@ GlooLaunch GlooTransport::launch_allgather(const WireOp& op) {
     at::Tensor padded = at::zeros({static_cast<int64_t>(width)}, at::TensorOptions().dtype(type));
     if (op.count > 0) padded.narrow(0, 0, static_cast<int64_t>(op.count)).copy_(input);
     input = padded;
-    gathered = at::empty({static_cast<int64_t>(width * static_cast<uint64_t>(size_))}, at::TensorOptions().dtype(type));
+    gathered = at::empty({static_cast<int64_t>(width * static_cast<uint64_t>(group.size))}, at::TensorOptions().dtype(type));
     launched.temporaries = {padded, gathered};
     launched.finish = [gathered, output, counts = op.recv_counts, width]() mutable {
       int64_t offset = 0;
@@ -400,23 +433,24 @@ GlooLaunch GlooTransport::launch_allgather(const WireOp& op) {
   }
   std::vector<at::Tensor> inputs{input};
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < group.size; ++r) {
     outputs[0].push_back(gathered.narrow(0, static_cast<int64_t>(r * width), static_cast<int64_t>(width)));
   }
-  launched.work = data_->allgather(outputs, inputs, c10d::AllgatherOptions());
+  launched.work = group.backend->allgather(outputs, inputs, c10d::AllgatherOptions());
   return launched;
 }
 
 GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
+  const Group group = group_for(op.process_set);
   // An allreduce of a copy of the input (the caller's stays as it is), of which this rank keeps its rows.
   GlooLaunch launched;
-  if (op.recv_counts.size() != static_cast<size_t>(size_)) {
+  if (op.recv_counts.size() != static_cast<size_t>(group.size)) {
     throw CommError("gloo reducescatter: " + std::to_string(op.recv_counts.size()) + " receive counts for " +
-                    std::to_string(size_) + " ranks");
+                    std::to_string(group.size) + " ranks");
   }
   uint64_t start = 0;
-  for (int r = 0; r < rank_; ++r) start += op.recv_counts[static_cast<size_t>(r)];
-  const uint64_t kept = op.recv_counts[static_cast<size_t>(rank_)];
+  for (int r = 0; r < group.rank; ++r) start += op.recv_counts[static_cast<size_t>(r)];
+  const uint64_t kept = op.recv_counts[static_cast<size_t>(group.rank)];
   if (start + kept > op.count) {
     throw CommError("gloo reducescatter: this rank's part (elements " + std::to_string(start) + " to " +
                     std::to_string(start + kept) + ") lies outside the " + std::to_string(op.count) +
@@ -433,16 +467,17 @@ GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
   c10d::AllreduceOptions options;
   options.reduceOp = reduce_op(op.op);
   std::vector<at::Tensor> tensors{reduced};
-  launched.work = data_->allreduce(tensors, options);
+  launched.work = group.backend->allreduce(tensors, options);
   return launched;
 }
 
 GlooLaunch GlooTransport::launch_alltoall(const WireOp& op) {
+  const Group group = group_for(op.process_set);
   GlooLaunch launched;
-  const auto ranks = static_cast<size_t>(size_);
+  const auto ranks = static_cast<size_t>(group.size);
   if (op.send_counts.size() != ranks || op.recv_counts.size() != ranks) {
     throw CommError("gloo alltoall: " + std::to_string(op.send_counts.size()) + " send and " +
-                    std::to_string(op.recv_counts.size()) + " receive counts for " + std::to_string(size_) +
+                    std::to_string(op.recv_counts.size()) + " receive counts for " + std::to_string(group.size) +
                     " ranks");
   }
   if (total_of(op.send_counts) != op.count) {
@@ -456,7 +491,7 @@ GlooLaunch GlooTransport::launch_alltoall(const WireOp& op) {
   at::Tensor output = view_of(op.output, total_of(op.recv_counts), type);
   std::vector<int64_t> input_splits = split_sizes(op.send_counts);
   std::vector<int64_t> output_splits = split_sizes(op.recv_counts);
-  launched.work = data_->alltoall_base(output, input, output_splits, input_splits, c10d::AllToAllOptions());
+  launched.work = group.backend->alltoall_base(output, input, output_splits, input_splits, c10d::AllToAllOptions());
   return launched;
 }
 

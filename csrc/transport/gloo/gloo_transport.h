@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,12 +34,16 @@ struct GlooLaunch {
   std::vector<at::Tensor> temporaries;
 };
 
+// Builds the group of a process set (every rank calls it, in the same order): the members' backend,
+// null on a rank outside the set.
+using GlooSetMaker = std::function<c10::intrusive_ptr<c10d::Backend>(int32_t id, const std::vector<int>& ranks)>;
+
 class GlooTransport : public Transport {
  public:
   // `on_close` runs once after the backends are released (the Python side destroys the process
-  // groups it created there); may be empty.
+  // groups it created there); may be empty. `make_set` builds process sets' groups; empty: none.
   GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrusive_ptr<c10d::Backend> control,
-                std::shared_ptr<GlooCounters> counters, std::function<void()> on_close);
+                std::shared_ptr<GlooCounters> counters, std::function<void()> on_close, GlooSetMaker make_set = {});
   ~GlooTransport() override;
   GlooTransport(const GlooTransport&) = delete;
   GlooTransport& operator=(const GlooTransport&) = delete;
@@ -57,8 +63,17 @@ class GlooTransport : public Transport {
   // hand-off to the core's thread per small collective.
   bool any_thread() const override { return true; }
   void set_doorbell(std::shared_ptr<Doorbell> doorbell) override { doorbell_ = std::move(doorbell); }
+  void add_process_set(int32_t id, const std::vector<int>& ranks) override;
+  void remove_process_set(int32_t id) override;
 
  private:
+  // The backend a collective runs on, and this rank's place and the ranks in it.
+  struct Group {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    int rank = 0;
+    int size = 1;
+  };
+  Group group_for(int32_t process_set);
   // One allgather of `width` bytes per rank on the control group; returns the gathered bytes.
   const uint8_t* allgather(const at::Tensor& send, at::Tensor& receive, int64_t width, double timeout_s);
   void fit_slot(uint64_t wanted);
@@ -84,6 +99,9 @@ class GlooTransport : public Transport {
   std::shared_ptr<GlooCounters> counters_;
   std::function<void()> on_close_;
   std::shared_ptr<Doorbell> doorbell_;
+  GlooSetMaker make_set_;
+  std::mutex sets_mutex_;
+  std::map<int32_t, Group> sets_;  // guarded by sets_mutex_; this rank's process sets only
   int rank_ = 0;
   int size_ = 1;
   // Agreement buffers, owned by torch so a round that timed out may still land in them safely.

@@ -181,6 +181,7 @@ MpiTransport::MpiTransport(MPI_Comm parent) {
   }
   check(MPI_Comm_dup(parent, &control_), "Comm_dup");
   check(MPI_Comm_dup(parent, &data_), "Comm_dup");
+  check(MPI_Comm_dup(parent, &sets_parent_), "Comm_dup");
   MPI_Comm_set_errhandler(control_, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(data_, &rank_);
@@ -208,6 +209,43 @@ MpiTransport::~MpiTransport() {
   if (bfloat_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&bfloat_type_);
   if (control_ != MPI_COMM_NULL) MPI_Comm_free(&control_);
   if (data_ != MPI_COMM_NULL) MPI_Comm_free(&data_);
+  for (auto& [id, comm] : set_comms_) MPI_Comm_free(&comm);
+  if (sets_parent_ != MPI_COMM_NULL) MPI_Comm_free(&sets_parent_);
+}
+
+void MpiTransport::add_process_set(int32_t id, const std::vector<int>& ranks) {
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) return;  // the members alone build it
+  MPI_Group parent_group = MPI_GROUP_NULL;
+  MPI_Group members = MPI_GROUP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  check(MPI_Comm_group(sets_parent_, &parent_group), "Comm_group");
+  const int incl = MPI_Group_incl(parent_group, static_cast<int>(ranks.size()), ranks.data(), &members);
+  const int created = incl == MPI_SUCCESS ? MPI_Comm_create_group(sets_parent_, members, id, &comm) : incl;
+  if (members != MPI_GROUP_NULL) MPI_Group_free(&members);
+  MPI_Group_free(&parent_group);
+  check(created, "Comm_create_group");
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  set_comms_[id] = comm;
+}
+
+void MpiTransport::remove_process_set(int32_t id) {
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  auto found = set_comms_.find(id);
+  if (found == set_comms_.end()) return;
+  MPI_Comm_free(&found->second);
+  set_comms_.erase(found);
+}
+
+MPI_Comm MpiTransport::communicator(int32_t process_set) {
+  if (process_set == 0) return data_;
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  auto found = set_comms_.find(process_set);
+  if (found == set_comms_.end()) {
+    throw CommError("the mpi transport has no communicator for process set " + std::to_string(process_set) +
+                    " on rank " + std::to_string(rank_));
+  }
+  return found->second;
 }
 
 MPI_Datatype MpiTransport::datatype(DType dtype) const {
@@ -378,6 +416,7 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
   MPI_Request request;
   const MPI_Datatype type = datatype(op.dtype);
   const Count count = to_count(op.count);
+  const MPI_Comm comm = communicator(op.process_set);
 #if MPI_VERSION >= 4
 #define COMMSCHED_MPI(call) call##_c
 #else
@@ -385,18 +424,18 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
 #endif
   switch (op.kind) {
     case CollectiveKind::kAllreduce:
-      check(COMMSCHED_MPI(MPI_Iallreduce)(MPI_IN_PLACE, op.data, count, type, reduce_op(op.dtype, op.op), data_,
+      check(COMMSCHED_MPI(MPI_Iallreduce)(MPI_IN_PLACE, op.data, count, type, reduce_op(op.dtype, op.op), comm,
                                           &request),
             "Iallreduce");
       return std::make_unique<Op>(request, *this);
     case CollectiveKind::kBroadcast:
-      check(COMMSCHED_MPI(MPI_Ibcast)(op.data, count, type, op.root, data_, &request), "Ibcast");
+      check(COMMSCHED_MPI(MPI_Ibcast)(op.data, count, type, op.root, comm, &request), "Ibcast");
       return std::make_unique<Op>(request, *this);
     case CollectiveKind::kAllgather: {
       auto arguments = std::make_unique<VectorArguments>();
       fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
       check(COMMSCHED_MPI(MPI_Iallgatherv)(op.data, count, type, op.output, arguments->recv_counts.data(),
-                                           arguments->recv_offsets.data(), type, data_, &request),
+                                           arguments->recv_offsets.data(), type, comm, &request),
             "Iallgatherv");
       return std::make_unique<Op>(request, *this, std::move(arguments));
     }
@@ -404,7 +443,7 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
       auto arguments = std::make_unique<VectorArguments>();
       fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
       check(COMMSCHED_MPI(MPI_Ireduce_scatter)(op.data, op.output, arguments->recv_counts.data(), type,
-                                               reduce_op(op.dtype, op.op), data_, &request),
+                                               reduce_op(op.dtype, op.op), comm, &request),
             "Ireduce_scatter");
       return std::make_unique<Op>(request, *this, std::move(arguments));
     }
@@ -414,7 +453,7 @@ std::unique_ptr<PendingOp> MpiTransport::start(const WireOp& op) {
       fill(op.recv_counts, arguments->recv_counts, arguments->recv_offsets);
       check(COMMSCHED_MPI(MPI_Ialltoallv)(op.data, arguments->send_counts.data(), arguments->send_offsets.data(), type,
                                           op.output, arguments->recv_counts.data(), arguments->recv_offsets.data(),
-                                          type, data_, &request),
+                                          type, comm, &request),
             "Ialltoallv");
       return std::make_unique<Op>(request, *this, std::move(arguments));
     }

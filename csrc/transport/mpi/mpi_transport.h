@@ -5,6 +5,8 @@
 
 #include <mpi.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,11 +31,16 @@ class MpiTransport : public Transport {
   bool any_thread() const override { return true; }
   // MPI has every collective and op (min, max and product of half types through user ops).
   std::string unsupported(const TensorSpec& spec) const override { return {}; }
+  // A process set runs on a communicator of its members (MPI_Comm_create_group, collective over them only).
+  void add_process_set(int32_t id, const std::vector<int>& ranks) override;
+  void remove_process_set(int32_t id) override;
 
  private:
   class Op;
 
   MPI_Datatype datatype(DType dtype) const;
+  // The communicator a collective of `process_set` runs on.
+  MPI_Comm communicator(int32_t process_set);
   MPI_Op reduce_op(DType dtype, ReduceOp op) const;
   void resize_slot(uint64_t wanted);
   // The peers whose report the direct exchange has not received.
@@ -52,6 +59,11 @@ class MpiTransport : public Transport {
 
   MPI_Comm control_ = MPI_COMM_NULL;  // agreement traffic, never behind data
   MPI_Comm data_ = MPI_COMM_NULL;
+  // Process sets' communicators are made from this one, on the caller's thread, never on data_,
+  // which the core's thread uses at the same time.
+  MPI_Comm sets_parent_ = MPI_COMM_NULL;
+  std::mutex sets_mutex_;
+  std::map<int32_t, MPI_Comm> set_comms_;  // guarded by sets_mutex_; this rank's sets only
   uint64_t slot_bytes_ = kMinSlotBytes;  // bytes per rank of the agreement allgather
   std::string send_slot_, received_slots_;  // exchange()'s buffers, kept for their capacity
   std::vector<MPI_Request> requests_;

@@ -52,6 +52,8 @@ PythonTransport::PythonTransport(py::object impl)
       has_copy_(py::hasattr(impl_, "copy")),
       has_scale_(py::hasattr(impl_, "scale")),
       has_unsupported_(py::hasattr(impl_, "unsupported")),
+      // Without add_process_set a transport takes only sets of every rank, which run as its own collectives.
+      has_process_sets_(py::hasattr(impl_, "add_process_set")),
       host_memory_(!py::hasattr(impl_, "host_memory") || impl_.attr("host_memory").cast<bool>()) {}
 
 PythonTransport::~PythonTransport() {
@@ -84,18 +86,21 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
   py::gil_scoped_acquire gil;
   try {
     py::object pending;
+    // Only set collectives name their set, so transports without process sets keep their signature.
+    py::dict extra;
+    if (op.process_set != 0 && has_process_sets_) extra["process_set"] = op.process_set;
     const auto address = reinterpret_cast<uintptr_t>(op.data);
     const bool plain = op.op == ReduceOp::kSum || op.op == ReduceOp::kAverage;
     if (kind_has_output(op.kind)) {
       pending = impl_.attr("start_collective")(kind_name(op.kind), dtype_name(op.dtype), op_name(op.op), address,
                                                op.count, reinterpret_cast<uintptr_t>(op.output), op.recv_counts,
-                                               op.send_counts, op.layout);
+                                               op.send_counts, op.layout, **extra);
     } else if (op.kind == CollectiveKind::kAllreduce && !plain) {
       pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root,
-                                    py::arg("op") = op_name(op.op));
+                                    py::arg("op") = op_name(op.op), **extra);
     } else {
       // Sum (the core divides for "average") or broadcast: the call every Python transport takes.
-      pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root);
+      pending = impl_.attr("start")(address, op.count, dtype_name(op.dtype), kind_name(op.kind), op.root, **extra);
     }
     if (doorbell_ && py::hasattr(pending, "on_done")) {
       // The callback may run on the library's own thread holding the GIL: let go of it
@@ -108,6 +113,26 @@ std::unique_ptr<PendingOp> PythonTransport::start(const WireOp& op) {
     return std::make_unique<PythonOp>(std::move(pending));
   } catch (const py::error_already_set& error) {
     throw CommError(name_ + " failed to start a " + kind_name(op.kind) + ": " + error_text(error));
+  }
+}
+
+void PythonTransport::add_process_set(int32_t id, const std::vector<int>& ranks) {
+  py::gil_scoped_acquire gil;
+  if (!py::hasattr(impl_, "add_process_set")) return Transport::add_process_set(id, ranks);
+  try {
+    impl_.attr("add_process_set")(id, ranks);
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " failed to build process set " + std::to_string(id) + ": " + error_text(error));
+  }
+}
+
+void PythonTransport::remove_process_set(int32_t id) {
+  py::gil_scoped_acquire gil;
+  if (!py::hasattr(impl_, "remove_process_set")) return;
+  try {
+    impl_.attr("remove_process_set")(id);
+  } catch (const py::error_already_set& error) {
+    throw CommError(name_ + " failed to remove process set " + std::to_string(id) + ": " + error_text(error));
   }
 }
 

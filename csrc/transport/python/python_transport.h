@@ -17,6 +17,9 @@
 //     `output`; recv_counts / send_counts in elements by rank, as in WireOp.
 // An op may also provide on_done(callback): it calls callback() once, from any thread,
 // when the op completes, so the core wakes at once rather than at its next poll.
+//   add_process_set(id: int, ranks: list[int]) / remove_process_set(id: int) (optional): builds and frees
+//     a member-only group; a set's collectives then arrive with process_set=id as a keyword, every
+//     rank-indexed argument (root, counts) numbering the set's members 0..n-1
 //   copy(dst: int, src: int, nbytes: int) (optional): the fusion copies; default: memcpy on the host
 //   scale(address: int, count: int, dtype: str, divisor: float) (optional): op="average" after the
 //     sum; default: divides on the host. Both must be complete when they return.
@@ -48,6 +51,9 @@ class PythonTransport : public Transport {
   void scale(void* data, uint64_t count, DType dtype, double divisor) override;
   bool host_memory() const override { return host_memory_; }
   std::string unsupported(const TensorSpec& spec) const override;
+  // Forwarded to the object's add_process_set(id, ranks) / remove_process_set(id) where it has them.
+  void add_process_set(int32_t id, const std::vector<int>& ranks) override;
+  void remove_process_set(int32_t id) override;
 
  private:
   pybind11::object impl_;
@@ -59,6 +65,7 @@ class PythonTransport : public Transport {
   bool has_copy_;
   bool has_scale_;
   bool has_unsupported_;
+  bool has_process_sets_;
   bool host_memory_;
 };
 

@@ -1,0 +1,218 @@
+"""Horovod's process sets: collectives over a subset of the ranks.
+
+Every rank calls add_process_set() and remove_process_set() in the same order with the same
+ranks (as in Horovod); ranks outside a set never call its collectives, and a collective on one
+set does not wait for the ranks outside it. The core agrees every collective in one order and
+runs a set's on a communicator of its members only. A collective is told its set through
+``process_set=``; the functions here carry it to the core for the duration of that call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import commsched as _api
+from commsched import _core
+
+
+class ProcessSet:
+    """A set of ranks that runs collectives among themselves (Horovod's hvd.ProcessSet).
+
+    `ranks`: the global ranks in the set (an mpi4py communicator is read as its ranks in
+    COMM_WORLD). The set is usable once add_process_set() registered it on every rank.
+    """
+
+    def __init__(self, ranks: Sequence[int] | Any) -> None:
+        self.process_set_id: int | None = None
+        self.ranks: list[int] | None = None if ranks is None else _ranks_of(ranks)
+
+    def size(self) -> int:
+        """The number of ranks in the set."""
+        return len(self._registered_ranks())
+
+    def rank(self) -> int:
+        """This process's position within the set; -1 when it is not a member (as Horovod)."""
+        ranks = self._registered_ranks()
+        return ranks.index(_api.rank()) if _api.rank() in ranks else -1
+
+    def included(self) -> bool:
+        """True when this process is a member."""
+        return _api.rank() in self._registered_ranks()
+
+    def _registered_ranks(self) -> list[int]:
+        if self.process_set_id == 0:
+            return list(range(_api.size()))
+        if self.process_set_id is None or self.ranks is None:
+            raise ValueError(
+                f"{self!r} is not registered; call add_process_set() with it on every rank first"
+            )
+        return self.ranks
+
+    def __repr__(self) -> str:
+        if self.process_set_id == 0:
+            return "ProcessSet(global)"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+def _ranks_of(ranks: Any) -> list[int]:
+    if hasattr(ranks, "Get_group"):  # an mpi4py communicator: its members' ranks in COMM_WORLD
+        from mpi4py import MPI
+
+        group = ranks.Get_group()
+        world = MPI.COMM_WORLD.Get_group()
+        return sorted(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    try:
+        values = [_api._integer(rank, "a process set rank", "a rank number") for rank in ranks]
+    except TypeError:
+        raise TypeError(f"a process set takes a list of ranks (or a ProcessSet), not {ranks!r}") from None
+    if len(set(values)) != len(values):
+        raise ValueError(f"process set ranks {values} name a rank twice; give each rank once")
+    return sorted(values)
+
+
+global_process_set = ProcessSet(None)
+global_process_set.process_set_id = 0
+_registered: dict[int, ProcessSet] = {}
+_unnamed: dict[int, Iterator[int]] = {}
+_local = threading.local()
+
+
+def _reset() -> None:
+    """Forgets every set but the global one (commsched.init() starts afresh)."""
+    for process_set in _registered.values():
+        process_set.process_set_id = None
+    _registered.clear()
+    _unnamed.clear()
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Registers a process set on every rank (all call it, in the same order) and returns it."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set!r} is registered already; remove it first, or make a new ProcessSet")
+    if process_set.ranks is None:
+        raise ValueError("the global process set exists from init(); add_process_set takes a list of ranks")
+    size = _api.size()
+    ranks = process_set.ranks
+    if not ranks or ranks[0] < 0 or ranks[-1] >= size:
+        raise ValueError(f"process set ranks {ranks} must be between 0 and {size - 1}, at least one of them")
+    for other in _registered.values():
+        if other.ranks == ranks:
+            raise ValueError(f"a process set with ranks {ranks} exists already: {other!r}")
+    import numpy as np
+
+    set_id = max(_registered, default=0) + 1
+    # Every rank must add the same ranks under the same id: checked over every rank before any
+    # communicator is built, so a mismatch fails on every rank alike instead of hanging.
+    mine = np.array([set_id, *ranks], dtype=np.int64)
+    handle = _api.allgather_async(mine, name=f"process_set.{set_id}.add")
+    gathered = handle.wait()
+    rows, offset = [], 0
+    for length in handle.layout_rows():
+        rows.append(gathered[offset : offset + length].tolist())
+        offset += length
+    if any(row != rows[0] for row in rows):
+        described = "; ".join(f"rank {r}: id {row[0]} ranks {row[1:]}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"add_process_set was called with different process sets across ranks ({described}); every rank "
+            "must call add_process_set with the same ranks in the same order"
+        )
+    _core.add_process_set(set_id, ranks)
+    process_set.process_set_id = set_id
+    _registered[set_id] = process_set
+    # No member names the set before every rank registered it with its agreement.
+    _api.barrier(name=f"process_set.{set_id}.ready")
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregisters a process set on every rank (all call it); False for the global set or an unknown one."""
+    set_id = process_set.process_set_id
+    if not set_id or _registered.get(set_id) is not process_set:
+        return False
+    _api.barrier(name=f"process_set.{set_id}.remove")  # every rank is done with the set
+    _core.remove_process_set(set_id)
+    del _registered[set_id]
+    _unnamed.pop(set_id, None)
+    process_set.process_set_id = None
+    return True
+
+
+def get_process_sets() -> dict[int, list[int]]:
+    """Every registered set's id and ranks, the global set (id 0) included, as Horovod's get_process_sets()."""
+    return {0: list(range(_api.size())), **{i: list(s.ranks or []) for i, s in sorted(_registered.items())}}
+
+
+def resolve(process_set: Any) -> int:
+    """The id of `process_set` (None: the global set); raises ValueError unless this rank is a member."""
+    if process_set is None or process_set is global_process_set:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet from add_process_set(), not {process_set!r}")
+    set_id = process_set.process_set_id
+    if set_id == 0:
+        return 0
+    if set_id is None or _registered.get(set_id) is not process_set:
+        raise ValueError(
+            f"{process_set!r} is not registered; call add_process_set() with it on every rank first"
+        )
+    if _api.rank() not in (process_set.ranks or []):
+        raise ValueError(
+            f"rank {_api.rank()} is not a member of {process_set!r}; only its ranks may call collectives on it"
+        )
+    return set_id
+
+
+@contextmanager
+def scope(process_set: Any) -> Iterator[int]:
+    """Runs the collectives called inside on `process_set` (this thread only); yields its id."""
+    set_id = resolve(process_set)
+    previous = getattr(_local, "set_id", 0)
+    _local.set_id = set_id
+    try:
+        yield set_id
+    finally:
+        _local.set_id = previous
+
+
+def current() -> int:
+    """The id of the process set this thread's collective runs on (0: every rank)."""
+    return getattr(_local, "set_id", 0)
+
+
+def qualified(name: str) -> str:
+    """The name the core agrees `name` under: each set has its own names, as in Horovod."""
+    set_id = current()
+    if set_id == 0:
+        return name
+    prefix = f"process_set.{set_id}/"
+    return name if name.startswith(prefix) else prefix + name
+
+
+def next_unnamed(global_counter: Iterator[int]) -> int:
+    """The number of the next unnamed collective on the current set: ranks outside it do not count it."""
+    set_id = current()
+    if set_id == 0:
+        return next(global_counter)
+    return next(_unnamed.setdefault(set_id, itertools.count()))
+
+
+def ranks() -> list[int]:
+    """The global ranks of the current set."""
+    set_id = current()
+    return list(range(_api.size())) if set_id == 0 else list(_registered[set_id].ranks or [])
+
+
+def size() -> int:
+    """The number of ranks in the current set."""
+    return len(ranks())
+
+
+def position() -> int:
+    """This rank's position in the current set."""
+    return ranks().index(_api.rank())
