@@ -324,6 +324,21 @@ def barrier(name: str | None = None, timeout: float | None = None, process_set: 
     _api.Handle(core_handle, None, None).wait(timeout)
 
 
+def join(timeout: float | None = None) -> int:
+    """Marks this rank out of data (Horovod's join) and returns the last rank to join, once every rank has.
+
+    Until then this rank takes part in the other ranks' collectives: allreduce with zeros (op="average"
+    still divides by every rank, as Horovod does), allgather with no rows; broadcast, reducescatter and
+    alltoall fail while a rank has joined. Of ranks joining in the same agreement round, the highest
+    counts as last. Afterwards every rank may go on (a new epoch).
+    """
+    if _api._state.pending is not None:
+        _api._start_pending(False)  # a joined rank contributes from host memory
+    core_handle = _core.join()
+    _api.Handle(core_handle, None, None).wait(timeout)
+    return int(_core.last_joined_rank())
+
+
 def grouped_allreduce_async(
     arrays: Sequence[Any],
     name: str | None = None,

@@ -324,6 +324,12 @@ PYBIND11_MODULE(_core, module) {
       py::arg("wake_core") = true, py::arg("process_set") = 0,
       "Submits allreduces that every rank announces and the core admits together (one fused launch when they fit).");
   module.def(
+      "join", [] { return runtime_slot().require("join")->join(); },
+      "Announces that this rank ran out of data; the handle completes once every rank has joined.");
+  module.def(
+      "last_joined_rank", [] { return runtime_slot().require("join")->last_joined_rank(); },
+      "The last rank to join in the latest completed join (-1 before any).");
+  module.def(
       "refuse",
       [](const std::string& name, const std::string& reason, int32_t process_set) {
         auto runtime = runtime_slot().get();

@@ -17,6 +17,7 @@ constexpr uint8_t kReportMagic = 0xC3;
 constexpr uint8_t kFlagShutdown = 1;
 constexpr uint8_t kFlagAbort = 2;
 constexpr uint8_t kFlagSettings = 4;
+constexpr uint8_t kFlagJoin = 8;
 constexpr uint8_t kEntryCached = 0;
 constexpr uint8_t kEntryFull = 1;
 constexpr uint8_t kEntryRefused = 2;
@@ -145,7 +146,10 @@ std::string rank_list(const std::vector<int>& ranks) {
 }  // namespace
 
 Agreement::Agreement(int rank, int size, size_t max_cached_names)
-    : rank_(rank), size_(size), max_cached_names_(std::min<size_t>(max_cached_names, UINT32_MAX)) {
+    : rank_(rank),
+      size_(size),
+      max_cached_names_(std::min<size_t>(max_cached_names, UINT32_MAX)),
+      joined_(static_cast<size_t>(size), 0) {
   for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
 }
 
@@ -184,7 +188,7 @@ std::string Agreement::build_report(const ReportStatus& status) {
   Writer writer;
   writer.put_byte(kReportMagic);
   writer.put_byte((status.shutdown ? kFlagShutdown : 0) | (status.abort_message.empty() ? 0 : kFlagAbort) |
-                  (send_settings ? kFlagSettings : 0));
+                  (send_settings ? kFlagSettings : 0) | (status.join ? kFlagJoin : 0));
   writer.put_varint(status.completed_bytes);
   if (!status.abort_message.empty()) writer.put_string(status.abort_message, kMaxMessageBytes);
   writer.put_varint(status.settings_epoch);
@@ -251,6 +255,7 @@ void CycleOutcome::reset() {
   min_settings_epoch = 0;
   root_settings_epoch = 0;
   root_settings = SchedulingSettings{};
+  last_joined_rank = -1;
 }
 
 CycleOutcome Agreement::apply(const std::vector<std::string>& reports, double now_s) {
@@ -272,7 +277,7 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
     Reader reader(reports[from], from);
     if (reader.get_byte() != kReportMagic) reader.fail("bad magic");
     const uint8_t flags = reader.get_byte();
-    if (flags & ~(kFlagShutdown | kFlagAbort | kFlagSettings)) reader.fail("bad flags");
+    if (flags & ~(kFlagShutdown | kFlagAbort | kFlagSettings | kFlagJoin)) reader.fail("bad flags");
     outcome.min_completed_bytes = std::min(outcome.min_completed_bytes, reader.get_varint());
     std::string abort_message = (flags & kFlagAbort) ? reader.get_string(kMaxMessageBytes) : std::string();
     const uint32_t settings_epoch = reader.get_uint32();
@@ -357,6 +362,8 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
       record(from, std::move(spec), std::move(payload), std::move(refusal), local_id, now_s, outcome);
     }
     if (!reader.at_end()) reader.fail("trailing bytes");
+    // After this rank's entries: what it announced before joining it contributes itself.
+    if (flags & kFlagJoin) mark_joined(from, outcome);
   }
   // Every rank asked past the last agreed epoch, rank 0 included, so its settings came along.
   if (outcome.min_settings_epoch > agreed_settings_epoch_ && !root_sent_settings) {
@@ -412,7 +419,39 @@ void Agreement::record(int from_rank, TensorSpec spec, std::string payload, std:
     ++own_pending_;
     entry.local_id = local_id;
   }
-  if (++entry.reported == static_cast<int>(expected.size())) close(it, outcome);
+  if (++entry.reported == static_cast<int>(expected.size()) || (joined_count_ > 0 && covered(entry))) {
+    close(it, outcome);
+  }
+}
+
+bool Agreement::covered(const Pending& entry) const {
+  if (entry.process_set != 0) return false;  // join() covers the set of every rank only
+  for (int r = 0; r < size_; ++r) {
+    if (!entry.by_rank[r] && !joined_[r]) return false;
+  }
+  return true;
+}
+
+void Agreement::mark_joined(int rank, CycleOutcome& outcome) {
+  if (joined_[rank]) {
+    throw CommError("malformed agreement report from rank " + std::to_string(rank) +
+                    ": it joined again before every rank had joined");
+  }
+  joined_[rank] = 1;
+  ++joined_count_;
+  last_joined_ = rank;
+  // In name order, the same on every rank (each holds the same pending entries).
+  std::vector<PendingMap::iterator> ready;
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (covered(it->second)) ready.push_back(it);
+  }
+  for (PendingMap::iterator it : ready) close(it, outcome);
+  if (joined_count_ == size_) {
+    outcome.last_joined_rank = last_joined_;
+    std::fill(joined_.begin(), joined_.end(), 0);
+    joined_count_ = 0;
+    last_joined_ = -1;
+  }
 }
 
 void Agreement::close(PendingMap::iterator it, CycleOutcome& outcome) {
@@ -447,18 +486,42 @@ void Agreement::fail_refused(const std::string& name, const Pending& entry, Cycl
 }
 
 void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& outcome) {
+  // Ranks that joined without announcing the tensor are missing here; at least one rank announced it.
   const std::vector<int>& ranks = members(entry.process_set);
-  TensorSpec agreed = *entry.by_rank[ranks.front()];
+  std::vector<int> joined_without;
+  int first = -1;
+  for (int r : ranks) {
+    if (!entry.by_rank[r]) {
+      joined_without.push_back(r);
+    } else if (first < 0) {
+      first = r;
+    }
+  }
+  TensorSpec agreed = *entry.by_rank[first];
   bool consistent = true;
   for (int r : ranks) {
+    if (r == first || !entry.by_rank[r]) continue;
     const TensorSpec& other = *entry.by_rank[r];
     consistent = consistent && other.agrees_with(agreed);
     agreed.priority = std::min(agreed.priority, other.priority);
+  }
+  const bool joinable = agreed.kind == CollectiveKind::kAllreduce || agreed.kind == CollectiveKind::kAllgather ||
+                        agreed.kind == CollectiveKind::kBarrier;
+  if (consistent && !joined_without.empty() && !joinable) {
+    // As Horovod: a joined rank has no data to send or room to receive.
+    outcome.failures.push_back(
+        {name,
+         std::string(kind_name(agreed.kind)) + " of '" + name + "' cannot run while " + rank_list(joined_without) +
+             " joined; only allreduce, allgather and barrier take part in join(). Run it before a rank joins, or "
+             "after join() returned on every rank.",
+         entry.local_id, -1});
+    return;
   }
   if (!consistent) {
     // Group ranks by what they submitted so the message stays short at scale.
     std::vector<std::pair<std::string, std::vector<int>>> variants;
     for (int r : ranks) {
+      if (!entry.by_rank[r]) continue;
       const std::string described = entry.by_rank[r]->describe();
       auto found = std::find_if(variants.begin(), variants.end(),
                                 [&](const auto& variant) { return variant.first == described; });
@@ -494,8 +557,9 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   } else if (agreed.kind == CollectiveKind::kBroadcast) {
     complete = !entry.payloads[agreed.root].empty();
   } else if (agreed.kind == CollectiveKind::kAllreduce) {
-    complete =
-        std::all_of(entry.payloads.begin(), entry.payloads.end(), [](const std::string& p) { return !p.empty(); });
+    // A joined rank that did not announce it adds zeros: its payload stays empty.
+    complete = true;
+    for (int r = 0; r < size_ && complete; ++r) complete = !entry.by_rank[r] || !entry.payloads[r].empty();
   }
   outcome.inline_payloads.push_back(complete ? std::move(entry.payloads) : std::vector<std::string>{});
   outcome.agreed.push_back(std::move(agreed));
@@ -512,8 +576,9 @@ void Agreement::fill_layout(const Pending& entry, TensorSpec& agreed) const {
   if (agreed.kind == CollectiveKind::kAllgather) {
     agreed.count = 0;
     for (size_t r = 0; r < ranks; ++r) {
-      agreed.layout.push_back(entry.by_rank[members_in_order[r]]->count);
-      agreed.count += entry.by_rank[members_in_order[r]]->count;
+      const uint64_t count = entry.by_rank[members_in_order[r]] ? entry.by_rank[members_in_order[r]]->count : 0;
+      agreed.layout.push_back(count);  // a joined rank gives nothing
+      agreed.count += count;
     }
   } else if (agreed.kind == CollectiveKind::kReducescatter) {
     // As Horovod splits the first dimension: the first (rows % ranks) ranks get one row more.

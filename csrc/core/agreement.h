@@ -38,6 +38,9 @@ struct ReportStatus {
   // Scheduling settings this rank asks for, numbered; they switch once every rank asked.
   uint32_t settings_epoch = 0;
   SchedulingSettings settings;
+  // This rank has run out of data (Horovod's join): until every rank has, it contributes zeros to
+  // the others' allreduces and nothing to their allgathers. Sent once, in the report that joins.
+  bool join = false;
 };
 
 struct TensorFailure {
@@ -49,10 +52,12 @@ struct TensorFailure {
 
 struct CycleOutcome {
   std::vector<TensorSpec> agreed;  // launch-eligible, in readiness order
-  std::vector<uint64_t> agreed_ids;  // per agreed tensor, what this rank passed to announce()
+  // Per agreed tensor, what this rank passed to announce(); kNoLocalTensor where this rank had
+  // joined without announcing it: it then launches the collective with zeros (nothing to gather).
+  std::vector<uint64_t> agreed_ids;
   // Per agreed tensor, by rank: the bytes its ranks sent inline with their reports. Non-empty
   // only when the result is complete from them (every rank's for an allreduce, the root's for a
-  // broadcast): then no collective is launched for it.
+  // broadcast): then no collective is launched for it. A joined rank's bytes are empty: zeros.
   std::vector<std::vector<std::string>> inline_payloads;
   std::vector<TensorFailure> failures;
   uint64_t min_completed_bytes = 0;
@@ -63,6 +68,9 @@ struct CycleOutcome {
   uint32_t min_settings_epoch = 0;
   uint32_t root_settings_epoch = 0;  // rank 0's request wins, so every rank applies the same settings
   SchedulingSettings root_settings;
+  // Every rank has joined in this round: the last to join (of those joining in the same round, the
+  // highest rank, as reports apply in rank order); -1 otherwise. The next join starts afresh.
+  int last_joined_rank = -1;
 
   // Back to a fresh outcome, keeping the vectors' capacity for the next round.
   void reset();
@@ -104,6 +112,8 @@ class Agreement {
   // True while this rank announced a tensor that another rank has not: agreement is worth retrying soon.
   bool waiting_on_others() const { return own_pending_ > 0; }
   size_t cached_names() const { return cache_ids_.size(); }
+  // True while `rank` has joined and not every rank has yet.
+  bool has_joined(int rank) const { return joined_[static_cast<size_t>(rank)] != 0; }
 
   // Process sets: a collective on one is agreed once every member reported it, and only they
   // launch it. Every rank registers the same sets under the same ids before any report names them.
@@ -147,6 +157,10 @@ class Agreement {
   // report that could name it by its old meaning has been applied.
   void cache_agreed();
   void forget_least_recent();
+  // True once every rank has announced the entry or joined.
+  bool covered(const Pending& entry) const;
+  // Records `rank`'s join: closes what it alone held back, and ends the join once every rank has.
+  void mark_joined(int rank, CycleOutcome& outcome);
 
   int rank_;
   int size_;
@@ -166,6 +180,9 @@ class Agreement {
   uint32_t agreed_settings_epoch_ = 0;  // the lowest settings epoch in the last round's reports
   std::vector<int> all_ranks_;  // process set 0
   std::map<int32_t, std::vector<int>> process_sets_;
+  std::vector<char> joined_;  // by rank: joined, and not every rank has yet
+  int joined_count_ = 0;
+  int last_joined_ = -1;
 };
 
 }  // namespace commsched

@@ -313,7 +313,49 @@ void Runtime::abort(const std::string& reason) {
   wake_all();
 }
 
+std::shared_ptr<HandleState> Runtime::join() {
+  if (!transport_->host_memory()) {
+    throw UsageError("join() is not available on the " + transport_name_ +
+                     " transport: a joined rank contributes zeros from host memory; use a host transport (mpi, gloo, "
+                     "grpc) for jobs whose ranks run out of data at different steps");
+  }
+  auto handle = std::make_shared<HandleState>("join");
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (stopped_ || shutdown_requested_) {
+      throw Failure(stopped_ ? stop_kind_ : FailureKind::kNotRunning,
+                    "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
+                        "; call commsched.init() before join()",
+                    stopped_ ? stop_rank_ : -1);
+    }
+    if (join_handle_) {
+      throw UsageError("join() is already waiting on rank " + std::to_string(rank_) +
+                       "; a rank joins once per epoch, until every rank has joined");
+    }
+    join_handle_ = handle;
+    join_requested_ = true;
+  }
+  wake_all();
+  return handle;
+}
+
+void Runtime::end_join(const std::string& error, FailureKind kind, int rank) {
+  std::shared_ptr<HandleState> handle;
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    handle.swap(join_handle_);
+    join_requested_ = false;
+  }
+  if (!handle) return;
+  if (error.empty()) {
+    handle->complete();
+  } else {
+    handle->fail(error, kind, rank);
+  }
+}
+
 void Runtime::refuse(const std::string& name, const std::string& reason, int32_t process_set) {
+
   if (name.empty() || name.size() > kMaxTensorNameBytes) return;  // no other rank can know it
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
@@ -479,6 +521,7 @@ void Runtime::stop_everything(const std::string& reason, int failed_rank) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     active_names_.clear();
   }
+  end_join("commsched stopped before every rank joined: " + reason, kind, rank);
   timeline_.flush();
 }
 

@@ -105,6 +105,15 @@ class Runtime {
   // exiting on an uncaught exception), so the others name it instead of seeing a plain shutdown.
   void abort(const std::string& reason);
 
+  // Announces that this rank has run out of data (Horovod's join). Until every rank has joined,
+  // this rank launches every allreduce the others agree on with zeros and every allgather with
+  // nothing of its own; the handle completes once every rank has joined, and last_joined_rank()
+  // then names the last to join. Throws UsageError while a join of this rank is pending, or on a
+  // transport whose memory the core cannot fill (device memory); Failure when stopped.
+  std::shared_ptr<HandleState> join();
+  // The rank the last completed join() named; -1 before any.
+  int last_joined_rank() const { return last_joined_rank_.load(); }
+
   // Asks for new scheduling settings; they take effect on every rank in the same cycle,
   // once every rank has asked as many times (rank 0's settings win).
   void request_settings(const SchedulingSettings& settings);
@@ -160,6 +169,9 @@ class Runtime {
     std::vector<uint64_t> layout;  // the agreed per-rank counts (collectives with an output)
     std::shared_ptr<FusionBuffer> output;  // allocated at launch
     uint64_t output_elements = 0;
+    // A joined rank's stand-in for a tensor it never submitted: `data` points here, all zeros.
+    std::vector<uint64_t> zeros;
+    bool stand_in = false;
   };
   struct InFlight {
     Launch launch;
@@ -202,6 +214,10 @@ class Runtime {
   void apply_outcome(const CycleOutcome& outcome);
   // Reduces (or takes the root's) bytes that every rank sent inline, and completes the tensor.
   void complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads);
+  // A joined rank's zero-filled stand-in for an agreed tensor it did not submit, queued like its own.
+  void queue_stand_in(const TensorSpec& agreed);
+  // Completes this rank's join() once every rank has joined; fails it with `error` when stopping.
+  void end_join(const std::string& error, FailureKind kind = FailureKind::kNotRunning, int rank = -1);
   // Launches whatever the agreed credit admits.
   void launch_ready();
   void launch(Launch launch);
@@ -284,6 +300,9 @@ class Runtime {
   // Changed under inbox_mutex_; read without it by the core's thread while callers drive.
   std::atomic<int> callers_waiting_{0};
   uint32_t requested_epoch_ = 0;  // guarded by inbox_mutex_
+  bool join_requested_ = false;  // guarded by inbox_mutex_; join() waits for the next report
+  std::shared_ptr<HandleState> join_handle_;  // guarded by inbox_mutex_; set from join() until every rank joined
+  std::atomic<int> last_joined_rank_{-1};
   SchedulingSettings requested_settings_;
 
   // Owned by the driver.

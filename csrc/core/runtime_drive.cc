@@ -43,7 +43,7 @@ void Runtime::loop() {
 }
 
 bool Runtime::round_due_locked(Clock::time_point now) const {
-  return !inbox_.empty() || refusals_waiting_ || shutdown_requested_ || !abort_message_.empty() ||
+  return !inbox_.empty() || refusals_waiting_ || join_requested_ || shutdown_requested_ || !abort_message_.empty() ||
          !abort_requested_.empty() || now >= next_round_;
 }
 
@@ -215,6 +215,11 @@ bool Runtime::run_round() {
     }
     ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
     take_set_changes();  // before the submissions: a set's first collective may be among them
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      status.join = join_requested_;
+      join_requested_ = false;
+    }
     take_refusals();
     take_submissions(status);
     const bool had_news = agreement_.has_announcements();
@@ -261,7 +266,8 @@ bool Runtime::run_round() {
     // Only an idle rank stretches its heartbeat. With collectives in flight, another rank
     // may sit in an exchange, unable to launch the unit this rank's next completion needs
     // until this rank joins: so this rank joins within a cycle.
-    const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() &&
+    // A joined rank never stretches it: every collective the others start waits for its report.
+    const bool quiet = outcome.announcements == 0 && outcome.agreed.empty() && !agreement_.has_joined(rank_) &&
                        outcome.min_settings_epoch == outcome.root_settings_epoch && in_flight_.empty() &&
                        scheduler_.queued_chunks() == 0;
     heartbeat_ = quiet ? std::min<Clock::duration>(2 * heartbeat_, kMaxQuietCycles * cycle_) : cycle_;

@@ -81,7 +81,12 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
   for (size_t i = 0; i < outcome.agreed.size(); ++i) {
     const TensorSpec& agreed = outcome.agreed[i];
     const uint64_t id = outcome.agreed_ids[i];
-    if (id == kNoLocalTensor) continue;  // a collective of a process set this rank is not in
+    if (id == kNoLocalTensor) {
+      if (agreed.process_set != 0) continue;  // a set this rank is not in (join() covers every rank only)
+      // This rank joined: an inline result needs nothing from it, a collective its zeros.
+      if (outcome.inline_payloads[i].empty()) queue_stand_in(agreed);
+      continue;
+    }
     timeline_.async_end(agreed.name, "negotiate", id, now_us);
     if (!outcome.inline_payloads[i].empty()) {
       complete_inline(id, agreed, outcome.inline_payloads[i]);
@@ -98,6 +103,28 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     for (const char** phase : queued_phases) *phase = "agreed, queued for the wire";
   }
+  if (outcome.last_joined_rank >= 0) {
+    last_joined_rank_ = outcome.last_joined_rank;
+    end_join("");
+  }
+}
+
+void Runtime::queue_stand_in(const TensorSpec& agreed) {
+  const uint64_t id = next_tensor_id_++;
+  LocalTensor stand_in;
+  stand_in.spec = agreed;
+  // An allgather's own part is empty (the agreed layout says 0 for this rank); an allreduce's is all of it.
+  if (agreed.kind == CollectiveKind::kAllgather) stand_in.spec.count = agreed.layout.at(static_cast<size_t>(rank_));
+  stand_in.zeros.assign(stand_in.spec.bytes() / sizeof(uint64_t) + 1, 0);
+  stand_in.data = stand_in.zeros.data();
+  stand_in.handle = std::make_shared<HandleState>(agreed.name);
+  stand_in.trace_id = id;
+  stand_in.agreed = true;
+  stand_in.stand_in = true;
+  stand_in.launched = true;  // keeps it off the timeline, which shows this rank's own tensors
+  stand_in.layout = agreed.layout;
+  stand_in.chunks_left = scheduler_.add(id, agreed);
+  tensor_nodes_.try_insert(tensors_, id, std::move(stand_in));
 }
 
 void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::vector<std::string>& payloads) {
@@ -123,10 +150,19 @@ void Runtime::complete_inline(uint64_t id, const TensorSpec& spec, const std::ve
       inline_sum_.resize(addend.size());
       sum = inline_sum_.data();
     }
-    std::memcpy(sum, payloads[0].data(), bytes);
+    // An empty payload is a joined rank's: zeros.
+    if (payloads[0].empty()) {
+      std::memset(sum, 0, bytes);
+    } else {
+      std::memcpy(sum, payloads[0].data(), bytes);
+    }
     if (spec.prescale != 1.0) multiply_by(sum, spec.count, spec.dtype, spec.prescale);
     for (int r = 1; r < size_; ++r) {
-      std::memcpy(addend.data(), payloads[r].data(), bytes);
+      if (payloads[r].empty()) {
+        std::memset(addend.data(), 0, bytes);
+      } else {
+        std::memcpy(addend.data(), payloads[r].data(), bytes);
+      }
       if (spec.prescale != 1.0) multiply_by(addend.data(), spec.count, spec.dtype, spec.prescale);
       reduce_into(sum, addend.data(), spec.count, spec.dtype, spec.op);
     }
@@ -345,6 +381,11 @@ void Runtime::finish_tensor(uint64_t id, const std::string& error) {
   if (found == tensors_.end()) return;  // already finished (failed while stopping)
   LocalTensor tensor = std::move(found->second);
   tensor_nodes_.erase(tensors_, found);
+  if (tensor.stand_in) {
+    // Nobody waits on a stand-in and its name belongs to no submission of this rank.
+    (error.empty() ? stats_.completed_tensors : stats_.failed_tensors).fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   {
     // Free the name before signalling, so the caller may resubmit it at once.
     std::lock_guard<std::mutex> lock(inbox_mutex_);
