@@ -172,6 +172,11 @@ def barrier(name: str) -> Any:
 # -- gradients (what Horovod registers for its ops) ------------------------------------------------
 
 
+# How the gradients of broadcast and allgather combine every rank's gradient: a sum, as Horovod's
+# TensorFlow ops define it up to 0.27 (and its test suite checks); Horovod 0.28 averages.
+_GATHERED_GRADIENT_OP = "sum"
+
+
 def _dense(grad: Any) -> tf.Tensor:
     return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
 
@@ -206,15 +211,15 @@ def _grouped_allreduce_gradient(op: Any, *grads: Any) -> list[tf.Tensor]:
 
 @tf.RegisterGradient("CommschedBroadcast")
 def _broadcast_gradient(op: Any, grad: Any) -> tf.Tensor:
-    """The average of every rank's gradient on the root, zero elsewhere."""
-    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", "average")
+    """The sum of every rank's gradient on the root, zero elsewhere (Horovod 0.28 averages instead)."""
+    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", _GATHERED_GRADIENT_OP)
     return reduced if commsched.rank() == op.get_attr("root_rank") else reduced * 0
 
 
 @tf.RegisterGradient("CommschedAllgather")
 def _allgather_gradient(op: Any, grad: Any, _rows_grad: Any) -> tf.Tensor:
-    """This rank's rows of the average of every rank's gradient of the gathered tensor."""
-    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", "average")
+    """This rank's rows of the sum of every rank's gradient of the gathered tensor."""
+    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", _GATHERED_GRADIENT_OP)
     parts = tf.split(reduced, num_or_size_splits=op.outputs[1], axis=0, num=commsched.size())
     part = parts[commsched.rank()]
     return tf.reshape(part, tf.shape(op.inputs[0]))

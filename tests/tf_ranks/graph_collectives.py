@@ -171,9 +171,8 @@ def main() -> int:
 
         def tape_of(
             collective: Callable[[tf.Tensor], tf.Tensor], weight: np.ndarray
-        ) -> Callable[[], tf.Tensor]:
-            def gradient() -> tf.Tensor:
-                variable = tf.constant(x)
+        ) -> Callable[[tf.Tensor], tf.Tensor]:
+            def gradient(variable: tf.Tensor) -> tf.Tensor:
                 with tf.GradientTape() as tape:
                     tape.watch(variable)
                     loss = tf.reduce_sum(collective(variable) * weight)
@@ -194,7 +193,7 @@ def main() -> int:
             "broadcast": (
                 lambda t: hvd.broadcast(t, root_rank=0),
                 weights[rank],
-                np.mean(weights, axis=0) if rank == 0 else np.zeros_like(x),
+                np.sum(weights, axis=0) if rank == 0 else np.zeros_like(x),
             ),
             "reducescatter sum": (
                 lambda t: hvd.reducescatter(t, op=hvd.Sum),
@@ -211,7 +210,7 @@ def main() -> int:
         cases["allgather"] = (
             lambda t: hvd.allgather(t),
             gathered_weights[rank],
-            np.mean(gathered_weights, axis=0)[rank * rows : (rank + 1) * rows],
+            np.sum(gathered_weights, axis=0)[rank * rows : (rank + 1) * rows],
         )
         # Alltoall: rank d receives splits[d] rows from every rank, so its weights cover size * splits[d]
         # rows, and the gradient of this rank's rows sent to d is d's weights on this rank's block.
@@ -223,8 +222,8 @@ def main() -> int:
             np.concatenate([a2a_weights[d][rank * splits[d] : (rank + 1) * splits[d]] for d in range(size)]),
         )
         for label, (collective, weight, closed_form) in cases.items():
-            eager = tape_of(collective, weight)()
-            graph = tf.function(tape_of(collective, weight))()
+            eager = tape_of(collective, weight)(tf.constant(x))
+            graph = tf.function(tape_of(collective, weight))(tf.constant(x))
             equal(graph, eager.numpy(), 1e-6, f"{label}: graph against eager")
             equal(graph, closed_form, 1e-6, f"{label}: closed form")
 

@@ -90,7 +90,8 @@ typedef struct commsched_request_t {
   int32_t process_set_id; /* 0: every rank (the only set the ABI serves so far) */
   double prescale;        /* reductions: applied before; 1 leaves the data as it is */
   double postscale;       /* reductions: applied after */
-  /* allgather, reducescatter, alltoall: extents of one row (all dimensions but the first) */
+  /* extents of one row (all dimensions but the first); every rank's must match, so equal-size
+   * tensors of different shapes fail. allgather, reducescatter, alltoall: the rows' layout */
   const uint64_t* row_shape;
   size_t row_rank;
   /* alltoall: rows sent to each rank, one per rank */

@@ -18,6 +18,12 @@
 
 namespace commsched_tf {
 
+// A collective that failed on every rank (their submissions disagree, a rank refused it, or
+// commsched stopped): FailedPrecondition, the status Horovod's ops give such a failure.
+tensorflow::Status CollectiveFailed(const std::string& message) {
+  return tensorflow::errors::FailedPrecondition("commsched: ", message);
+}
+
 using tensorflow::AsyncOpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
@@ -33,7 +39,7 @@ struct InPlace {
 
 void FinishInPlace(void* raw, const commsched_result_t* /*result*/, const char* error) {
   std::unique_ptr<InPlace> pending(static_cast<InPlace*>(raw));
-  if (error != nullptr) pending->context->SetStatus(tensorflow::errors::Internal("commsched: ", error));
+  if (error != nullptr) pending->context->SetStatus(CollectiveFailed(error));
   AsyncOpKernel::DoneCallback done = std::move(pending->done);
   pending.reset();
   done();
@@ -96,7 +102,7 @@ tensorflow::Status CopyResult(WithOutput& pending, const commsched_result_t& res
 void FinishWithOutput(void* raw, const commsched_result_t* result, const char* error) {
   std::unique_ptr<WithOutput> pending(static_cast<WithOutput*>(raw));
   if (error != nullptr) {
-    pending->context->SetStatus(tensorflow::errors::Internal("commsched: ", error));
+    pending->context->SetStatus(CollectiveFailed(error));
   } else if (result == nullptr) {
     pending->context->SetStatus(tensorflow::errors::Internal("commsched: the collective returned no result"));
   } else {
@@ -140,7 +146,12 @@ class InPlaceOp : public CommschedKernel {
       std::memcpy(output->data(), input.data(), input.TotalBytes());
     }
     auto pending = std::make_unique<InPlace>(InPlace{context, std::move(done), *output});
+    // The row shape travels with the request, so ranks whose tensors have the same size but not
+    // the same shape fail together, as in Horovod.
+    const std::vector<uint64_t> row_shape = Extents(RowShape(input));
     commsched_request_t request = Request(name_);
+    request.row_shape = row_shape.data();
+    request.row_rank = row_shape.size();
     request.data = output->data();
     request.count = static_cast<uint64_t>(output->NumElements());
     request.dtype = dtype_;
@@ -200,7 +211,7 @@ void FinishGroupMember(void* raw, const commsched_result_t* /*result*/, const ch
   if (group->remaining.fetch_sub(1) != 1) return;
   std::unique_ptr<Group> last(group);
   if (!last->first_error.empty()) {
-    last->context->SetStatus(tensorflow::errors::Internal("commsched: ", last->first_error));
+    last->context->SetStatus(CollectiveFailed(last->first_error));
   }
   AsyncOpKernel::DoneCallback done = std::move(last->done);
   last.reset();
@@ -248,8 +259,12 @@ class GroupedAllreduceOp : public CommschedKernel {
     group->done = std::move(done);
     group->remaining = static_cast<size_t>(members);
     std::vector<commsched_request_t> requests;
+    std::vector<std::vector<uint64_t>> row_shapes;
+    for (int i = 0; i < members; ++i) row_shapes.push_back(Extents(RowShape(group->outputs[i])));
     for (int i = 0; i < members; ++i) {
       commsched_request_t request = Request(names[i]);
+      request.row_shape = row_shapes[i].data();
+      request.row_rank = row_shapes[i].size();
       request.data = group->outputs[i].data();
       request.count = static_cast<uint64_t>(group->outputs[i].NumElements());
       request.dtype = dtype_;
@@ -386,7 +401,7 @@ struct BarrierWait {
 
 void FinishBarrier(void* raw, const commsched_result_t* /*result*/, const char* error) {
   std::unique_ptr<BarrierWait> pending(static_cast<BarrierWait*>(raw));
-  if (error != nullptr) pending->context->SetStatus(tensorflow::errors::Internal("commsched: ", error));
+  if (error != nullptr) pending->context->SetStatus(CollectiveFailed(error));
   AsyncOpKernel::DoneCallback done = std::move(pending->done);
   pending.reset();
   done();
