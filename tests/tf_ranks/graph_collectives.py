@@ -74,6 +74,17 @@ def main() -> int:
             got = tf.function(lambda t, op=op: hvd.allreduce(t, op=op))(tf.constant(flags[rank]))
             assert got.dtype == tf.bool
             equal(got, reference(flags, axis=0), what=f"bool {op}")
+        # The ABI's process-set slot takes 0 (every rank) only; another id fails on every rank, naming it.
+        from commsched.tensorflow import _build, _ops
+
+        try:
+            _build.load().commsched_allreduce(
+                tf.constant([1.0]), tensor_name="set.1", process_set_id=1, core_library=_ops.core_library()
+            )
+        except tf.errors.FailedPreconditionError as refusal:
+            assert "process set 1" in str(refusal), refusal
+        else:
+            raise AssertionError("process_set_id=1 was not refused")
         try:
             hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
         except NotImplementedError as refusal:
