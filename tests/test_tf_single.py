@@ -171,7 +171,8 @@ from pathlib import Path
 spec = importlib.util.spec_from_file_location("racing_build", sys.argv[1])
 build = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(build)
-build.SOURCE = Path(sys.argv[2])
+build.SOURCES = (Path(sys.argv[2]),)
+build.HEADERS = ()
 build.tf_flags = lambda: ([], [])  # a plain C++ file: the race, not TensorFlow's headers, is under test
 print("INODE", os.stat(build.build(Path(sys.argv[3]))).st_ino)
 """

@@ -1,8 +1,10 @@
-// The C ABI table (csrc/core/c_api.h) over the process's one runtime.
+// The C ABI tables (commsched/include/core/c_api.h) over the process's one runtime.
 #include "core/c_api.h"
 
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "bindings/runtime_slot.h"
 
@@ -15,6 +17,7 @@ void copy_error(const std::string& message, char* error, size_t error_size) {
   std::snprintf(error, error_size, "%s", message.c_str());
 }
 
+// Version 1: in-place sum/average allreduce and broadcast.
 int submit(const char* name, void* data, uint64_t count, int dtype, int op, int kind, int root, int priority,
            commsched_done_fn done, void* context, char* error, size_t error_size) {
   try {
@@ -40,6 +43,95 @@ int submit(const char* name, void* data, uint64_t count, int dtype, int op, int 
   }
 }
 
+// Why `request` cannot be submitted, or empty. Checked before the core sees it, so the caller
+// tells every rank of the refusal (Runtime::refuse) instead of leaving them waiting.
+std::string request_problem(const commsched_request_t& request) {
+  if (request.dtype < 0 || request.dtype >= kNumDTypes) return "unknown dtype code " + std::to_string(request.dtype);
+  if (request.op < 0 || request.op >= kNumReduceOps) return "unknown reduce op code " + std::to_string(request.op);
+  if (request.kind < 0 || request.kind >= kNumKinds) return "unknown collective kind code " + std::to_string(request.kind);
+  if (request.process_set_id != 0) {
+    return "process set " + std::to_string(request.process_set_id) +
+           " is not available through the C ABI; run the collective over every rank (process set 0)";
+  }
+  if (request.count > 0 && request.data == nullptr) return "data is NULL for " + std::to_string(request.count) + " elements";
+  if (request.row_rank > 0 && request.row_shape == nullptr) return "row_shape is NULL for a row of rank " + std::to_string(request.row_rank);
+  if (request.num_splits > 0 && request.splits == nullptr) return "splits is NULL for " + std::to_string(request.num_splits) + " ranks";
+  if (request.done == nullptr) return "no done callback";
+  return {};
+}
+
+TensorSpec spec_of(const commsched_request_t& request) {
+  TensorSpec spec;
+  spec.name = request.name;
+  spec.dtype = static_cast<DType>(request.dtype);
+  spec.op = static_cast<ReduceOp>(request.op);
+  spec.kind = static_cast<CollectiveKind>(request.kind);
+  spec.root = request.root;
+  spec.count = request.count;
+  spec.priority = request.priority;
+  spec.prescale = request.prescale;
+  spec.postscale = request.postscale;
+  spec.row_shape.assign(request.row_shape, request.row_shape + request.row_rank);
+  spec.splits.assign(request.splits, request.splits + request.num_splits);
+  return spec;
+}
+
+// Hands the handle's output (if any) to the request's callback. The callback is stored in the
+// handle and runs while the handle lives, so the raw pointer stays valid for the call.
+void report_when_done(HandleState* handle, commsched_result_fn done, void* context) {
+  handle->on_done([handle, done, context](const std::string& message) {
+    if (!message.empty()) {
+      done(context, nullptr, message.c_str());
+      return;
+    }
+    const auto& output = handle->output();
+    if (!output) {
+      done(context, nullptr, nullptr);
+      return;
+    }
+    const commsched_result_t result{output->data(), handle->output_elements(), handle->layout().data(),
+                                    handle->layout().size()};
+    done(context, &result, nullptr);
+  });
+}
+
+// Version 2: any collective, alone or as a group of allreduces.
+int submit_requests(const commsched_request_t* requests, size_t count, char* error, size_t error_size) {
+  try {
+    if (requests == nullptr || count == 0) throw UsageError("no requests to submit");
+    std::vector<Runtime::GroupMember> members(count);
+    std::string problem;
+    for (size_t i = 0; i < count; ++i) {
+      const commsched_request_t& request = requests[i];
+      if (request.name == nullptr || *request.name == '\0') throw UsageError("a tensor name is required");
+      problem = request_problem(request);
+      if (problem.empty() && count > 1 && request.kind != COMMSCHED_ALLREDUCE) {
+        problem = "only allreduces are submitted as a group";
+      }
+      if (!problem.empty()) {
+        problem = "tensor '" + std::string(request.name) + "': " + problem;
+        break;
+      }
+      members[i].spec = spec_of(request);
+      members[i].data = request.data;
+    }
+    const auto runtime = runtime_slot().require(kind_name(static_cast<CollectiveKind>(
+        requests[0].kind >= 0 && requests[0].kind < kNumKinds ? requests[0].kind : 0)));
+    if (!problem.empty()) {
+      for (size_t i = 0; i < count; ++i) {
+        if (requests[i].name != nullptr && *requests[i].name != '\0') runtime->refuse(requests[i].name, problem);
+      }
+      throw UsageError(problem);
+    }
+    const auto handles = runtime->enqueue_group(members);
+    for (size_t i = 0; i < count; ++i) report_when_done(handles[i].get(), requests[i].done, requests[i].context);
+    return 0;
+  } catch (const std::exception& failure) {
+    copy_error(failure.what(), error, error_size);
+    return -1;
+  }
+}
+
 int rank() {
   auto runtime = runtime_slot().get();
   return runtime ? runtime->rank() : -1;
@@ -55,7 +147,14 @@ int running() {
   return runtime && runtime->running() ? 1 : 0;
 }
 
+void refuse(const char* name, const char* reason) {
+  auto runtime = runtime_slot().get();
+  if (runtime && name != nullptr && reason != nullptr) runtime->refuse(name, reason);
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const commsched_api_v1_t commsched_api_v1 = {1, &submit, &rank,
                                                                                                 &size, &running};
+extern "C" __attribute__((visibility("default"))) const commsched_api_v2_t commsched_api_v2 = {
+    2, &submit_requests, &rank, &size, &running, &refuse};

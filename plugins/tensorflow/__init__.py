@@ -11,14 +11,15 @@ it, so inside tf.function communication overlaps the backward pass; the priority
 gradient is its variable's position in the forward pass. The ops are compiled against the
 installed TensorFlow on first use into a cache directory (COMMSCHED_TF_OPS_DIR, default
 ~/.cache/commsched/tf-ops), rebuilt when TensorFlow or the sources change. IndexedSlices
-gradients (embeddings) are densified before reduction. Collectives other than sum/average
-allreduce and broadcast (allgather, reducescatter, alltoall, min/max/product, objects,
-barrier) run eagerly through commsched's framework-free API.
+gradients (embeddings) are densified before reduction. allreduce (every op, scale factors),
+grouped_allreduce, allgather, reducescatter, alltoall, broadcast and barrier are custom ops too,
+eager and inside tf.function, with Horovod's gradients; the object forms and collectives on a
+process set run eagerly through commsched's framework-free API.
 """
 
 from __future__ import annotations
 
-from commsched.tensorflow import callbacks
+from commsched.tensorflow import callbacks, util
 from commsched.tensorflow._build import BuildError
 from commsched.tensorflow._order import forward_order
 from commsched.tensorflow.callbacks import BroadcastGlobalVariablesCallback
@@ -33,9 +34,17 @@ from commsched.tensorflow.collectives import (
     reducescatter,
 )
 from commsched.tensorflow.compression import Compression
-from commsched.tensorflow.functions import allreduce, broadcast, broadcast_variables, grouped_allreduce
+from commsched.tensorflow.functions import (
+    allreduce,
+    broadcast,
+    broadcast_global_variables,
+    broadcast_variables,
+    grouped_allreduce,
+)
 from commsched.tensorflow.optimizer import DistributedOptimizer
 from commsched.tensorflow.tape import DistributedGradientTape
+from commsched.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
+from commsched.tensorflow.util import local_rank_op, local_size_op, rank_op, size_op
 
 from commsched._horovod import (
     Adasum,
@@ -93,6 +102,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
@@ -111,17 +121,22 @@ __all__ = [
     "is_initialized",
     "join",
     "local_rank",
+    "local_rank_op",
     "local_size",
+    "local_size_op",
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
     "rank",
+    "rank_op",
     "reducescatter",
     "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "size_op",
     "start_timeline",
     "stop_timeline",
+    "util",
 ]

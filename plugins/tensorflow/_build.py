@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "ops" / "commsched_ops.cc"
+SOURCES = (HERE / "ops" / "commsched_ops.cc", HERE / "ops" / "op_definitions.cc")
+HEADERS = (HERE / "ops" / "core_link.h",)
 LIBRARY_NAME = "libcommsched_tf_ops.so"
 CACHE_VARIABLE = "COMMSCHED_TF_OPS_DIR"
 
@@ -97,7 +98,7 @@ def _command(
         "-fPIC",
         "-O2",
         "-w",
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         f"-I{include}",
         *compile_flags,
         "-o",
@@ -115,7 +116,7 @@ def library_path() -> Path:
     compile_flags, link_flags = tf_flags()
     cxx = compiler()
     parts = [
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
         (include / "core" / "c_api.h").read_bytes(),
         cxx.encode(),
         " ".join(compile_flags + link_flags).encode(),

@@ -1,9 +1,10 @@
-"""Horovod's collectives beyond sum/average allreduce and broadcast, on TensorFlow tensors.
+"""Horovod's collectives beyond allreduce and broadcast, on TensorFlow tensors, eager or in tf.function.
 
-These take a numpy round trip through commsched's framework-free API (which schedules them in
-the core like every other collective), so they run in eager mode only: call them outside
-tf.function (Keras callbacks run eagerly). bfloat16 travels as float32 for reductions and as
-its raw 16 bits otherwise; results come back in the input's dtype.
+allgather, reducescatter, alltoall and barrier run as the async custom ops (see _ops), with the
+gradients Horovod registers. On a process set, and for the object forms, they take a numpy round
+trip through commsched's framework-free API (which schedules them in the core like every other
+collective), in eager mode only; bfloat16 then travels as float32 for reductions and as its raw
+16 bits otherwise, and results come back in the input's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import itertools
 from typing import Any
 
 import numpy as np
+from commsched.tensorflow import _ops
 from commsched.tensorflow.compression import Compression, compressor
 from commsched.tensorflow.functions import require_init
 
@@ -60,7 +62,7 @@ def eager_allreduce(
     tensor: tf.Tensor, name: str, op: str, prescale_factor: float, postscale_factor: float, process_set: Any
 ) -> tf.Tensor:
     """Allreduce with any op and scale factors through commsched's allreduce (eager only)."""
-    _eager("allreduce() with this op, dtype or scale")
+    _eager("allreduce() on a process set")
     array, dtype = _to_numpy(tensor, reduces=True)
     commsched.allreduce(
         array,
@@ -87,10 +89,16 @@ def allgather(
     ignore_name_scope: bool = False,
     process_set: Any = global_process_set,
 ) -> tf.Tensor:
-    """Every rank's `tensor` concatenated on the first dimension, which may differ between ranks (eager)."""
-    _eager("allgather()")
+    """Every rank's `tensor` concatenated on the first dimension, which may differ between ranks."""
+    require_init("allgather()")
+    if _horovod.is_global(process_set):
+        return _ops.allgather(tf.convert_to_tensor(tensor), _name("allgather", name))[0]
+    _eager("allgather() on a process set")
     array, dtype = _to_numpy(tensor, reduces=False)
-    return _to_tensor(commsched.allgather(array, name=_name("allgather", name)), dtype)
+    gathered = commsched.allgather(
+        array, name=_name("allgather", name), **_horovod.core_arguments(process_set)
+    )
+    return _to_tensor(gathered, dtype)
 
 
 def reducescatter(
@@ -104,11 +112,18 @@ def reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> tf.Tensor:
-    """This rank's part of the average (or sum) of every rank's `tensor`, cut on the first dimension (eager)."""
-    _eager("reducescatter()")
+    """This rank's part of the average (or sum) of every rank's `tensor`, cut on the first dimension;
+    the first (rows % size) ranks get one row more, as in Horovod."""
+    require_init("reducescatter()")
     op = _horovod.resolve_op(op)
     chosen = compressor(compression)
     compressed, context = chosen.compress(tf.convert_to_tensor(tensor))
+    if _horovod.is_global(process_set):
+        part = _ops.reducescatter(
+            compressed, _name("reducescatter", name), op, prescale_factor, postscale_factor
+        )
+        return chosen.decompress(part, context)
+    _eager("reducescatter() on a process set")
     array, dtype = _to_numpy(compressed, reduces=True)
     part = commsched.reducescatter(
         array,
@@ -127,15 +142,21 @@ def alltoall(
     name: str | None = None,
     ignore_name_scope: bool = False,
     process_set: Any = global_process_set,
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """Sends rows splits[r] of `tensor` to rank r (equal parts without splits); returns (received, received_splits)."""
-    _eager("alltoall()")
+) -> Any:
+    """Sends rows splits[r] of `tensor` to rank r (equal parts without splits); returns what every rank
+    sent here, and with `splits` given, also the rows received from each rank (as Horovod)."""
+    require_init("alltoall()")
+    if _horovod.is_global(process_set):
+        output, received = _ops.alltoall(tf.convert_to_tensor(tensor), splits, _name("alltoall", name))
+        return (output, received) if splits is not None else output
+    _eager("alltoall() on a process set")
     array, dtype = _to_numpy(tensor, reduces=False)
     counts = None if splits is None else [int(v) for v in np.asarray(splits).reshape(-1)]
     output, received = commsched.alltoall(
         array, splits=counts, name=_name("alltoall", name), **_horovod.core_arguments(process_set)
     )
-    return _to_tensor(output, dtype), tf.constant(list(received), dtype=tf.int32)
+    result = _to_tensor(output, dtype)
+    return (result, tf.constant(list(received), dtype=tf.int32)) if splits is not None else result
 
 
 def broadcast_object(
@@ -164,10 +185,14 @@ def allgather_object(
     )
 
 
-def barrier(process_set: Any = global_process_set) -> None:
-    """Returns once every rank has called barrier()."""
+def barrier(process_set: Any = global_process_set, name: str | None = None) -> Any:
+    """Returns once every rank has called barrier(); in tf.function, an op that runs in program order."""
     require_init("barrier()")
+    if _horovod.is_global(process_set):
+        return _ops.barrier(_name("barrier", name))
+    _eager("barrier() on a process set")
     commsched.barrier(**_horovod.core_arguments(process_set))
+    return None
 
 
 def join() -> int:

@@ -3,8 +3,8 @@
 In tf.function every op starts as soon as its input is computed, so gradient reductions
 overlap the rest of the backward pass. Eagerly each op would wait for its collective
 before the next is even submitted, so groups run inside one tf.function of their own.
-IndexedSlices (embedding gradients) are densified before the allreduce: the core has no
-allgather, and a dense sum is what the optimizer applies anyway.
+IndexedSlices (embedding gradients) are densified before the allreduce: a dense sum is what
+the optimizer applies anyway, and it keeps one fused reduction per step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from commsched.tensorflow import _build
+from commsched.tensorflow import _ops
 from commsched.tensorflow.compression import Compression, NoneCompressor, compressor
 
 import commsched
@@ -22,10 +22,8 @@ import tensorflow as tf
 from commsched import _horovod
 from commsched._horovod import global_process_set
 
-_REDUCE_OPS = {"sum": 0, "average": 1}
-_SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8, tf.int8)
-# Bytes of a broadcast travel unchanged, so other dtypes go as a same-width type.
-_BROADCAST_AS = {1: tf.uint8, 2: tf.float16, 4: tf.int32, 8: tf.int64}
+_REDUCE_OPS = {"sum": 0, "average": 1}  # what gradient reduction takes
+_CODE_NAMES = {code: name for name, code in _ops.OP_CODES.items()}
 _unnamed = itertools.count()
 
 
@@ -39,12 +37,6 @@ def require_init(what: str) -> None:
     # The ops reach the core through its C ABI with host memory, not through commsched's Python
     # submit path, so a transport that init() left to the first tensor is chosen now, for the host.
     commsched._start_pending(cuda=False)
-
-
-def _core_library() -> str:
-    from commsched import _core
-
-    return str(_core.__file__)
 
 
 def _reduce_code(op: Any) -> int:
@@ -101,52 +93,11 @@ def variable_label(variable: Any) -> str:
 
 
 def _allreduce_op(tensor: tf.Tensor, name: str, code: int, priority: int) -> tf.Tensor:
-    if tensor.dtype not in _SUPPORTED:
-        raise TypeError(
-            f"allreduce of '{name}': dtype {tensor.dtype.name} is not supported; "
-            "commsched reduces float16, bfloat16, float32, float64, int32, int64, uint8 and int8"
-        )
-    if code == _REDUCE_OPS["average"] and not tensor.dtype.is_floating:
-        raise TypeError(
-            f"allreduce of '{name}': op=\"average\" needs a floating dtype, not {tensor.dtype.name}"
-        )
-    return _build.load().commsched_allreduce(
-        tensor, tensor_name=name, reduce_op=code, priority=priority, core_library=_core_library()
-    )
+    return _ops.allreduce(tensor, name, _CODE_NAMES[code], priority)
 
 
 def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int) -> tf.Tensor:
-    if tensor.dtype in _SUPPORTED:
-        return _build.load().commsched_broadcast(
-            tensor, tensor_name=name, root_rank=root, priority=priority, core_library=_core_library()
-        )
-    if tensor.dtype == tf.bool:  # tf.bitcast has no bool; one byte per element either way
-        return tf.cast(_broadcast_op(tf.cast(tensor, tf.uint8), name, root, priority), tf.bool)
-    carrier = _BROADCAST_AS.get(tensor.dtype.size)
-    if carrier is None or tensor.dtype in (tf.string, tf.resource, tf.variant):
-        raise TypeError(f"broadcast of '{name}': dtype {tensor.dtype.name} cannot be sent")
-    sent = _build.load().commsched_broadcast(
-        tf.bitcast(tensor, carrier),
-        tensor_name=name,
-        root_rank=root,
-        priority=priority,
-        core_library=_core_library(),
-    )
-    return tf.bitcast(sent, tensor.dtype)
-
-
-@tf.RegisterGradient("CommschedAllreduce")
-def _allreduce_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor:
-    """The gradient of an allreduce is the same allreduce of the gradient (as in Horovod)."""
-    name = op.get_attr("tensor_name")
-    name = name.decode() if isinstance(name, bytes) else name
-    return _build.load().commsched_allreduce(
-        tf.convert_to_tensor(densify(grad)),
-        tensor_name=f"{name}.grad",
-        reduce_op=op.get_attr("reduce_op"),
-        priority=op.get_attr("priority"),
-        core_library=_core_library(),
-    )
+    return _ops.broadcast(tensor, name, root, priority)
 
 
 def allreduce(
@@ -165,10 +116,10 @@ def allreduce(
 ) -> tf.Tensor:
     """Averages (or op-reduces) `tensor` over all ranks; works eagerly and in tf.function.
 
-    Sum and average of floating tensors run as async custom ops, also inside tf.function.
-    Min, max, product, integer averages, and scale factors on integers take a numpy round trip
-    through commsched's framework-free API, in eager mode only. device_* are accepted for
-    Horovod's signature; TensorFlow places the ops.
+    Every op (sum, average, min, max, product) and dtype runs as an async custom op, with the
+    scale factors applied by the core (in double precision for integers); on a process set the
+    reduction takes a numpy round trip through commsched's framework-free API, in eager mode
+    only. device_* are accepted for Horovod's signature; TensorFlow places the ops.
     """
     require_init("allreduce()")
     op = _horovod.resolve_op(op, average)
@@ -176,22 +127,13 @@ def allreduce(
     if name is None:
         # Numbered in call (or trace) order, which must then match on every rank, as in commsched.allreduce.
         name = f"tf.allreduce.unnamed.{next(_unnamed)}"
-    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
-    if (
-        op not in _REDUCE_OPS
-        or not _horovod.is_global(process_set)
-        or (not value.dtype.is_floating and (op == "average" or scaled))
-    ):
+    if not _horovod.is_global(process_set):
         from commsched.tensorflow import collectives
 
         return collectives.eager_allreduce(value, name, op, prescale_factor, postscale_factor, process_set)
     chosen = compressor(compression)
     compressed, context = chosen.compress(value)
-    if prescale_factor != 1.0:
-        compressed = compressed * tf.cast(prescale_factor, compressed.dtype)
-    reduced = _allreduce_op(compressed, name, _REDUCE_OPS[op], priority)
-    if postscale_factor != 1.0:
-        reduced = reduced * tf.cast(postscale_factor, reduced.dtype)
+    reduced = _ops.allreduce(compressed, name, op, priority, prescale_factor, postscale_factor)
     return chosen.decompress(reduced, context)
 
 
@@ -281,7 +223,11 @@ def grouped_allreduce(
     ignore_name_scope: bool = False,
     name: str | None = None,
 ) -> list[tf.Tensor]:
-    """Averages (or sums) each tensor over all ranks, all submitted at once; eager and in tf.function."""
+    """Reduces each tensor over all ranks (any op), agreed on and launched together; eager and in tf.function.
+
+    Tensors of one dtype form one group op (mixed dtypes: one group per dtype, in order of first
+    appearance), as Horovod's grouped op takes one dtype.
+    """
     require_init("grouped_allreduce()")
     op = _horovod.resolve_op(op, average)
     base = name or f"tf.grouped_allreduce.unnamed.{next(_unnamed)}"
@@ -293,9 +239,20 @@ def grouped_allreduce(
             collectives.eager_allreduce(tf.convert_to_tensor(t), f"{base}.{i}", op, *scales, process_set)
             for i, t in enumerate(tensors)
         ]
-    how = Reduction(op, compressor(compression), prescale_factor, postscale_factor)
-    names = [f"{base}.{i}" for i in range(len(tensors))]
-    return allreduce_many(list(tensors), names, [0] * len(tensors), op, how)  # type: ignore[return-value]
+    chosen = compressor(compression)
+    compressed = [chosen.compress(tf.convert_to_tensor(densify(tensor))) for tensor in tensors]
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for index, (value, _) in enumerate(compressed):
+        by_dtype.setdefault(value.dtype, []).append(index)
+    result: list[tf.Tensor] = [None] * len(compressed)  # type: ignore[list-item]
+    for dtype, members in by_dtype.items():
+        group = base if len(by_dtype) == 1 else f"{base}.{dtype.name}"
+        reduced = _ops.grouped_allreduce(
+            [compressed[i][0] for i in members], group, op, prescale_factor, postscale_factor
+        )
+        for index, value in zip(members, reduced):
+            result[index] = chosen.decompress(value, compressed[index][1])
+    return result
 
 
 def broadcast_variables(
@@ -324,6 +281,16 @@ def broadcast_variables(
     received = run(values, names, tuple(range(len(variables))), root_rank)
     for variable, value in zip(variables, received):
         variable.assign(value)
+
+
+def broadcast_global_variables(root_rank: int = 0, process_set: Any = global_process_set) -> None:
+    """Graph mode (TF1 style): every global variable takes root_rank's value; eagerly, a RuntimeError as in Horovod."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() has no global variables to broadcast in eager mode; use "
+            "hvd.broadcast_variables(model.variables, root_rank) or BroadcastGlobalVariablesCallback"
+        )
+    broadcast_variables(tf.compat.v1.global_variables(), root_rank, process_set, prefix="broadcast_global")
 
 
 def priorities_for(variables: Sequence[Any], forward_order: Sequence[Any] | None) -> list[int]:
