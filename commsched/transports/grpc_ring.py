@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_frames import DataFrame
 
 # commsched dtype -> numpy dtype; bfloat16 travels and is summed as raw uint16 (numpy has no bfloat16).
 NUMPY_DTYPES: dict[str, Any] = {
@@ -167,21 +167,11 @@ class RingOp:
             self._emit(0, index, offset, count)
 
     def _emit(self, step: int, piece: int, offset: int, count: int) -> None:
-        payload = self.array[offset : offset + count].tobytes()
-        self.sent_bytes += len(payload)
-        self._send(
-            wire.Frame(
-                channel=wire.DATA,
-                src=self.rank,
-                seq=self.seq,
-                step=step,
-                piece=piece,
-                dtype=self.dtype,
-                offset=offset,
-                count=count,
-                payload=payload,
-            )
-        )
+        # A view, not a copy: the ring writes this part of the buffer again only after the
+        # right-hand neighbour applied this frame, and the payload is read once, when encoded.
+        payload = self.array[offset : offset + count]
+        self.sent_bytes += payload.nbytes
+        self._send(DataFrame(self.rank, self.seq, step, piece, self.dtype, offset, count, payload))
 
     def check(self, frame: Any) -> tuple[int, int]:
         """Validates a frame against what this op expects next; returns its (offset, count)."""
@@ -195,11 +185,10 @@ class RingOp:
         offset, count = self._expected[frame.step][frame.piece]
         if (frame.offset, frame.count) != (offset, count):
             raise FrameError(f"{where}: elements {frame.offset}+{frame.count}, expected {offset}+{count}")
-        if len(frame.payload) != count * self.itemsize:
-            state = "truncated" if len(frame.payload) < count * self.itemsize else "oversized"
-            raise FrameError(
-                f"{where}: {state} payload of {len(frame.payload)} bytes, expected {count * self.itemsize}"
-            )
+        nbytes = memoryview(frame.payload).nbytes
+        if nbytes != count * self.itemsize:
+            state = "truncated" if nbytes < count * self.itemsize else "oversized"
+            raise FrameError(f"{where}: {state} payload of {nbytes} bytes, expected {count * self.itemsize}")
         if self._received[frame.step][frame.piece]:
             raise FrameError(f"{where}: piece received twice")
         return offset, count
