@@ -20,6 +20,7 @@ from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_frames import encode_frame, serialize
 
 STREAM_METHOD = f"/{wire.SERVICE}/Stream"
+JOIN_METHOD = f"/{wire.SERVICE}/Join"
 
 
 class StreamOwner(Protocol):

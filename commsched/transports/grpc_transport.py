@@ -24,21 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from commsched.transports import grpc_wire as wire
-from commsched.transports.grpc_access import RefusalLog, tls_mismatch
+from commsched.transports.grpc_access import RefusalLog, join_rendezvous
 from commsched.transports.grpc_frames import DataFrame, deserialize, encode_frame
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
+from commsched.transports.grpc_ops import GrpcError, PendingOp, plan_collective
 from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
-from commsched.transports.grpc_stream import STREAM_METHOD, Outbox, stream_kinds
+from commsched.transports.grpc_stream import JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
 
 log = logging.getLogger("commsched")
 
 __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
 DATA_STREAMS = 2  # data streams to the ring neighbour; every rank of a job must use the same number
-JOIN_METHOD = f"/{wire.SERVICE}/Join"
 _CHANNEL_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
     ("grpc.keepalive_time_ms", 10_000),
@@ -48,79 +47,6 @@ _CHANNEL_OPTIONS = [
     # A stream may run this far ahead of the receiver's reads: several pieces, not 64 KiB.
     ("grpc.http2.lookahead_bytes", 16 * 1024**2),
 ]
-
-
-class GrpcError(RuntimeError):
-    """The gRPC transport failed; the message names the peer and what happened."""
-
-
-class _Op:
-    """A collective in flight as the core sees it: done once every piece arrived and every piece
-    it sends was encoded (read from its buffer); `lock` guards that count, `done` and `error`."""
-
-    def __init__(self, finish: Callable[[], None] | None = None) -> None:
-        self.lock = threading.Lock()
-        self.ring: RingOp
-        self.done = False
-        self.error = ""
-        self.progress_at = time.monotonic()
-        self._received_all = False
-        self._unsent = 0
-        self._callbacks: list[Callable[[], None]] = []
-        self._finish = finish  # moves the ring's result into the core's output, on the core's thread
-
-    def test(self) -> bool:
-        """True once the collective finished; raises if it failed."""
-        if self.error:
-            raise GrpcError(self.error)
-        if self.done and self._finish is not None:
-            self._finish()
-            self._finish = None
-        return self.done
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Calls `callback` once, from any thread, when the op finishes or fails."""
-        with self.lock:
-            if not (self.done or self.error):
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def track(self, frame: DataFrame) -> None:
-        """Counts a frame this op sends until it is encoded."""
-        frame.owner = self
-        with self.lock:
-            self._unsent += 1
-
-    def encoded(self) -> None:
-        """One of its frames was encoded (grpc_frames calls this with `lock` held)."""
-        self._unsent -= 1
-        self.progress_at = time.monotonic()
-        self._settle_locked()
-
-    def received_all(self) -> None:
-        """Every expected piece arrived and was applied."""
-        with self.lock:
-            self._received_all = True
-            self._settle_locked()
-
-    def fail(self, message: str) -> None:
-        """Ends the op with `message` unless it already finished."""
-        with self.lock:
-            if self.done or self.error:
-                return
-            self.error = message
-            self._ring_locked()
-
-    def _settle_locked(self) -> None:
-        if self._received_all and self._unsent == 0 and not self.done and not self.error:
-            self.done = True
-            self._ring_locked()
-
-    def _ring_locked(self) -> None:
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class _Node:
@@ -159,8 +85,8 @@ class _Node:
         self._exchange_seq = 0
         # Data-path state, changed under _ops_lock by start() and by the data streams' threads.
         self._ops_lock = threading.RLock()
-        self._ops: dict[int, _Op] = {}  # begun here, still expecting pieces
-        self._live: dict[int, _Op] = {}  # begun here, not done yet (some may still be sending)
+        self._ops: dict[int, PendingOp] = {}  # begun here, still expecting pieces
+        self._live: dict[int, PendingOp] = {}  # begun here, not done yet (some may still be sending)
         self._early: dict[int, list[Any]] = {}
         self._next_seq = 0  # next collective number start() hands out (core thread)
         self._begun = 0  # collectives below this number were begun here
@@ -204,7 +130,24 @@ class _Node:
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
         else:
-            self.addresses = self._join(f"{self.endpoint.advertise}:{bound}", deadline)
+            request = wire.JoinRequest(
+                rank=self.rank, size=self.size, address=f"{self.endpoint.advertise}:{bound}"
+            )
+            master = self.endpoint.master
+            channel = self._open_channel(master)
+            try:
+                self.addresses = join_rendezvous(
+                    channel, master, request, self._metadata("join"), deadline, self.tls is not None
+                )
+            except TimeoutError as error:
+                raise GrpcError(
+                    f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s "
+                    f"({error}); check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                ) from None
+            except ConnectionRefusedError as error:
+                raise GrpcError(str(error)) from None
+            finally:
+                channel.close()
         self._watchdog.start()
         for peer in range(self.size):
             if peer != self.rank:
@@ -252,53 +195,6 @@ class _Node:
         if self.tls is None:
             return grpc.insecure_channel(address, options=self._channel_options)
         return grpc.secure_channel(address, self.tls.channel_credentials(), options=self._channel_options)
-
-    def _join(self, mine: str, deadline: float) -> list[str]:
-        master = self.endpoint.master
-        channel = self._open_channel(master)
-        join = channel.unary_unary(
-            JOIN_METHOD,
-            request_serializer=wire.JoinRequest.SerializeToString,
-            response_deserializer=wire.JoinReply.FromString,
-        )
-        last = "no answer"
-        try:
-            self._wait_until_reachable(channel, master, deadline)
-            while time.monotonic() < deadline:
-                try:
-                    reply = join(
-                        wire.JoinRequest(rank=self.rank, size=self.size, address=mine),
-                        timeout=max(0.1, deadline - time.monotonic()),
-                        wait_for_ready=True,
-                        metadata=self._metadata("join"),
-                    )
-                    return list(reply.addresses)
-                except grpc.RpcError as error:
-                    last = f"{error.code().name}: {error.details()}"
-                    if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                        break  # the job refuses us; retrying cannot help
-                    time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
-        finally:
-            channel.close()
-        raise GrpcError(
-            f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s ({last}); "
-            "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
-        )
-
-    def _wait_until_reachable(self, channel: grpc.Channel, master: str, deadline: float) -> None:
-        """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
-
-        A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
-        come up; asking the server what it speaks turns that into an error naming the mismatch.
-        """
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
-                return
-            except grpc.FutureTimeoutError:
-                mismatch = tls_mismatch(master, self.rank, self.tls is not None)
-                if mismatch:
-                    raise GrpcError(mismatch) from None
 
     def _open_stream(self, peer: int, kind: str) -> Outbox:
         return Outbox(self, peer, self.addresses[peer], kind, self._channel(peer), self._metadata(kind))
@@ -493,11 +389,11 @@ class _Node:
         array: Any = None,
         bounds: list[tuple[int, int]] | None = None,
         finish: Callable[[], None] | None = None,
-    ) -> _Op:
+    ) -> PendingOp:
         """Begins a collective: sends what it can at once; the data streams' threads do the rest."""
         seq = self._next_seq
         self._next_seq += 1
-        pending = _Op(finish)
+        pending = PendingOp(finish)
         pending.ring = RingOp(
             seq,
             array_at(address, count, dtype) if array is None else array,
@@ -536,47 +432,15 @@ class _Node:
         count: int,
         output: int,
         recv_counts: list[int],
-        send_counts: list[int],
         layout: list[int],
-    ) -> _Op:
-        """Allgather and reducescatter as the two halves of the ring allreduce; alltoall as a ring
-        allgather of every rank's whole input, of which each rank keeps what was sent to it (n times
-        the traffic of a direct exchange: the ring's streams reach the right-hand neighbour only)."""
-        source = array_at(address, count, dtype)
-        if kind == "reducescatter":
-            work = source.copy()  # the caller's input stays as it is
-            bounds = _bounds(recv_counts)
-            target = array_at(output, recv_counts[self.rank], dtype)
-            start, stop = bounds[self.rank]
+    ) -> PendingOp:
+        """Starts an allgather, reducescatter or alltoall as a ring collective (see plan_collective)."""
+        ring_kind, array, bounds, finish = plan_collective(
+            kind, dtype, address, count, output, recv_counts, layout, self.rank, self.size
+        )
+        return self.start(0, 0, dtype, ring_kind, 0, op, array, bounds, finish)
 
-            def kept() -> None:
-                target[:] = work[start:stop]
-
-            return self.start(0, 0, dtype, kind, 0, op, work, bounds, kept)
-        if kind == "allgather":
-            bounds = _bounds(recv_counts)
-            gathered = array_at(output, sum(recv_counts), dtype)
-            start, stop = bounds[self.rank]
-            gathered[start:stop] = source
-            return self.start(0, 0, dtype, kind, 0, op, gathered, bounds)
-        # alltoall: layout[s * size + d] elements go from rank s to rank d
-        sent_by = [sum(layout[s * self.size : (s + 1) * self.size]) for s in range(self.size)]
-        bounds = _bounds(sent_by)
-        everything = np.empty(sum(sent_by), dtype=source.dtype)
-        start, stop = bounds[self.rank]
-        everything[start:stop] = source
-        target = array_at(output, sum(recv_counts), dtype)
-
-        def picked() -> None:
-            offset = 0
-            for s in range(self.size):
-                begin = bounds[s][0] + sum(layout[s * self.size : s * self.size + self.rank])
-                target[offset : offset + recv_counts[s]] = everything[begin : begin + recv_counts[s]]
-                offset += recv_counts[s]
-
-        return self.start(0, 0, dtype, "allgather", 0, op, everything, bounds, picked)
-
-    def _send(self, op: _Op, frame: DataFrame) -> None:
+    def _send(self, op: PendingOp, frame: DataFrame) -> None:
         op.track(frame)
         self._data_out[frame.piece % len(self._data_out)].put(frame)
 
@@ -598,7 +462,7 @@ class _Node:
             op.progress_at = time.monotonic()
             self._settle(op)
 
-    def _settle(self, op: _Op) -> None:
+    def _settle(self, op: PendingOp) -> None:
         if not op.ring.done:
             return
         del self._ops[op.ring.seq]
@@ -667,15 +531,6 @@ class _Node:
             self._watchdog.join(5.0)
 
 
-def _bounds(counts: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of consecutive parts of the given lengths."""
-    bounds, start = [], 0
-    for count in counts:
-        bounds.append((start, start + count))
-        start += count
-    return bounds
-
-
 def _no_peer(frame: Any) -> None:
     raise GrpcError("a single rank sends no data")
 
@@ -726,7 +581,7 @@ class GrpcTransport:
         """Blocking allgather of one byte string per rank."""
         return self._node.exchange(report, timeout_s)
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> _Op:
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> PendingOp:
         """Starts an in-place allreduce (sum, min, max, product) or a broadcast from `root` on raw memory."""
         return self._node.start(address, count, dtype, kind, root, op)
 
@@ -745,11 +600,9 @@ class GrpcTransport:
         recv_counts: list[int],
         send_counts: list[int],
         layout: list[int],
-    ) -> _Op:
+    ) -> PendingOp:
         """Starts an allgather, reducescatter or alltoall into `output` (see _Node.start_collective)."""
-        return self._node.start_collective(
-            kind, dtype, op, address, count, output, recv_counts, send_counts, layout
-        )
+        return self._node.start_collective(kind, dtype, op, address, count, output, recv_counts, layout)
 
     def close(self) -> None:
         """Closes streams and server now instead of when the object is collected."""
