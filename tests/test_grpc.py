@@ -93,6 +93,49 @@ def test_ring_moves_two_n_minus_one_over_n() -> None:
     assert segments(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
 
+def test_small_two_rank_allreduce_takes_one_hop() -> None:
+    """Up to direct_bytes, two ranks swap whole buffers once (step 0 only) and agree bit for bit."""
+    rng = np.random.default_rng(7)
+    for count, direct in ((1000, True), (100_000, False)):
+        base = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
+        arrays = [b.copy() for b in base]
+        sent: list[list[Any]] = [[], []]
+        inboxes: list[deque[Any]] = [deque(), deque()]
+
+        def send(
+            frame: Any, r: int, sent: list[list[Any]] = sent, inboxes: list[deque[Any]] = inboxes
+        ) -> None:
+            sent[r].append(frame)
+            inboxes[1 - r].append(frame)
+
+        ops = [
+            RingOp(
+                0,
+                arrays[r],
+                "float32",
+                "allreduce",
+                0,
+                r,
+                2,
+                4096,
+                lambda f, r=r: send(f, r),
+                direct_bytes=8000,
+            )
+            for r in range(2)
+        ]
+        for op in ops:
+            op.begin()
+        while any(inboxes):
+            for r in range(2):
+                if inboxes[r]:
+                    ops[r].receive(inboxes[r].popleft())
+        assert all(op.done for op in ops)
+        assert np.array_equal(arrays[0], arrays[1]) and np.array_equal(arrays[0], base[0] + base[1])
+        steps = {frame.step for frames in sent for frame in frames}
+        assert steps == ({0} if direct else {0, 1}), steps
+        assert ops[0].sent_bytes == count * 4
+
+
 def _frame(**fields: Any) -> Any:
     values = {
         "channel": wire.DATA,

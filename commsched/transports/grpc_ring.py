@@ -117,6 +117,7 @@ class RingOp:
         send: Callable[[Any], None],
         op: str = "sum",
         bounds: list[tuple[int, int]] | None = None,
+        direct_bytes: int = 0,
     ) -> None:
         if kind not in ("allreduce", "broadcast", "reducescatter", "allgather"):
             raise ValueError(f"unknown collective {kind!r}")
@@ -131,7 +132,16 @@ class RingOp:
         count = int(array.size)
         # Leading steps that reduce what they receive; later ones copy it.
         self._reduce_steps = size - 1 if kind in ("allreduce", "reducescatter") else 0
-        if kind != "broadcast":
+        # A small allreduce of two ranks: each sends its whole buffer and adds the other's, one hop
+        # instead of two for the same bytes; x + y == y + x bit for bit, so both ranks agree. The
+        # payload is copied at once, as the sum lands in the buffer before the copy might leave.
+        self._direct = kind == "allreduce" and size == 2 and count * self.itemsize <= direct_bytes
+        self._forwards = False
+        if self._direct:
+            self.steps = 1
+            everything = pieces(0, count, piece_elements)
+            self._expected, self._first_send = [everything], everything
+        elif kind != "broadcast":
             self.steps = 2 * (size - 1) if kind == "allreduce" else size - 1
             bounds = bounds if bounds is not None else segments(count, size)
             shift = 1 if kind == "reducescatter" else 0
@@ -170,6 +180,8 @@ class RingOp:
         # A view, not a copy: the ring writes this part of the buffer again only after the
         # right-hand neighbour applied this frame, and the payload is read once, when encoded.
         payload = self.array[offset : offset + count]
+        if self._direct:
+            payload = payload.copy()
         self.sent_bytes += payload.nbytes
         self._send(DataFrame(self.rank, self.seq, step, piece, self.dtype, offset, count, payload))
 
@@ -204,7 +216,7 @@ class RingOp:
             target[:] = incoming
         self._received[frame.step][frame.piece] = 1
         self.remaining -= 1
-        if self.kind != "broadcast":
+        if self.kind != "broadcast" and not self._direct:
             # The piece just received is the one this rank sends at the next step.
             if frame.step + 1 < self.steps:
                 self._emit(frame.step + 1, frame.piece, offset, count)

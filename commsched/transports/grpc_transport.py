@@ -38,6 +38,7 @@ log = logging.getLogger("commsched")
 
 __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
 DATA_STREAMS = 2  # data streams to the ring neighbour; every rank of a job must use the same number
+DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
 _CHANNEL_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
     ("grpc.keepalive_time_ms", 10_000),
@@ -406,6 +407,7 @@ class _Node:
             (lambda frame: self._send(pending, frame)) if self._data_out else _no_peer,
             op=op,
             bounds=bounds,
+            direct_bytes=DIRECT_BYTES,
         )
         try:
             with self._ops_lock:
