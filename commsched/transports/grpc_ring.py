@@ -69,6 +69,20 @@ def _reduce_bfloat16(dst: np.ndarray, src: np.ndarray, op: str = "sum") -> None:
     dst[:] = rounded.astype(np.uint16)
 
 
+def check_payload(frame: Any) -> None:
+    """Raises FrameError unless a data frame's payload holds `count` elements of a known dtype."""
+    try:
+        width = itemsize(frame.dtype)
+    except KeyError:
+        raise FrameError(f"unknown dtype {frame.dtype!r}") from None
+    nbytes = memoryview(frame.payload).nbytes
+    if nbytes != frame.count * width:
+        state = "truncated" if nbytes < frame.count * width else "oversized"
+        raise FrameError(
+            f"{state} payload in collective #{frame.seq}: {nbytes} bytes for {frame.count} {frame.dtype}"
+        )
+
+
 def add_into(dst: np.ndarray, src: np.ndarray, dtype: str, op: str = "sum") -> None:
     """dst = op(dst, src) elementwise in the precision of `dtype` (integers wrap, as in MPI);
     op: sum (average sums: the core divides), min, max or product."""

@@ -21,6 +21,15 @@ from commsched.transports.grpc_frames import encode_frame, serialize
 
 STREAM_METHOD = f"/{wire.SERVICE}/Stream"
 JOIN_METHOD = f"/{wire.SERVICE}/Join"
+CHANNEL_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # A stream may run this far ahead of the receiver's reads: several pieces, not 64 KiB.
+    ("grpc.http2.lookahead_bytes", 16 * 1024**2),
+]
 
 
 class StreamOwner(Protocol):

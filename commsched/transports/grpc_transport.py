@@ -30,8 +30,8 @@ from commsched.transports.grpc_access import RefusalLog, join_rendezvous
 from commsched.transports.grpc_frames import DataFrame, deserialize, encode_frame
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ops import GrpcError, PendingOp, plan_collective
-from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
-from commsched.transports.grpc_stream import JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
+from commsched.transports.grpc_ring import FrameError, RingOp, array_at, check_payload
+from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
 
 log = logging.getLogger("commsched")
@@ -39,15 +39,6 @@ log = logging.getLogger("commsched")
 __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
 DATA_STREAMS = 2  # data streams to the ring neighbour; every rank of a job must use the same number
 DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
-_CHANNEL_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    # A stream may run this far ahead of the receiver's reads: several pieces, not 64 KiB.
-    ("grpc.http2.lookahead_bytes", 16 * 1024**2),
-]
 
 
 class _Node:
@@ -101,10 +92,10 @@ class _Node:
         self._server = grpc.server(
             self._pool,
             handlers=[self._handlers()],
-            options=_CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
+            options=CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
             maximum_concurrent_rpcs=threads,
         )
-        self._channel_options = _CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
+        self._channel_options = CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
         if tls is not None:
             self._channel_options += tls.channel_options()
         self._channels: dict[int, grpc.Channel] = {}
@@ -315,16 +306,7 @@ class _Node:
                 f"channel {frame.channel} does not belong on a {'data' if data else 'control'} stream"
             )
         if frame.channel == wire.DATA:
-            try:
-                width = itemsize(frame.dtype)
-            except KeyError:
-                raise FrameError(f"unknown dtype {frame.dtype!r}") from None
-            if len(frame.payload) != frame.count * width:
-                state = "truncated" if len(frame.payload) < frame.count * width else "oversized"
-                raise FrameError(
-                    f"{state} payload in collective #{frame.seq}: {len(frame.payload)} bytes for "
-                    f"{frame.count} {frame.dtype}"
-                )
+            check_payload(frame)
             if frame.seq < self._finished_below:
                 raise FrameError(f"collective #{frame.seq} is already finished")
 
