@@ -56,7 +56,7 @@ def test_grpc_allreduce_table_against_the_ring_without_the_core(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(raw: commsched gRPC ring without the core)" in proc.stdout.splitlines()[0]
     assert "raw us" in proc.stdout and "busbw/raw" in proc.stdout
-    assert "tcp: TCP socket ring" in proc.stdout.splitlines()[0] and "busbw/tcp" in proc.stdout
+    assert "; tcp: TCP socket ring;" in proc.stdout.splitlines()[0] and "busbw/tcp" in proc.stdout
     # A stream that ended without goodbye logs "grpc: ..." at error level.
     assert "grpc:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     data = json.loads(out.read_text())

@@ -307,6 +307,24 @@ def test_pair_exchange_allreduce_broadcast(peers: bool) -> None:
             transport.close()
 
 
+def test_pieces_spread_over_several_data_streams() -> None:
+    """With three data streams per neighbour, pieces of one collective travel on all three and
+    every collective still sums (allreduce of 3 ranks' worth of pieces, then a broadcast)."""
+    pair = make_pair(piece_bytes=4096, streams=3)
+    try:
+        assert len(pair[0]._node._data_out) == 3
+        for count in (10_000, 100_003):
+            assert allreduce_pair(pair, count) == ["", ""]
+        values = [np.full(50_000, r + 7, np.int32) for r in range(2)]
+        assert wait_all(
+            [t.start(v.ctypes.data, v.size, "int32", "broadcast", 0) for t, v in zip(pair, values)]
+        ) == ["", ""]
+        assert all((v == 7).all() for v in values)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
 def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     """A stream or join without the token gets PERMISSION_DENIED; the next allreduce still works."""
     pair = make_pair()

@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"# commsched allreduce on {ranks} ranks over {settings['transport']} (raw: "
-        f"{RAW_LABELS[args.transport]}{'; tcp: ' + tcp.label if tcp else ''}); policy {args.policy}; "
+        f"{RAW_LABELS[args.transport]}){'; tcp: ' + tcp.label if tcp else ''}; policy {args.policy}; "
         "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
         f"{args.repeats} loops per size"
     )

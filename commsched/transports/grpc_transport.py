@@ -37,7 +37,10 @@ from commsched.transports.grpc_tls import TlsFiles
 log = logging.getLogger("commsched")
 
 __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
-DATA_STREAMS = 2  # data streams to the ring neighbour; every rank of a job must use the same number
+# Data streams to the ring neighbour (every rank of a job must use the same number). More than one
+# measured no faster on loopback: gRPC Python's copies of each message, not the wait for the
+# previous write, bound a stream.
+DATA_STREAMS = 1
 DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
 
 
