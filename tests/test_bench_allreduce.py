@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from commsched.bench import allreduce
+from commsched.bench.tcp_baseline import TcpRing
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 if not MPIEXEC.exists():
@@ -52,6 +56,7 @@ def test_grpc_allreduce_table_against_the_ring_without_the_core(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(raw: commsched gRPC ring without the core)" in proc.stdout.splitlines()[0]
     assert "raw us" in proc.stdout and "busbw/raw" in proc.stdout
+    assert "; tcp: TCP socket ring;" in proc.stdout.splitlines()[0] and "busbw/tcp" in proc.stdout
     # A stream that ended without goodbye logs "grpc: ..." at error level.
     assert "grpc:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     data = json.loads(out.read_text())
@@ -64,6 +69,61 @@ def test_grpc_allreduce_table_against_the_ring_without_the_core(tmp_path):
         assert row["raw_busbw"] > 0 and row["busbw"] > 0
         assert row["busbw_ratio"] == pytest.approx(row["busbw"] / row["raw_busbw"])
         assert row["time_ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
+        # The TCP baseline's sum was checked too; its busbw is computed like the others'.
+        assert row["tcp_busbw"] == pytest.approx(row["size"] / (row["tcp_time_us"] * 1e-6) / 1e9, rel=1e-6)
+        assert row["tcp_ratio"] == pytest.approx(row["busbw"] / row["tcp_busbw"])
+        assert row["raw_tcp_ratio"] == pytest.approx(row["raw_busbw"] / row["tcp_busbw"])
+    assert data["tcp"] == "TCP socket ring"
+
+
+def _tcp_rings(size: int) -> list[Any]:
+    """`size` TcpRings on loopback, wired the way TcpRing.connect wires them across processes."""
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(size)]
+    rights = [socket.create_connection(listeners[(r + 1) % size].getsockname()) for r in range(size)]
+    lefts = [listener.accept()[0] for listener in listeners]
+    for listener in listeners:
+        listener.close()
+    return [TcpRing(r, size, (rights[r], lefts[r]), timeout_s=10) for r in range(size)]
+
+
+@pytest.mark.parametrize(("size", "count"), [(2, 1), (2, 1_000_003), (3, 10), (3, 300_001)])
+def test_tcp_baseline_ring_sums_like_numpy(size: int, count: int) -> None:
+    """The baseline's ring (threads standing in for processes) ends with numpy's sum on every rank."""
+    rings = _tcp_rings(size)
+    rng = np.random.default_rng(count)
+    inputs = [rng.integers(-8, 8, count).astype(np.float32) for _ in range(size)]
+    buffers = [part.copy() for part in inputs]
+    errors: list[BaseException] = []
+
+    def reduce(rank: int) -> None:
+        try:
+            rings[rank].allreduce(buffers[rank])
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for ring in rings:
+        ring.close()
+    assert not errors, errors
+    expected = np.sum(np.stack(inputs), axis=0)
+    for buffer in buffers:
+        assert np.array_equal(buffer, expected)
+
+
+def test_tcp_baseline_names_a_silent_neighbour() -> None:
+    """A ring whose neighbour never sends stops with an error, not a hang."""
+    rings = _tcp_rings(2)
+    rings[0].timeout_s = 0.5
+    try:
+        with pytest.raises(SystemExit, match="rank 0: the TCP baseline moved nothing for 0s"):
+            rings[0].allreduce(np.ones(1_000_000, np.float32))
+    finally:
+        for ring in rings:
+            ring.close()
 
 
 def test_sum_check_catches_a_missing_rank_or_segment():

@@ -93,6 +93,49 @@ def test_ring_moves_two_n_minus_one_over_n() -> None:
     assert segments(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
 
+def test_small_two_rank_allreduce_takes_one_hop() -> None:
+    """Up to direct_bytes, two ranks swap whole buffers once (step 0 only) and agree bit for bit."""
+    rng = np.random.default_rng(7)
+    for count, direct in ((1000, True), (100_000, False)):
+        base = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
+        arrays = [b.copy() for b in base]
+        sent: list[list[Any]] = [[], []]
+        inboxes: list[deque[Any]] = [deque(), deque()]
+
+        def send(
+            frame: Any, r: int, sent: list[list[Any]] = sent, inboxes: list[deque[Any]] = inboxes
+        ) -> None:
+            sent[r].append(frame)
+            inboxes[1 - r].append(frame)
+
+        ops = [
+            RingOp(
+                0,
+                arrays[r],
+                "float32",
+                "allreduce",
+                0,
+                r,
+                2,
+                4096,
+                lambda f, r=r: send(f, r),
+                direct_bytes=8000,
+            )
+            for r in range(2)
+        ]
+        for op in ops:
+            op.begin()
+        while any(inboxes):
+            for r in range(2):
+                if inboxes[r]:
+                    ops[r].receive(inboxes[r].popleft())
+        assert all(op.done for op in ops)
+        assert np.array_equal(arrays[0], arrays[1]) and np.array_equal(arrays[0], base[0] + base[1])
+        steps = {frame.step for frames in sent for frame in frames}
+        assert steps == ({0} if direct else {0, 1}), steps
+        assert ops[0].sent_bytes == count * 4
+
+
 def _frame(**fields: Any) -> Any:
     values = {
         "channel": wire.DATA,
@@ -133,6 +176,39 @@ def test_ring_rejects_a_piece_twice() -> None:
     op.receive(_frame())
     with pytest.raises(FrameError, match="received twice"):
         op.receive(_frame())
+
+
+def test_frames_encode_and_decode_as_protobuf_does() -> None:
+    """grpc_frames' bytes are wire.Frame's protobuf encoding, both ways, payload included."""
+    from commsched.transports.grpc_frames import DataFrame, MalformedFrame, deserialize, encode_frame
+
+    values = np.arange(1000, dtype=np.float32)
+    frame = DataFrame(1, 2**40, 3, 70000, "float32", 300, 500, values[300:800])
+    parsed = wire.Frame.FromString(frame.encode())
+    assert (parsed.channel, parsed.src, parsed.seq, parsed.step, parsed.piece) == (
+        wire.DATA,
+        1,
+        2**40,
+        3,
+        70000,
+    )
+    assert (parsed.dtype, parsed.offset, parsed.count) == ("float32", 300, 500)
+    assert parsed.payload == values[300:800].tobytes()
+    sent = wire.Frame(channel=wire.CONTROL, src=5, seq=9, dtype="int8", count=3, payload=b"abc")
+    view = deserialize(sent.SerializeToString())
+    assert (view.channel, view.src, view.seq, view.dtype, view.count, bytes(view.payload)) == (
+        wire.CONTROL,
+        5,
+        9,
+        "int8",
+        3,
+        b"abc",
+    )
+    empty = deserialize(encode_frame(wire.CLOSE, 0))
+    assert (empty.channel, empty.src, bytes(empty.payload)) == (wire.CLOSE, 0, b"")
+    for garbage in (b"\x0a", b"\x4a\x05ab", b"\x08\xff"):  # wrong wire type, short payload, cut varint
+        with pytest.raises(MalformedFrame):
+            deserialize(garbage)
 
 
 def test_wire_descriptor_matches_the_proto_file(tmp_path: Path) -> None:
@@ -259,6 +335,24 @@ def test_pair_exchange_allreduce_broadcast(peers: bool) -> None:
             [t.start(v.ctypes.data, 3000, "int64", "broadcast", 1) for t, v in zip(pair, values)]
         ) == ["", ""]
         assert all((v == 1).all() for v in values)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_pieces_spread_over_several_data_streams() -> None:
+    """With three data streams per neighbour, pieces of one collective travel on all three and
+    every collective still sums (allreduce of 3 ranks' worth of pieces, then a broadcast)."""
+    pair = make_pair(piece_bytes=4096, streams=3)
+    try:
+        assert len(pair[0]._node._data_out) == 3
+        for count in (10_000, 100_003):
+            assert allreduce_pair(pair, count) == ["", ""]
+        values = [np.full(50_000, r + 7, np.int32) for r in range(2)]
+        assert wait_all(
+            [t.start(v.ctypes.data, v.size, "int32", "broadcast", 0) for t, v in zip(pair, values)]
+        ) == ["", ""]
+        assert all((v == 7).all() for v in values)
     finally:
         for transport in pair:
             transport.close()

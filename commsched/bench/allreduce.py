@@ -11,6 +11,7 @@ import os
 import statistics
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,14 @@ COLUMNS: list[report.Column] = [
     ("busbw", "busbw", ".3f"),
     ("busbw_ratio", "busbw/raw", ".3f"),
     ("time_ratio", "time/raw", ".3f"),
+]
+# With the TCP baseline (on by default for gRPC): the same allreduce over plain sockets between the
+# same processes, and how the raw library and commsched compare with it.
+TCP_COLUMNS: list[report.Column] = [
+    ("tcp_time_us", "tcp us", ".1f"),
+    ("tcp_busbw", "tcp busbw", ".3f"),
+    ("raw_tcp_ratio", "raw/tcp", ".3f"),
+    ("tcp_ratio", "busbw/tcp", ".3f"),
 ]
 
 
@@ -116,7 +125,7 @@ class RawGrpc:
     """
 
     label = "commsched gRPC ring without the core"
-    poll_s = 50e-6  # between test() calls; the core polls the same transport every 200 us
+    poll_s = 0.1  # between test() calls, should a wake-up be missed
 
     def __init__(self, settings: dict[str, Any]) -> None:
         import commsched
@@ -156,8 +165,10 @@ class RawGrpc:
     def allreduce(self, buffer: np.ndarray) -> None:
         """One raw allreduce: start() on the buffer's memory, then test() until it is done."""
         op = self.transport.start(buffer.ctypes.data, buffer.size, "float32", "allreduce", 0)
+        finished = threading.Event()
+        op.on_done(finished.set)  # as the core's doorbell: woken at completion, not at the next poll
         while not op.test():
-            time.sleep(self.poll_s)
+            finished.wait(self.poll_s)
 
     def barrier(self) -> None:
         """Lines the ranks up before a timing (an empty exchange)."""
@@ -272,8 +283,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if raw is None:
         raw = RawGrpc(commsched.config())
+    tcp = None
+    if args.tcp if args.tcp is not None else args.transport == "grpc":
+        from commsched.bench.tcp_baseline import TcpRing, baseline_host
+
+        tcp = TcpRing.connect(baseline_host(commsched.config()), float(commsched.config()["stall_timeout"]))
     try:
-        rows, settings = _measure(args, raw)
+        rows, settings = _measure(args, raw, tcp)
         if hasattr(raw, "close"):
             # No rank closes the raw transport before every rank is past its last raw exchange:
             # a closing peer's goodbye on the data stream can overtake its last report on the
@@ -282,23 +298,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if hasattr(raw, "close"):
             raw.close()
+        if tcp is not None:
+            tcp.close()
         commsched.shutdown()
     ranks = settings["size"]
     if settings["rank"] != 0:
         return 0
     print(
         f"# commsched allreduce on {ranks} ranks over {settings['transport']} (raw: "
-        f"{RAW_LABELS[args.transport]}); policy {args.policy}; "
+        f"{RAW_LABELS[args.transport]}){'; tcp: ' + tcp.label if tcp else ''}; policy {args.policy}; "
         "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
         f"{args.repeats} loops per size"
     )
-    print(report.format_table(COLUMNS, rows))
+    print(report.format_table(COLUMNS + (TCP_COLUMNS if tcp else []), rows))
     if args.json:
         report.dump_json(
             {
                 "ranks": ranks,
                 "transport": settings["transport"],
                 "raw": RAW_LABELS[args.transport],
+                "tcp": tcp.label if tcp else None,
                 "settings": settings,
                 "results": rows,
             },
@@ -309,8 +328,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, raw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Checks and times every size through commsched and `raw`; returns the rows and the settings."""
+def _measure(
+    args: argparse.Namespace, raw: Any, tcp: Any = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Checks and times every size through commsched, `raw` and the TCP baseline; returns the rows and
+    the settings."""
     import commsched
 
     ranks, rank = commsched.size(), commsched.rank()
@@ -330,7 +352,13 @@ def _measure(args: argparse.Namespace, raw: Any) -> tuple[list[dict[str, Any]], 
         # Correctness first: both paths must sum, so the timing compares like with like.
         commsched.allreduce(buffer, name="check")
         raw.allreduce(raw_buffer)
-        for what, result in (("commsched", buffer), (RAW_LABELS[args.transport], raw_buffer)):
+        checked = [("commsched", buffer), (RAW_LABELS[args.transport], raw_buffer)]
+        if tcp is not None:
+            tcp_buffer = np.empty(count, np.float32)
+            fill(tcp_buffer, rank)
+            tcp.allreduce(tcp_buffer)
+            checked.append((tcp.label, tcp_buffer))
+        for what, result in checked:
             if not check_sum(result, ranks):
                 raise SystemExit(
                     f"rank {rank}: allreduce of {size} bytes through {what} returned a wrong sum"
@@ -345,32 +373,47 @@ def _measure(args: argparse.Namespace, raw: Any) -> tuple[list[dict[str, Any]], 
         def through_raw(buffer: np.ndarray = buffer) -> None:
             raw.allreduce(buffer)
 
+        def through_tcp(buffer: np.ndarray = buffer) -> None:
+            tcp.allreduce(buffer)
+
         for _ in range(args.warmup):
             raw.allreduce(buffer)
             through_commsched()
-        # Alternating raw and commsched loops: drift of the machine hits both alike.
-        raw_s = cs_s = float("inf")
+            if tcp is not None:
+                through_tcp()
+        # Alternating raw, commsched and TCP loops: drift of the machine hits all alike.
+        raw_s = cs_s = tcp_s = float("inf")
         for _ in range(args.repeats):
             raw_s = min(raw_s, _time(raw, through_raw, iterations, 1))
             cs_s = min(cs_s, _time(raw, through_commsched, iterations, 1))
+            if tcp is not None:
+                tcp_s = min(tcp_s, _time(raw, through_tcp, iterations, 1))
         algbw, raw_algbw = size / cs_s / 1e9, size / raw_s / 1e9
-        rows.append(
-            {
-                "size": size,
-                "count": count,
-                "type": "float",
-                "redop": "sum",
-                "iterations": iterations,
-                "raw_time_us": raw_s * 1e6,
-                "raw_algbw": raw_algbw,
-                "raw_busbw": bus_bandwidth(raw_algbw, ranks),
-                "time_us": cs_s * 1e6,
-                "algbw": algbw,
-                "busbw": bus_bandwidth(algbw, ranks),
-                "busbw_ratio": algbw / raw_algbw,
-                "time_ratio": cs_s / raw_s,
-            }
-        )
+        row: dict[str, Any] = {
+            "size": size,
+            "count": count,
+            "type": "float",
+            "redop": "sum",
+            "iterations": iterations,
+            "raw_time_us": raw_s * 1e6,
+            "raw_algbw": raw_algbw,
+            "raw_busbw": bus_bandwidth(raw_algbw, ranks),
+            "time_us": cs_s * 1e6,
+            "algbw": algbw,
+            "busbw": bus_bandwidth(algbw, ranks),
+            "busbw_ratio": algbw / raw_algbw,
+            "time_ratio": cs_s / raw_s,
+        }
+        if tcp is not None:
+            tcp_algbw = size / tcp_s / 1e9
+            row.update(
+                tcp_time_us=tcp_s * 1e6,
+                tcp_algbw=tcp_algbw,
+                tcp_busbw=bus_bandwidth(tcp_algbw, ranks),
+                raw_tcp_ratio=raw_algbw / tcp_algbw,
+                tcp_ratio=algbw / tcp_algbw,
+            )
+        rows.append(row)
         progress.step(report.human_size(size))
     return rows, commsched.config()
 
@@ -395,6 +438,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="mpi",
         help="mpi (raw: mpi4py Allreduce; launch with mpiexec), gloo (raw: torch.distributed.all_reduce; "
         "torchrun) or grpc (raw: commsched's gRPC ring without the core; python -m commsched.run)",
+    )
+    parser.add_argument(
+        "--tcp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time a ring allreduce over plain TCP sockets between the same processes "
+        "(default: on for --transport grpc)",
     )
     parser.add_argument("--policy", choices=("priority", "fifo"), default="priority")
     parser.add_argument("--partition-bytes", default=None)

@@ -1,12 +1,17 @@
-"""Who may talk to a gRPC rank: refused attempts, logged without flooding the log, and telling a
-peer that uses TLS from one that does not."""
+"""Who may talk to a gRPC rank: refused attempts, logged without flooding the log, telling a peer
+that uses TLS from one that does not, and joining rank 0's rendezvous."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from typing import Any
 
+import grpc
+
+from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_stream import JOIN_METHOD
 from commsched.transports.grpc_tls import speaks_tls
 
 log = logging.getLogger("commsched")
@@ -56,3 +61,56 @@ def tls_mismatch(address: str, rank: int, uses_tls: bool) -> str:
     if theirs:
         return f"rank {rank} does not use TLS, but the rank at {address} does: {fix}"
     return f"rank {rank} uses TLS (COMMSCHED_GRPC_TLS_*), but the rank at {address} does not: {fix}"
+
+
+def join_rendezvous(
+    channel: grpc.Channel,
+    master: str,
+    request: Any,
+    metadata: list[tuple[str, str]],
+    deadline: float,
+    uses_tls: bool,
+) -> list[str]:
+    """Joins rank 0 at `master`; returns every rank's server address. Raises TimeoutError with the
+    last answer when rank 0 does not take the join in time, ConnectionRefusedError naming a TLS
+    mismatch."""
+    join = channel.unary_unary(
+        JOIN_METHOD,
+        request_serializer=wire.JoinRequest.SerializeToString,
+        response_deserializer=wire.JoinReply.FromString,
+    )
+    _wait_until_reachable(channel, master, request.rank, deadline, uses_tls)
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            reply = join(
+                request,
+                timeout=max(0.1, deadline - time.monotonic()),
+                wait_for_ready=True,
+                metadata=metadata,
+            )
+            return list(reply.addresses)
+        except grpc.RpcError as error:
+            last = f"{error.code().name}: {error.details()}"
+            if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                break  # the job refuses us; retrying cannot help
+            time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
+    raise TimeoutError(last)
+
+
+def _wait_until_reachable(
+    channel: grpc.Channel, master: str, rank: int, deadline: float, uses_tls: bool
+) -> None:
+    """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
+
+    A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
+    come up; asking the server what it speaks turns that into an error naming the mismatch.
+    """
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
+            return
+        except grpc.FutureTimeoutError:
+            mismatch = tls_mismatch(master, rank, uses_tls)
+            if mismatch:
+                raise ConnectionRefusedError(mismatch) from None

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from commsched.transports import grpc_wire as wire
+from commsched.transports.grpc_frames import DataFrame
 
 # commsched dtype -> numpy dtype; bfloat16 travels and is summed as raw uint16 (numpy has no bfloat16).
 NUMPY_DTYPES: dict[str, Any] = {
@@ -69,6 +69,20 @@ def _reduce_bfloat16(dst: np.ndarray, src: np.ndarray, op: str = "sum") -> None:
     dst[:] = rounded.astype(np.uint16)
 
 
+def check_payload(frame: Any) -> None:
+    """Raises FrameError unless a data frame's payload holds `count` elements of a known dtype."""
+    try:
+        width = itemsize(frame.dtype)
+    except KeyError:
+        raise FrameError(f"unknown dtype {frame.dtype!r}") from None
+    nbytes = memoryview(frame.payload).nbytes
+    if nbytes != frame.count * width:
+        state = "truncated" if nbytes < frame.count * width else "oversized"
+        raise FrameError(
+            f"{state} payload in collective #{frame.seq}: {nbytes} bytes for {frame.count} {frame.dtype}"
+        )
+
+
 def add_into(dst: np.ndarray, src: np.ndarray, dtype: str, op: str = "sum") -> None:
     """dst = op(dst, src) elementwise in the precision of `dtype` (integers wrap, as in MPI);
     op: sum (average sums: the core divides), min, max or product."""
@@ -117,6 +131,7 @@ class RingOp:
         send: Callable[[Any], None],
         op: str = "sum",
         bounds: list[tuple[int, int]] | None = None,
+        direct_bytes: int = 0,
     ) -> None:
         if kind not in ("allreduce", "broadcast", "reducescatter", "allgather"):
             raise ValueError(f"unknown collective {kind!r}")
@@ -131,7 +146,16 @@ class RingOp:
         count = int(array.size)
         # Leading steps that reduce what they receive; later ones copy it.
         self._reduce_steps = size - 1 if kind in ("allreduce", "reducescatter") else 0
-        if kind != "broadcast":
+        # A small allreduce of two ranks: each sends its whole buffer and adds the other's, one hop
+        # instead of two for the same bytes; x + y == y + x bit for bit, so both ranks agree. The
+        # payload is copied at once, as the sum lands in the buffer before the copy might leave.
+        self._direct = kind == "allreduce" and size == 2 and count * self.itemsize <= direct_bytes
+        self._forwards = False
+        if self._direct:
+            self.steps = 1
+            everything = pieces(0, count, piece_elements)
+            self._expected, self._first_send = [everything], everything
+        elif kind != "broadcast":
             self.steps = 2 * (size - 1) if kind == "allreduce" else size - 1
             bounds = bounds if bounds is not None else segments(count, size)
             shift = 1 if kind == "reducescatter" else 0
@@ -167,21 +191,13 @@ class RingOp:
             self._emit(0, index, offset, count)
 
     def _emit(self, step: int, piece: int, offset: int, count: int) -> None:
-        payload = self.array[offset : offset + count].tobytes()
-        self.sent_bytes += len(payload)
-        self._send(
-            wire.Frame(
-                channel=wire.DATA,
-                src=self.rank,
-                seq=self.seq,
-                step=step,
-                piece=piece,
-                dtype=self.dtype,
-                offset=offset,
-                count=count,
-                payload=payload,
-            )
-        )
+        # A view, not a copy: the ring writes this part of the buffer again only after the
+        # right-hand neighbour applied this frame, and the payload is read once, when encoded.
+        payload = self.array[offset : offset + count]
+        if self._direct:
+            payload = payload.copy()
+        self.sent_bytes += payload.nbytes
+        self._send(DataFrame(self.rank, self.seq, step, piece, self.dtype, offset, count, payload))
 
     def check(self, frame: Any) -> tuple[int, int]:
         """Validates a frame against what this op expects next; returns its (offset, count)."""
@@ -195,11 +211,10 @@ class RingOp:
         offset, count = self._expected[frame.step][frame.piece]
         if (frame.offset, frame.count) != (offset, count):
             raise FrameError(f"{where}: elements {frame.offset}+{frame.count}, expected {offset}+{count}")
-        if len(frame.payload) != count * self.itemsize:
-            state = "truncated" if len(frame.payload) < count * self.itemsize else "oversized"
-            raise FrameError(
-                f"{where}: {state} payload of {len(frame.payload)} bytes, expected {count * self.itemsize}"
-            )
+        nbytes = memoryview(frame.payload).nbytes
+        if nbytes != count * self.itemsize:
+            state = "truncated" if nbytes < count * self.itemsize else "oversized"
+            raise FrameError(f"{where}: {state} payload of {nbytes} bytes, expected {count * self.itemsize}")
         if self._received[frame.step][frame.piece]:
             raise FrameError(f"{where}: piece received twice")
         return offset, count
@@ -215,7 +230,7 @@ class RingOp:
             target[:] = incoming
         self._received[frame.step][frame.piece] = 1
         self.remaining -= 1
-        if self.kind != "broadcast":
+        if self.kind != "broadcast" and not self._direct:
             # The piece just received is the one this rank sends at the next step.
             if frame.step + 1 < self.steps:
                 self._emit(frame.step + 1, frame.piece, offset, count)

@@ -2,19 +2,21 @@
 
 Every rank runs one gRPC server. Ranks meet at rank 0 (MASTER_ADDR:MASTER_PORT) or through an
 explicit address list, then keep long-lived client streams open: a control stream to every other
-rank (agreement reports, so they never wait behind data) and a data stream to the right-hand ring
-neighbour (grpc_ring's pieces). Every stream carries the job token and is refused without it.
-Frames are protobuf with raw byte payloads, checked for size, dtype and sequence on arrival.
+rank (agreement reports, so they never wait behind data) and `streams` data streams to the
+right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
+and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
+protobuf's copies), checked for size, dtype and sequence on arrival.
 
-Threads: gRPC's own threads move frames; one engine thread applies data frames to buffers, so
-`start` and `test`, called by the core with the GIL held, only enqueue and read a flag.
+Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
+stream applies its frames to the buffers itself and queues the pieces they release, so a frame
+crosses no queue between arrival and sum. `start` and `test`, called by the core, register and read
+flags; a finished op rings the core's doorbell (on_done). A watchdog thread names stalled peers.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -22,49 +24,24 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from commsched.transports import grpc_wire as wire
-from commsched.transports.grpc_access import RefusalLog, tls_mismatch
+from commsched.transports.grpc_access import RefusalLog, join_rendezvous
+from commsched.transports.grpc_frames import DataFrame, deserialize, encode_frame
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
-from commsched.transports.grpc_ring import FrameError, RingOp, array_at, itemsize
+from commsched.transports.grpc_ops import GrpcError, PendingOp, plan_collective
+from commsched.transports.grpc_ring import FrameError, RingOp, array_at, check_payload
+from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
 
 log = logging.getLogger("commsched")
 
-STREAM_METHOD = f"/{wire.SERVICE}/Stream"
-JOIN_METHOD = f"/{wire.SERVICE}/Join"
-_CHANNEL_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second job on the same port must fail loudly, not share it
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-]
-
-
-class GrpcError(RuntimeError):
-    """The gRPC transport failed; the message names the peer and what happened."""
-
-
-class _Op:
-    """A collective in flight as the core sees it; only the engine thread changes it."""
-
-    def __init__(self, ring: RingOp, finish: Callable[[], None] | None = None) -> None:
-        self.ring = ring
-        self.done = False
-        self.error = ""
-        self.progress_at = time.monotonic()
-        self._finish = finish  # moves the ring's result into the core's output, on the core's thread
-
-    def test(self) -> bool:
-        """True once the collective finished; raises if it failed."""
-        if self.error:
-            raise GrpcError(self.error)
-        if self.done and self._finish is not None:
-            self._finish()
-            self._finish = None
-        return self.done
+__all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
+# Data streams to the ring neighbour (every rank of a job must use the same number). More than one
+# measured no faster on loopback: gRPC Python's copies of each message, not the wait for the
+# previous write, bound a stream.
+DATA_STREAMS = 1
+DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
 
 
 class _Node:
@@ -79,8 +56,10 @@ class _Node:
         max_frame_bytes: int,
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
+        streams: int = 1,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
+        self.data_kinds = stream_kinds(streams)
         self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         self.tls = tls
         self._refusals = RefusalLog(self.rank)
@@ -99,27 +78,32 @@ class _Node:
         self._joined: dict[int, str] = {}
         self._reports: dict[int, dict[int, bytes]] = {}
         self._exchange_seq = 0
-        self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._ops: dict[int, _Op] = {}
+        # Data-path state, changed under _ops_lock by start() and by the data streams' threads.
+        self._ops_lock = threading.RLock()
+        self._ops: dict[int, PendingOp] = {}  # begun here, still expecting pieces
+        self._live: dict[int, PendingOp] = {}  # begun here, not done yet (some may still be sending)
         self._early: dict[int, list[Any]] = {}
         self._next_seq = 0  # next collective number start() hands out (core thread)
-        self._begun = 0  # engine: collectives below this number were begun here
-        self._finished_below = 0  # engine: every collective below this number is finished
+        self._begun = 0  # collectives below this number were begun here
+        self._finished_below = 0  # every collective below this number received all its pieces
         self._streams_in: set[tuple[int, str]] = set()
-        self._outboxes: dict[tuple[int, str], _Outbox] = {}
+        self._outboxes: dict[tuple[int, str], Outbox] = {}
+        self._data_out: list[Outbox] = []
         limit = max(max_frame_bytes, piece_bytes + 64 * 1024)
-        self._pool = DaemonExecutor(4 * self.size + 16, "commsched-grpc")
+        threads = (2 + len(self.data_kinds)) * self.size + 16
+        self._pool = DaemonExecutor(threads, "commsched-grpc")
         self._server = grpc.server(
             self._pool,
             handlers=[self._handlers()],
-            options=_CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
-            maximum_concurrent_rpcs=4 * self.size + 16,
+            options=CHANNEL_OPTIONS + [("grpc.max_receive_message_length", limit)],
+            maximum_concurrent_rpcs=threads,
         )
-        self._channel_options = _CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
+        self._channel_options = CHANNEL_OPTIONS + [("grpc.max_send_message_length", limit)]
         if tls is not None:
             self._channel_options += tls.channel_options()
         self._channels: dict[int, grpc.Channel] = {}
-        self._engine = threading.Thread(target=self._run_engine, name="commsched-grpc-engine", daemon=True)
+        self._stopped = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="commsched-grpc-watchdog", daemon=True)
 
     # ---------------------------------------------------------------- setup
 
@@ -141,13 +125,32 @@ class _Node:
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
         else:
-            self.addresses = self._join(f"{self.endpoint.advertise}:{bound}", deadline)
-        self._engine.start()
+            request = wire.JoinRequest(
+                rank=self.rank, size=self.size, address=f"{self.endpoint.advertise}:{bound}"
+            )
+            master = self.endpoint.master
+            channel = self._open_channel(master)
+            try:
+                self.addresses = join_rendezvous(
+                    channel, master, request, self._metadata("join"), deadline, self.tls is not None
+                )
+            except TimeoutError as error:
+                raise GrpcError(
+                    f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s "
+                    f"({error}); check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                ) from None
+            except ConnectionRefusedError as error:
+                raise GrpcError(str(error)) from None
+            finally:
+                channel.close()
+        self._watchdog.start()
         for peer in range(self.size):
             if peer != self.rank:
                 self._outboxes[(peer, "control")] = self._open_stream(peer, "control")
         if self.size > 1:
-            self._outboxes[(self.right, "data")] = self._open_stream(self.right, "data")
+            for kind in self.data_kinds:
+                self._outboxes[(self.right, kind)] = self._open_stream(self.right, kind)
+                self._data_out.append(self._outboxes[(self.right, kind)])
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -188,60 +191,8 @@ class _Node:
             return grpc.insecure_channel(address, options=self._channel_options)
         return grpc.secure_channel(address, self.tls.channel_credentials(), options=self._channel_options)
 
-    def _join(self, mine: str, deadline: float) -> list[str]:
-        master = self.endpoint.master
-        channel = self._open_channel(master)
-        join = channel.unary_unary(
-            JOIN_METHOD,
-            request_serializer=wire.JoinRequest.SerializeToString,
-            response_deserializer=wire.JoinReply.FromString,
-        )
-        last = "no answer"
-        try:
-            self._wait_until_reachable(channel, master, deadline)
-            while time.monotonic() < deadline:
-                try:
-                    reply = join(
-                        wire.JoinRequest(rank=self.rank, size=self.size, address=mine),
-                        timeout=max(0.1, deadline - time.monotonic()),
-                        wait_for_ready=True,
-                        metadata=self._metadata("join"),
-                    )
-                    return list(reply.addresses)
-                except grpc.RpcError as error:
-                    last = f"{error.code().name}: {error.details()}"
-                    if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                        break  # the job refuses us; retrying cannot help
-                    time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
-        finally:
-            channel.close()
-        raise GrpcError(
-            f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s ({last}); "
-            "check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
-        )
-
-    def _wait_until_reachable(self, channel: grpc.Channel, master: str, deadline: float) -> None:
-        """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
-
-        A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
-        come up; asking the server what it speaks turns that into an error naming the mismatch.
-        """
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
-                return
-            except grpc.FutureTimeoutError:
-                mismatch = tls_mismatch(master, self.rank, self.tls is not None)
-                if mismatch:
-                    raise GrpcError(mismatch) from None
-
-    def _open_stream(self, peer: int, kind: str) -> _Outbox:
-        method = self._channel(peer).stream_unary(
-            STREAM_METHOD,
-            request_serializer=wire.Frame.SerializeToString,
-            response_deserializer=wire.Ack.FromString,
-        )
-        return _Outbox(self, peer, kind, method)
+    def _open_stream(self, peer: int, kind: str) -> Outbox:
+        return Outbox(self, peer, self.addresses[peer], kind, self._channel(peer), self._metadata(kind))
 
     # ---------------------------------------------------------------- server side
 
@@ -256,7 +207,7 @@ class _Node:
                 ),
                 "Stream": grpc.stream_unary_rpc_method_handler(
                     self._serve_stream,
-                    request_deserializer=wire.Frame.FromString,
+                    request_deserializer=deserialize,
                     response_serializer=wire.Ack.SerializeToString,
                 ),
             },
@@ -305,7 +256,8 @@ class _Node:
 
     def _serve_stream(self, frames: Any, context: grpc.ServicerContext) -> Any:
         peer, kind = self._authenticate(context)
-        if kind not in ("control", "data") or (kind == "data" and peer != (self.rank - 1) % self.size):
+        data = kind in self.data_kinds
+        if not (kind == "control" or data) or (data and peer != (self.rank - 1) % self.size):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"rank {self.rank} takes no {kind} stream from rank {peer}"
             )
@@ -324,15 +276,14 @@ class _Node:
                             self.control_departed.add(peer)
                         self._lock.notify_all()
                     break
-                self._check_frame(frame, peer, kind)
+                self._check_frame(frame, peer, data)
                 if frame.channel == wire.ABORT:
-                    self.fail(
-                        f"rank {peer} failed: {frame.payload.decode(errors='replace')}", tell_peers=False
-                    )
+                    reason = bytes(frame.payload).decode(errors="replace")
+                    self.fail(f"rank {peer} failed: {reason}", tell_peers=False)
                 elif frame.channel == wire.CONTROL:
                     self._take_report(frame)
                 else:
-                    self._events.put(("frame", frame))
+                    self._apply(frame)
         except FrameError as error:
             message = f"rank {self.rank} rejected a frame from rank {peer} ({context.peer()}): {error}"
             self.fail(message)
@@ -348,23 +299,17 @@ class _Node:
     def _address_of(self, peer: int) -> str:
         return self.addresses[peer] if peer < len(self.addresses) else "an unknown address"
 
-    def _check_frame(self, frame: Any, peer: int, kind: str) -> None:
+    def _check_frame(self, frame: Any, peer: int, data: bool) -> None:
         if frame.src != peer:
             raise FrameError(f"frame claims rank {frame.src} on rank {peer}'s stream")
-        allowed = (wire.DATA,) if kind == "data" else (wire.CONTROL, wire.ABORT)
+        # A data stream carries ABORT in place of the frames of an op that failed before they left.
+        allowed = (wire.DATA, wire.ABORT) if data else (wire.CONTROL, wire.ABORT)
         if frame.channel not in allowed:
-            raise FrameError(f"channel {frame.channel} does not belong on a {kind} stream")
+            raise FrameError(
+                f"channel {frame.channel} does not belong on a {'data' if data else 'control'} stream"
+            )
         if frame.channel == wire.DATA:
-            try:
-                width = itemsize(frame.dtype)
-            except KeyError:
-                raise FrameError(f"unknown dtype {frame.dtype!r}") from None
-            if len(frame.payload) != frame.count * width:
-                state = "truncated" if len(frame.payload) < frame.count * width else "oversized"
-                raise FrameError(
-                    f"{state} payload in collective #{frame.seq}: {len(frame.payload)} bytes for "
-                    f"{frame.count} {frame.dtype}"
-                )
+            check_payload(frame)
             if frame.seq < self._finished_below:
                 raise FrameError(f"collective #{frame.seq} is already finished")
 
@@ -387,7 +332,7 @@ class _Node:
             seq = self._exchange_seq
             if self.failure:
                 raise GrpcError(self.failure)
-        frame = wire.Frame(channel=wire.CONTROL, src=self.rank, seq=seq, payload=report)
+        frame = encode_frame(wire.CONTROL, self.rank, seq, report)
         for (_, kind), outbox in self._outboxes.items():
             if kind == "control":
                 outbox.put(frame)
@@ -430,12 +375,12 @@ class _Node:
         array: Any = None,
         bounds: list[tuple[int, int]] | None = None,
         finish: Callable[[], None] | None = None,
-    ) -> _Op:
-        """Registers a collective; the engine thread sends and applies its frames."""
+    ) -> PendingOp:
+        """Begins a collective: sends what it can at once; the data streams' threads do the rest."""
         seq = self._next_seq
         self._next_seq += 1
-        data = self._outboxes.get((self.right, "data"))
-        ring = RingOp(
+        pending = PendingOp(finish)
+        pending.ring = RingOp(
             seq,
             array_at(address, count, dtype) if array is None else array,
             dtype,
@@ -444,12 +389,25 @@ class _Node:
             self.rank,
             self.size,
             self.piece_bytes,
-            data.put if data is not None else _no_peer,
+            (lambda frame: self._send(pending, frame)) if self._data_out else _no_peer,
             op=op,
             bounds=bounds,
+            direct_bytes=DIRECT_BYTES,
         )
-        pending = _Op(ring, finish)
-        self._events.put(("start", pending))
+        try:
+            with self._ops_lock:
+                if self.failure:
+                    pending.fail(self.failure)
+                    return pending
+                self._ops[seq] = self._live[seq] = pending
+                self._begun = seq + 1
+                self._finished_below = min(self._ops)
+                pending.ring.begin()
+                for frame in self._early.pop(seq, []):
+                    pending.ring.receive(frame)
+                self._settle(pending)
+        except FrameError as error:
+            self.fail(f"rank {self.rank} rejected data from rank {(self.rank - 1) % self.size}: {error}")
         return pending
 
     def start_collective(
@@ -461,115 +419,63 @@ class _Node:
         count: int,
         output: int,
         recv_counts: list[int],
-        send_counts: list[int],
         layout: list[int],
-    ) -> _Op:
-        """Allgather and reducescatter as the two halves of the ring allreduce; alltoall as a ring
-        allgather of every rank's whole input, of which each rank keeps what was sent to it (n times
-        the traffic of a direct exchange: the ring's streams reach the right-hand neighbour only)."""
-        source = array_at(address, count, dtype)
-        if kind == "reducescatter":
-            work = source.copy()  # the caller's input stays as it is
-            bounds = _bounds(recv_counts)
-            target = array_at(output, recv_counts[self.rank], dtype)
-            start, stop = bounds[self.rank]
+    ) -> PendingOp:
+        """Starts an allgather, reducescatter or alltoall as a ring collective (see plan_collective)."""
+        ring_kind, array, bounds, finish = plan_collective(
+            kind, dtype, address, count, output, recv_counts, layout, self.rank, self.size
+        )
+        return self.start(0, 0, dtype, ring_kind, 0, op, array, bounds, finish)
 
-            def kept() -> None:
-                target[:] = work[start:stop]
-
-            return self.start(0, 0, dtype, kind, 0, op, work, bounds, kept)
-        if kind == "allgather":
-            bounds = _bounds(recv_counts)
-            gathered = array_at(output, sum(recv_counts), dtype)
-            start, stop = bounds[self.rank]
-            gathered[start:stop] = source
-            return self.start(0, 0, dtype, kind, 0, op, gathered, bounds)
-        # alltoall: layout[s * size + d] elements go from rank s to rank d
-        sent_by = [sum(layout[s * self.size : (s + 1) * self.size]) for s in range(self.size)]
-        bounds = _bounds(sent_by)
-        everything = np.empty(sum(sent_by), dtype=source.dtype)
-        start, stop = bounds[self.rank]
-        everything[start:stop] = source
-        target = array_at(output, sum(recv_counts), dtype)
-
-        def picked() -> None:
-            offset = 0
-            for s in range(self.size):
-                begin = bounds[s][0] + sum(layout[s * self.size : s * self.size + self.rank])
-                target[offset : offset + recv_counts[s]] = everything[begin : begin + recv_counts[s]]
-                offset += recv_counts[s]
-
-        return self.start(0, 0, dtype, "allgather", 0, op, everything, bounds, picked)
-
-    def _run_engine(self) -> None:
-        while True:
-            try:
-                event = self._events.get(timeout=0.5)
-            except queue.Empty:
-                self._check_progress()
-                continue
-            try:
-                if event[0] == "stop":
-                    return
-                if event[0] == "start":
-                    self._begin(event[1])
-                elif event[0] == "frame":
-                    self._apply(event[1])
-                elif event[0] == "fail":
-                    self._fail_ops(event[1])
-            except FrameError as error:
-                self.fail(f"rank {self.rank} rejected data from rank {(self.rank - 1) % self.size}: {error}")
-            except Exception as error:  # noqa: BLE001 - a bug must end the job with a message, not kill the engine
-                self.fail(f"rank {self.rank}: gRPC engine error: {error!r}")
-
-    def _begin(self, op: _Op) -> None:
-        if self.failure:
-            op.error = self.failure
-            return
-        self._ops[op.ring.seq] = op
-        self._begun = op.ring.seq + 1
-        self._finished_below = min(self._ops)
-        op.ring.begin()
-        for frame in self._early.pop(op.ring.seq, []):
-            op.ring.receive(frame)
-        self._settle(op)
+    def _send(self, op: PendingOp, frame: DataFrame) -> None:
+        op.track(frame)
+        self._data_out[frame.piece % len(self._data_out)].put(frame)
 
     def _apply(self, frame: Any) -> None:
-        op = self._ops.get(frame.seq)
-        if op is None:
-            if frame.seq < self._begun:
-                raise FrameError(f"frame for collective #{frame.seq}, which already finished")
-            if frame.seq > self._begun + 65536:
-                raise FrameError(f"frame for collective #{frame.seq}, far ahead of #{self._begun}")
-            self._early.setdefault(frame.seq, []).append(frame)  # the peer started it before us
-            return
-        op.ring.receive(frame)
-        op.progress_at = time.monotonic()
-        self._settle(op)
+        """Applies one data frame to its collective, on the thread of the stream it came by."""
+        with self._ops_lock:
+            op = self._ops.get(frame.seq)
+            if op is None:
+                if self.failure:
+                    return  # the op was ended already; late frames go nowhere
+                if frame.seq < self._begun:
+                    raise FrameError(f"frame for collective #{frame.seq}, which already finished")
+                if frame.seq > self._begun + 65536:
+                    raise FrameError(f"frame for collective #{frame.seq}, far ahead of #{self._begun}")
+                # The peer started it before us; the payload is kept, as its message is not reused.
+                self._early.setdefault(frame.seq, []).append(frame)
+                return
+            op.ring.receive(frame)
+            op.progress_at = time.monotonic()
+            self._settle(op)
 
-    def _settle(self, op: _Op) -> None:
+    def _settle(self, op: PendingOp) -> None:
         if not op.ring.done:
             return
         del self._ops[op.ring.seq]
-        op.done = True
         self._finished_below = min(self._ops, default=self._begun)
+        op.received_all()
+        if op.done:
+            self._live.pop(op.ring.seq, None)
 
-    def _check_progress(self) -> None:
-        now = time.monotonic()
-        for op in self._ops.values():
-            if now - op.progress_at > self.timeout_s:
-                left = (self.rank - 1) % self.size
-                self.fail(
-                    f"rank {self.rank}: no data from rank {left} at {self._address_of(left)} for "
-                    f"{self.timeout_s:.0f}s during {op.ring.describe()}"
-                )
-                return
-
-    def _fail_ops(self, message: str) -> None:
-        for op in self._ops.values():
-            op.error = message
-        self._ops.clear()
-        self._early.clear()
+    def _watch(self) -> None:
+        """Every half second: forgets finished ops and fails the job if data stopped flowing."""
+        while not self._stopped.wait(0.5):
+            now = time.monotonic()
+            for seq, op in list(self._live.items()):
+                if op.done or op.error:
+                    self._live.pop(seq, None)
+                elif now - op.progress_at > self.timeout_s:
+                    left = (self.rank - 1) % self.size
+                    waits = f"no data from rank {left} at {self._address_of(left)}"
+                    if op.ring.done:
+                        waits = (
+                            f"its data to rank {self.right} at {self._address_of(self.right)} did not leave"
+                        )
+                    self.fail(
+                        f"rank {self.rank}: {waits} for {self.timeout_s:.0f}s during {op.ring.describe()}"
+                    )
+                    break
 
     def fail(self, message: str, tell_peers: bool = True) -> None:
         """Ends every pending collective and exchange with `message`; tells the other ranks once."""
@@ -579,9 +485,14 @@ class _Node:
             self.failure = message
             self._lock.notify_all()
         log.error("grpc: %s", message)
-        self._events.put(("fail", message))
+        with self._ops_lock:
+            self._ops.clear()
+            self._early.clear()
+        for op in list(self._live.values()):
+            op.fail(message)
+        self._live.clear()
         if tell_peers:
-            abort = wire.Frame(channel=wire.ABORT, src=self.rank, payload=message.encode())
+            abort = encode_frame(wire.ABORT, self.rank, payload=message.encode())
             for (_, kind), outbox in list(self._outboxes.items()):
                 if kind == "control":
                     outbox.put(abort)
@@ -599,75 +510,16 @@ class _Node:
             outbox.wait(1.0)
         for channel in self._channels.values():
             channel.close()
-        self._events.put(("stop",))
+        self._stopped.set()
         self._server.stop(grace=0.5).wait(5.0)
         self._refusals.flush()
         self._pool.shutdown(wait=False)
-        if self._engine.is_alive():
-            self._engine.join(5.0)
-
-
-def _bounds(counts: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of consecutive parts of the given lengths."""
-    bounds, start = [], 0
-    for count in counts:
-        bounds.append((start, start + count))
-        start += count
-    return bounds
+        if self._watchdog.is_alive():
+            self._watchdog.join(5.0)
 
 
 def _no_peer(frame: Any) -> None:
     raise GrpcError("a single rank sends no data")
-
-
-class _Outbox:
-    """One long-lived client stream to a peer, fed from a queue by gRPC's own thread."""
-
-    def __init__(self, node: _Node, peer: int, kind: str, method: Any) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._node_ref = weakref.ref(node)
-        self._peer, self._kind = peer, kind
-        self._address = node.addresses[peer]
-        self._future = method.future(self._frames(), metadata=node._metadata(kind), wait_for_ready=True)
-        self._future.add_done_callback(self._finished)
-
-    def _frames(self) -> Any:
-        while True:
-            frame = self._queue.get()
-            if frame is None:
-                return
-            yield frame
-
-    def put(self, frame: Any) -> None:
-        """Queues a frame for the peer."""
-        self._queue.put(frame)
-
-    def close(self) -> None:
-        """Ends the stream with a CLOSE frame, so the peer knows it was on purpose."""
-        node = self._node_ref()
-        self._queue.put(wire.Frame(channel=wire.CLOSE, src=node.rank if node else 0))
-        self._queue.put(None)
-
-    def wait(self, timeout_s: float) -> None:
-        """Waits a little for the peer to take the rest of the stream."""
-        try:
-            self._future.result(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - at shutdown a peer that already left is fine
-            self._future.cancel()
-
-    def _finished(self, future: Any) -> None:
-        node = self._node_ref()
-        if node is None or node.closing or future.cancelled() or self._peer in node.departed:
-            return
-        error = future.exception()
-        detail = (
-            f"{error.code().name}: {error.details()}"
-            if isinstance(error, grpc.RpcError)
-            else "closed by the peer"
-        )
-        node.fail(
-            f"rank {node.rank}: the {self._kind} stream to rank {self._peer} at {self._address} ended ({detail})"
-        )
 
 
 class GrpcTransport:
@@ -684,6 +536,7 @@ class GrpcTransport:
         max_frame_bytes: int = 64 * 1024**2,
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
+        streams: int = DATA_STREAMS,
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -691,8 +544,12 @@ class GrpcTransport:
             raise ValueError("the gRPC transport needs a job token")
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
+        if streams <= 0:
+            raise ValueError("streams (data streams to the ring neighbour) must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
-        self._node = _Node(endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s)
+        self._node = _Node(
+            endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s, streams
+        )
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
         self._closer = weakref.finalize(self, self._node.close)
@@ -711,7 +568,7 @@ class GrpcTransport:
         """Blocking allgather of one byte string per rank."""
         return self._node.exchange(report, timeout_s)
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> _Op:
+    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> PendingOp:
         """Starts an in-place allreduce (sum, min, max, product) or a broadcast from `root` on raw memory."""
         return self._node.start(address, count, dtype, kind, root, op)
 
@@ -730,11 +587,9 @@ class GrpcTransport:
         recv_counts: list[int],
         send_counts: list[int],
         layout: list[int],
-    ) -> _Op:
+    ) -> PendingOp:
         """Starts an allgather, reducescatter or alltoall into `output` (see _Node.start_collective)."""
-        return self._node.start_collective(
-            kind, dtype, op, address, count, output, recv_counts, send_counts, layout
-        )
+        return self._node.start_collective(kind, dtype, op, address, count, output, recv_counts, layout)
 
     def close(self) -> None:
         """Closes streams and server now instead of when the object is collected."""
