@@ -83,9 +83,10 @@ def predict(
     """
     credit = settings.get("credit_bytes")
     credit = default_credit(int(settings["partition_bytes"]), ranks) if credit is None else int(credit)
-    # The best schedule moves every byte at the best rate the link showed at any message size.
+    # The best schedule moves every byte at the best rate the link showed at any message size, and
+    # pays one ring latency per reduction.
     best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
-    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup)
+    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s)
     rows = []
     for policy in policies:
         for mode in modes:
