@@ -194,28 +194,36 @@ def parse_rate(text: str | float) -> float:
 class DefaultRule:
     """Partition, credit and fusion sizes as a function of the link's ring delay (see default_sizes).
 
-    The constants are fitted by benchmarks/choose_defaults.py with the simulator over rank counts,
+    Partition and credit are each `scale x (delay / 1 MiB) ** exponent`, rounded to a power of two;
+    the constants are fitted by benchmarks/choose_defaults.py with the simulator over rank counts,
     bandwidths and latencies (docs/data/default_rule.json holds the fit and its table).
     """
 
-    partition_per_delay: float  # partition = this x ring delay bytes, to a power of two, clamped
+    partition_scale_bytes: float
+    partition_exponent: float
     min_partition_bytes: int
     max_partition_bytes: int
-    credit_per_delay: float  # credit = this x ring delay bytes, to a whole power-of-two of partitions
+    credit_scale_bytes: float
+    credit_exponent: float
     min_credit_partitions: int
     max_credit_partitions: int
     fusion_bytes: int
 
 
+# Fitted by `python benchmarks/choose_defaults.py --json docs/data/default_rule.json`: at most 1.17x,
+# 1.03x on geometric mean, of each case's best grid setting over 2-1024 ranks, 1-100 Gbit/s, 2-50 us.
 DEFAULT_RULE = DefaultRule(
-    partition_per_delay=0.0,
-    min_partition_bytes=4 * 1024**2,
-    max_partition_bytes=4 * 1024**2,
-    credit_per_delay=0.0,
-    min_credit_partitions=2,
-    max_credit_partitions=16,
-    fusion_bytes=1024**2,
+    partition_scale_bytes=4 * 1024**2,
+    partition_exponent=0.25,
+    min_partition_bytes=256 * 1024,
+    max_partition_bytes=64 * 1024**2,
+    credit_scale_bytes=8 * 1024**2,
+    credit_exponent=1.0,
+    min_credit_partitions=4,
+    max_credit_partitions=64,
+    fusion_bytes=4 * 1024**2,
 )
+_DELAY_UNIT_BYTES = 1024**2
 
 
 def ring_delay_bytes(ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
@@ -228,6 +236,13 @@ def _power_of_two(value: float, low: int, high: int) -> int:
     if not value > 0:
         return low
     return int(min(high, max(low, 2 ** round(math.log2(value)))))
+
+
+def _scaled(scale_bytes: float, exponent: float, delay_bytes: float) -> float:
+    """scale x (delay / 1 MiB) ** exponent: a constant at exponent 0, 0 for no delay otherwise."""
+    if exponent == 0:
+        return scale_bytes
+    return scale_bytes * (max(delay_bytes, 0.0) / _DELAY_UNIT_BYTES) ** exponent
 
 
 def default_sizes(
@@ -247,18 +262,18 @@ def default_sizes(
     """
     delay = ring_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s)
     partition = _power_of_two(
-        rule.partition_per_delay * delay, rule.min_partition_bytes, rule.max_partition_bytes
+        _scaled(rule.partition_scale_bytes, rule.partition_exponent, delay),
+        rule.min_partition_bytes,
+        rule.max_partition_bytes,
     )
     if partition_bytes:  # the user's partition: credit still counts whole partitions of it
         partition = partition_bytes
     partitions = _power_of_two(
-        rule.credit_per_delay * delay / partition, rule.min_credit_partitions, rule.max_credit_partitions
+        _scaled(rule.credit_scale_bytes, rule.credit_exponent, delay) / partition,
+        rule.min_credit_partitions,
+        rule.max_credit_partitions,
     )
-    return {
-        "partition_bytes": partition,
-        "credit_bytes": partition * partitions,
-        "fusion_bytes": rule.fusion_bytes,
-    }
+    return {"partition_bytes": partition, "credit_bytes": partition * partitions, "fusion_bytes": rule.fusion_bytes}
 
 
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"

@@ -67,14 +67,22 @@ def test_a_given_partition_is_kept_and_credit_counts_it() -> None:
 
 def test_a_hand_made_rule_gives_its_formula() -> None:
     """The rule computed by hand: partition = delay / 4 rounded to 2**k, credit = 2 x delay in partitions."""
-    rule = DefaultRule(0.25, 1 << 20, 1 << 26, 2.0, 2, 64, 1 << 20)
+    mib = 1 << 20
+    rule = DefaultRule(mib / 4, 1.0, mib, 64 * mib, 2.0 * mib, 1.0, 2, 64, mib)
     delay = 1.25e9 * 2 * 63 * 20e-6  # 64 ranks, 10 Gbit/s, 20 us: 3.15 MB
-    sizes = default_sizes(64, 1.25e9, 20e-6, rule=rule)
-    assert sizes["partition_bytes"] == 1 << 20  # 0.79 MB rounds to 1 MiB
-    assert sizes["credit_bytes"] == (1 << 20) * 8  # 6.3 MB is 6 MiB, nearest power of two 8
     assert delay == pytest.approx(3.15e6)
-    tiny = default_sizes(2, 1.25e8, 1e-6, rule=rule)
-    assert tiny == {"partition_bytes": 1 << 20, "credit_bytes": 2 << 20, "fusion_bytes": 1 << 20}
+    sizes = default_sizes(64, 1.25e9, 20e-6, rule=rule)
+    assert sizes["partition_bytes"] == mib  # 0.79 MB rounds to 1 MiB
+    assert sizes["credit_bytes"] == mib * 8  # 6.3 MB is 6 MiB, nearest power of two 8
+    assert default_sizes(2, 1.25e8, 1e-6, rule=rule) == {
+        "partition_bytes": mib,
+        "credit_bytes": 2 * mib,
+        "fusion_bytes": mib,
+    }
+    # Square root: 64x the delay, 8x the credit.
+    root = DefaultRule(mib, 0.0, mib, mib, 4.0 * mib, 0.5, 1, 4096, mib)
+    assert default_sizes(2, 1.25e9, mib / 2.5e9, rule=root)["credit_bytes"] == 4 * mib
+    assert default_sizes(2, 1.25e9, 64 * mib / 2.5e9, rule=root)["credit_bytes"] == 32 * mib
 
 
 def test_the_code_holds_the_fitted_rule() -> None:
