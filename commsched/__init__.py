@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from commsched import _core, buffers, transports
+from commsched import _core, buffers, link_probe, transports
 from commsched import config as _config
 from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
@@ -236,7 +236,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         kind, info, comm, process_group, resolved, device, device_memory=cuda
     )
     rank, size = _probe_rank_size(core_kind, argument, info)
-    resolved = _fit_to_link(resolved, kind, comm, process_group, size)
+    resolved = link_probe.fit_to_link(resolved, _state.user_given, kind, comm, process_group, size)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
         policy=resolved.policy,
@@ -257,45 +257,6 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     _state.device_memory = core_kind == "device"
     _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
     _state.pending = None
-
-
-_SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
-
-
-def _fit_to_link(
-    resolved: _config.Settings, kind: str, comm: Any, process_group: Any, size: int
-) -> _config.Settings:
-    """The sizes the user left unset, from the link's bandwidth and latency (config.default_sizes).
-
-    The link comes from COMMSCHED_LINK_BANDWIDTH / _LATENCY, or is measured with a few allreduces
-    over MPI or Gloo (rank 0's figures, so every rank derives the same sizes); without either
-    (gRPC, NCCL), the static defaults stay.
-    """
-    unset = [name for name in _SIZE_SETTINGS if name not in _state.user_given]
-    if size < 2 or not unset:
-        return resolved
-    bandwidth, latency = resolved.link_bandwidth, resolved.link_latency
-    if (bandwidth is None or latency is None) and kind in ("mpi", "gloo"):
-        from commsched import link_probe
-
-        measured = link_probe.measure_mpi(comm) if kind == "mpi" else link_probe.measure_torch(process_group)
-        if measured is not None:
-            bandwidth = measured[0] if bandwidth is None else bandwidth
-            latency = measured[1] if latency is None else latency
-    if bandwidth is None or latency is None:
-        return resolved
-    given_partition = resolved.partition_bytes if "partition_bytes" in _state.user_given else None
-    sizes = _config.default_sizes(size, bandwidth, latency, partition_bytes=given_partition)
-    log.info(
-        "link %.3g Gbit/s, %.3g us per message at %d ranks: %s",
-        bandwidth * 8e-9,
-        latency * 1e6,
-        size,
-        ", ".join(f"{name}={sizes[name]}" for name in unset),
-    )
-    return dataclasses.replace(
-        resolved, link_bandwidth=bandwidth, link_latency=latency, **{name: sizes[name] for name in unset}
-    )
 
 
 def _start_pending(cuda: bool, device: int | None = None) -> None:

@@ -273,7 +273,11 @@ def default_sizes(
         rule.min_credit_partitions,
         rule.max_credit_partitions,
     )
-    return {"partition_bytes": partition, "credit_bytes": partition * partitions, "fusion_bytes": rule.fusion_bytes}
+    return {
+        "partition_bytes": partition,
+        "credit_bytes": partition * partitions,
+        "fusion_bytes": rule.fusion_bytes,
+    }
 
 
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"

@@ -1,18 +1,25 @@
-"""Measures the link at init: a few timed allreduces (MPI or Gloo) before the core starts.
+"""Fits the scheduling defaults to the link at init, measured with a few timed allreduces.
 
-The scheduling defaults follow the link (config.default_sizes), so init() needs its bandwidth
-and per-message latency. A tiny allreduce times the latency, a larger one the bandwidth; every
-rank then takes rank 0's figures, so every rank derives the same defaults.
+The default partition, credit and fusion sizes follow the link (config.default_sizes), so init()
+needs its bandwidth and per-message latency: from COMMSCHED_LINK_BANDWIDTH / _LATENCY, or timed
+before the core starts (MPI or Gloo). A tiny allreduce times the latency, a larger one the
+bandwidth; every rank then takes rank 0's figures, so every rank derives the same defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from commsched.config import Settings, default_sizes
+
+log = logging.getLogger("commsched")
 
 # Small enough to cost a few milliseconds at 1 Gbit/s, big enough that its bytes outweigh its latency.
 _BANDWIDTH_PROBE_BYTES = 1 << 20
@@ -94,3 +101,38 @@ def link_from_timings(ranks: int, tiny_s: float, big_s: float, big_bytes: int) -
     wire_bytes = 2.0 * (max(2, ranks) - 1) / max(2, ranks) * big_bytes
     bandwidth = wire_bytes / max(big_s - tiny_s, 1e-7)
     return bandwidth, latency
+
+
+_SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
+
+
+def fit_to_link(
+    settings: Settings, user_given: frozenset[str], kind: str, comm: Any, process_group: Any, size: int
+) -> Settings:
+    """`settings` with the sizes the user left unset taken from the link (default_sizes).
+
+    Without link settings and without a transport to time (gRPC, NCCL), the static defaults stay.
+    """
+    unset = [name for name in _SIZE_SETTINGS if name not in user_given]
+    if size < 2 or not unset:
+        return settings
+    bandwidth, latency = settings.link_bandwidth, settings.link_latency
+    if (bandwidth is None or latency is None) and kind in ("mpi", "gloo"):
+        measured = measure_mpi(comm) if kind == "mpi" else measure_torch(process_group)
+        if measured is not None:
+            bandwidth = measured[0] if bandwidth is None else bandwidth
+            latency = measured[1] if latency is None else latency
+    if bandwidth is None or latency is None:
+        return settings
+    given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
+    sizes = default_sizes(size, bandwidth, latency, partition_bytes=given_partition)
+    log.info(
+        "link %.3g Gbit/s, %.3g us per message at %d ranks: %s",
+        bandwidth * 8e-9,
+        latency * 1e6,
+        size,
+        ", ".join(f"{name}={sizes[name]}" for name in unset),
+    )
+    return dataclasses.replace(
+        settings, link_bandwidth=bandwidth, link_latency=latency, **{name: sizes[name] for name in unset}
+    )
