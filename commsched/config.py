@@ -108,6 +108,8 @@ class Settings:
     """The effective settings of one runtime."""
 
     policy: str = "priority"
+    # Left unset, the three sizes are fitted to the link at init (default_sizes); these values
+    # stand where no link is known (one rank, or gRPC / NCCL without COMMSCHED_LINK_*).
     partition_bytes: int = 4 * 1024**2
     credit_bytes: int | None = None  # None: one partition per rank, see credit_for()
     fusion_bytes: int = 1024**2
@@ -289,7 +291,8 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "credit_bytes": (
         "COMMSCHED_CREDIT_BYTES",
         parse_size,
-        _SIZE_FORM + " (unset: one partition per rank, 2 to 16 partitions)",
+        _SIZE_FORM
+        + " (unset: fitted to the link, see default_sizes; one partition per rank, 2 to 16, without one)",
     ),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
     "inline_bytes": (
