@@ -1,129 +1,287 @@
-"""How commsched's default partition, credit and fusion sizes were chosen: a simulator sweep.
+"""Fits commsched's default partition, credit and fusion sizes to the link: a simulator sweep.
 
-For each model profile, rank count and network (communication = compute, and 10x faster),
-runs the real scheduler on the virtual clock for every setting of a grid (priority policy,
-overlap mode) and scores each setting by its geometric-mean slowdown against the best
-schedule possible. Prints the best settings and writes JSON.
+For every network of a grid (rank count x bandwidth x per-message latency) and every model
+profile, in two regimes (compute at the profile's device speed, and compute scaled to equal the
+communication, where the schedule matters most), runs the real scheduler on the virtual clock
+(priority policy, overlap mode) for every setting of a size grid, and scores each against the
+best schedule possible (commsched._core.simulate_ideal with the same latency). Then searches the
+constants of config.DefaultRule, whose sizes depend on the link only through its ring delay
+(bandwidth x 2(n-1) x latency), for the rule with the smallest worst-case slowdown against each
+case's best grid setting. Prints the rule and its table and writes them as JSON (the rule's
+constants go into commsched/config.py).
+
+    python benchmarks/choose_defaults.py --json docs/data/default_rule.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+from commsched._core import simulate, simulate_ideal
 
 from commsched.bench import schedule
-from commsched.bench.sim_cli import predict
-from commsched.config import resolve
+from commsched.config import (
+    DEFAULT_RULE,
+    DefaultRule,
+    default_sizes,
+    parse_duration,
+    parse_rate,
+    ring_delay_bytes,
+)
 
 MIB = 1024**2
-PARTITIONS = [MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB]
-# Credit in partitions; None is commsched's default, one partition per rank (2 to 16).
-CREDIT_MULTIPLES: list[int | None] = [1, 2, 4, 8, None]
-FUSIONS = [256 * 1024, MIB, 4 * MIB]
+PARTITIONS = [1 << k for k in range(17, 29)]  # 128 KiB .. 256 MiB
+CREDIT_PARTITIONS = [1, 2, 4, 8, 16, 32, 64]
+FUSIONS = [256 * 1024, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 MODELS = ["vgg16", "resnet50", "bert-base", "gpt2-medium"]
+RANKS = "2,8,64,1024"
+BANDWIDTHS = "1gbit,10gbit,100gbit"
+LATENCIES = "2us,5us,20us,50us"
+REGIMES = ("device", "balanced")  # compute at the profile's device speed; compute = communication
+# The rule's search space (see config.DefaultRule).
+PARTITION_SCALES = [MIB * 2.0**k for k in range(-2, 4)]
+PARTITION_EXPONENTS = [0.0, 0.25, 0.5]
+MIN_PARTITIONS = [256 * 1024, 512 * 1024, MIB, 2 * MIB, 4 * MIB]
+MAX_PARTITIONS = [4 * MIB, 16 * MIB, 64 * MIB]
+CREDIT_SCALES = [MIB * 2.0**k for k in range(7)]
+CREDIT_EXPONENTS = [0.5, 0.75, 1.0]
+MIN_CREDIT_PARTITIONS = [1, 2, 4]
+MAX_CREDIT_PARTITIONS = CREDIT_PARTITIONS[-1]
+
+Network = tuple[int, float, float]  # ranks, bytes/s, seconds per message
+Setting = tuple[int, int, int]  # partition, credit, fusion
+Case = tuple[Network, str, str]  # network, model, regime
 
 
-def grid(scale: float = 1.0) -> Iterator[tuple[dict, dict]]:
-    """Every grid setting at full scale, with the same sizes divided by `scale` for a scaled replay."""
-    for partition, multiple, fusion in itertools.product(PARTITIONS, CREDIT_MULTIPLES, FUSIONS):
-        full = {
-            "partition_bytes": partition,
-            "credit_bytes": None if multiple is None else partition * multiple,
-            "fusion_bytes": fusion,
-            "cycle_time": 0.001,
-        }
-        yield full, {k: int(v / scale) if k.endswith("_bytes") and v else v for k, v in full.items()}
+def settings_grid() -> list[Setting]:
+    """Every (partition, credit, fusion) the sweep simulates."""
+    return [(p, p * k, f) for p, k, f in itertools.product(PARTITIONS, CREDIT_PARTITIONS, FUSIONS)]
 
 
-def sweep(ranks: list[int], ratios: list[float], latency_s: float) -> list[dict]:
-    """Every (model, ranks, ratio, setting) with its simulated iteration time over the best possible."""
-    results = []
-    for model in MODELS:
-        layers = schedule.timed_layers(schedule.load_model(model), 100.0, 1.0, 1.0)
-        spec = schedule.sim_layers(layers)
-        total = schedule.gradient_bytes(layers)
-        compute = schedule.compute_s(layers)
-        for n, ratio in itertools.product(ranks, ratios):
-            rate = 2.0 * (n - 1) / n * total / (ratio * compute)
-            for settings, _ in grid():
-                row = predict(
-                    spec, n, rate, latency_s, settings, ["priority"], ["overlap"], iterations=4, warmup=1
-                )[0]
-                results.append(dict(model=model, ranks=n, ratio=ratio, **settings, vs_best=row["vs_best"]))
-    return results
+def case_layers(model: Any, network: Network, regime: str) -> list:
+    """The simulator's layers of a timed profile, compute scaled to the communication when balanced."""
+    if regime == "balanced":
+        ranks, rate, _ = network
+        communication = 2.0 * (ranks - 1) / ranks * schedule.gradient_bytes(model) / rate
+        model = schedule.rescale_compute(model, communication / schedule.compute_s(model))
+    return schedule.sim_layers(model)
 
 
-def sweep_replays(paths: list[Path]) -> list[dict]:
-    """The same grid on links a replay measured (its JSON header), sizes scaled as the replay's."""
-    results = []
-    for path in paths:
-        run = json.loads(path.read_text())["run"]
-        layers = schedule.timed_layers(
-            schedule.load_model(run["model"]), run["device_tflops"], run["scale"], run["time_scale"]
-        )
-        spec = schedule.sim_layers(layers)
-        for full, scaled in grid(run["scale"]):
-            row = predict(
-                spec,
-                run["ranks"],
-                run["bandwidth_bytes_per_s"],
-                run["latency_s"],
-                scaled,
-                ["priority"],
-                ["overlap"],
-                size_costs=[tuple(cost) for cost in run["size_costs"]],
-            )[0]
-            # Reported at full scale, so a row reads as a candidate default.
-            results.append(
-                dict(model=run["model"], ranks=run["ranks"], ratio=None, **full, vs_best=row["vs_best"])
+def simulate_setting(layers: list, network: Network, setting: Setting, iterations: int, warmup: int) -> float:
+    """Iteration seconds of one setting under priority + overlap."""
+    ranks, rate, latency = network
+    partition, credit, fusion = setting
+    result = simulate(
+        layers,
+        ranks,
+        rate,
+        latency,
+        "priority",
+        partition,
+        credit,
+        fusion,
+        "overlap",
+        0.001,
+        -1.0,
+        iterations,
+        warmup,
+    )
+    return float(result["iteration_s"])
+
+
+def sweep(
+    networks: Sequence[Network],
+    models: Sequence[str],
+    regimes: Sequence[str],
+    iterations: int,
+    warmup: int,
+    threads: int,
+) -> dict[Case, dict[str, Any]]:
+    """For each (network, model, regime): the best schedule's time and every grid setting's time."""
+    grid = settings_grid()
+    timed = {
+        m: schedule.timed_layers(schedule.load_model(m), schedule.DEFAULT_DEVICE_TFLOPS, 1, 1) for m in models
+    }
+
+    def one(case: Case) -> dict[str, Any]:
+        network, model, regime = case
+        ranks, rate, latency = network
+        layers = case_layers(timed[model], network, regime)
+        best = simulate_ideal(layers, ranks, rate, iterations, warmup, latency)["iteration_s"]
+        times = {s: simulate_setting(layers, network, s, iterations, warmup) for s in grid}
+        return {"best_s": float(best), "times": times}
+
+    cases = list(itertools.product(networks, models, regimes))
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # the simulator releases the GIL
+        return dict(zip(cases, pool.map(one, cases)))
+
+
+def _power_of_two_index(values: np.ndarray, low: int, high: int, grid: Sequence[int]) -> np.ndarray:
+    """Index into `grid` (consecutive powers of two) of each value rounded to 2**k within [low, high]."""
+    exponents = np.round(np.log2(np.maximum(values, 1e-300)))
+    exponents = np.clip(exponents, math.log2(low), math.log2(high))
+    return (exponents - math.log2(grid[0])).astype(int)
+
+
+def fit(table: dict[Case, dict[str, Any]]) -> tuple[DefaultRule, tuple[float, float]]:
+    """The rule with the smallest worst case (then geometric mean) over the sweep, searched with numpy."""
+    cases = list(table)
+    grid = settings_grid()
+    shape = (len(PARTITIONS), len(CREDIT_PARTITIONS), len(FUSIONS))
+    # log(time / case's best grid time), by case and grid position.
+    logs = np.empty((len(cases), *shape))
+    for c, case in enumerate(cases):
+        times = table[case]["times"]
+        floor = min(times.values())
+        for partition, credit, fusion in grid:
+            index = (
+                PARTITIONS.index(partition),
+                CREDIT_PARTITIONS.index(credit // partition),
+                FUSIONS.index(fusion),
             )
-    return results
+            logs[(c, *index)] = math.log(times[(partition, credit, fusion)] / floor)
+    delays = np.array([ring_delay_bytes(*case[0]) for case in cases])
+    rows = np.arange(len(cases))
+    best: tuple[tuple[float, float], DefaultRule] | None = None
+    for p_scale, p_exp, p_min, p_max in itertools.product(
+        PARTITION_SCALES, PARTITION_EXPONENTS, MIN_PARTITIONS, MAX_PARTITIONS
+    ):
+        if p_min > p_max or (p_exp == 0 and (p_min, p_max) != (MIN_PARTITIONS[0], MAX_PARTITIONS[-1])):
+            continue  # a constant partition needs no clamps: one spelling of each
+        p_index = _power_of_two_index(p_scale * (delays / MIB) ** p_exp, p_min, p_max, PARTITIONS)
+        partitions = np.array(PARTITIONS, float)[p_index]
+        for c_scale, c_exp, k_min in itertools.product(
+            CREDIT_SCALES, CREDIT_EXPONENTS, MIN_CREDIT_PARTITIONS
+        ):
+            k_index = _power_of_two_index(
+                c_scale * (delays / MIB) ** c_exp / partitions,
+                k_min,
+                MAX_CREDIT_PARTITIONS,
+                CREDIT_PARTITIONS,
+            )
+            picked = logs[rows, p_index, k_index, :]  # (cases, fusions)
+            for f, fusion in enumerate(FUSIONS):
+                score = (float(np.exp(picked[:, f].max())), float(np.exp(picked[:, f].mean())))
+                if best is None or score < best[0]:
+                    rule = DefaultRule(
+                        p_scale, p_exp, p_min, p_max, c_scale, c_exp, k_min, MAX_CREDIT_PARTITIONS, fusion
+                    )
+                    best = (score, rule)
+    assert best is not None
+    return best[1], best[0]
 
 
-def main() -> int:
-    """Runs the sweep and prints the best settings by geometric-mean slowdown."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", default="2,8,64")
-    parser.add_argument("--ratios", default="1,0.1", help="communication / compute ratios")
-    parser.add_argument("--latency", type=float, default=20e-6)
-    parser.add_argument(
-        "--replays",
-        type=Path,
-        nargs="+",
-        help="instead, sweep on the links these `commsched-bench schedule --json` runs measured",
-    )
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    if args.replays:
-        results = sweep_replays(args.replays)
-    else:
-        results = sweep(
-            [int(n) for n in args.ranks.split(",")], [float(r) for r in args.ratios.split(",")], args.latency
+def score_rule(rule: DefaultRule, table: dict[Case, dict[str, Any]]) -> tuple[float, float]:
+    """(worst, geometric mean) over the cases of the rule's time over the case's best grid setting."""
+    logs = []
+    for (network, _, _), entry in table.items():
+        setting = tuple(default_sizes(*network, rule=rule).values())
+        time_s = entry["times"].get(setting)
+        if time_s is None:
+            return math.inf, math.inf
+        logs.append(math.log(time_s / min(entry["times"].values())))
+    return math.exp(max(logs)), math.exp(sum(logs) / len(logs))
+
+
+def old_defaults(ranks: int) -> Setting:
+    """The defaults before the rule: 4 MiB partitions, one per rank as credit (2 to 16), 1 MiB fusion."""
+    return 4 * MIB, 4 * MIB * min(16, max(2, ranks)), MIB
+
+
+def summary(table: dict[Case, dict[str, Any]], rule: DefaultRule) -> list[dict[str, Any]]:
+    """One row per case: the rule's, the old defaults' and the grid's best against the best schedule."""
+    rows = []
+    for (network, model, regime), entry in sorted(table.items(), key=lambda item: (item[0][0], item[0][2])):
+        ranks, rate, latency = network
+        times = entry["times"]
+        best_setting = min(times, key=times.get)
+        chosen = tuple(default_sizes(*network, rule=rule).values())
+        old = old_defaults(ranks)
+        rows.append(
+            {
+                "model": model,
+                "regime": regime,
+                "ranks": ranks,
+                "bandwidth_bytes_per_s": rate,
+                "latency_s": latency,
+                "best_s": entry["best_s"],
+                "defaults": dict(zip(("partition_bytes", "credit_bytes", "fusion_bytes"), chosen)),
+                "defaults_vs_best": times[chosen] / entry["best_s"],
+                "old_defaults_vs_best": times[old] / entry["best_s"] if old in times else None,
+                "grid_best": dict(zip(("partition_bytes", "credit_bytes", "fusion_bytes"), best_setting)),
+                "grid_best_vs_best": times[best_setting] / entry["best_s"],
+            }
         )
-    scores: dict[tuple, list[float]] = {}
-    for row in results:
-        key = (row["partition_bytes"], row["credit_bytes"], row["fusion_bytes"])
-        scores.setdefault(key, []).append(math.log(row["vs_best"]))
-    ranked = sorted(
-        ((math.exp(sum(v) / len(v)), max(v), key) for key, v in scores.items()), key=lambda r: r[:2]
+    return rows
+
+
+def _sizes(values: Sequence[int]) -> str:
+    return "/".join(f"{v / MIB:g}M" for v in values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the sweep, fits the rule, prints it with its table and writes JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default=RANKS, help=f"comma list (default {RANKS})")
+    parser.add_argument("--bandwidths", default=BANDWIDTHS, help=f"comma list (default {BANDWIDTHS})")
+    parser.add_argument("--latencies", default=LATENCIES, help=f"comma list (default {LATENCIES})")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--regimes", default=",".join(REGIMES), help="device (profile's compute), balanced")
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="write the rule and its table here")
+    args = parser.parse_args(argv)
+    networks = list(
+        itertools.product(
+            [int(n) for n in args.ranks.split(",")],
+            [parse_rate(r) for r in args.bandwidths.split(",")],
+            [parse_duration(t) for t in args.latencies.split(",")],
+        )
     )
-    print(f"{'partition':>10}{'credit':>10}{'fusion':>10}{'geomean x best':>16}{'worst x best':>14}")
-    defaults = resolve({}, environ={})
-    current = (defaults.partition_bytes, defaults.credit_bytes, defaults.fusion_bytes)
-    shown = ranked[:10] + [row for row in ranked[10:] if row[2] == current]
-    for geomean, worst, (partition, credit, fusion) in shown:
-        credit_text = "per-rank" if credit is None else f"{credit / MIB:g}M"
+    table = sweep(
+        networks, args.models.split(","), args.regimes.split(","), args.iterations, args.warmup, args.threads
+    )
+    rule, (worst, geomean) = fit(table)
+    current_worst, current_geomean = score_rule(DEFAULT_RULE, table)
+    print(f"# fitted rule: {rule}")
+    print(f"# against each model's best grid setting: worst {worst:.3f}, geomean {geomean:.4f}")
+    print(f"# config.DEFAULT_RULE now: worst {current_worst:.3f}, geomean {current_geomean:.4f}")
+    rows = summary(table, rule)
+    print(
+        "| ranks | Gbit/s | us | model | defaults p/c/f | defaults / best | old defaults / best | grid best / best |"
+    )
+    print("|---:|---:|---:|---|---|---:|---:|---:|")
+    for row in rows:
+        old = row["old_defaults_vs_best"]
         print(
-            f"{partition / MIB:>9g}M{credit_text:>10}{fusion / MIB:>9g}M{geomean:>16.4f}{math.exp(worst):>14.3f}"
-            + ("  (the defaults)" if (partition, credit, fusion) == current else "")
+            f"| {row['ranks']} | {row['bandwidth_bytes_per_s'] * 8e-9:g} | {row['latency_s'] * 1e6:g} | {row['model']} | {row['regime']} "
+            f"| {_sizes(list(row['defaults'].values()))} | {row['defaults_vs_best']:.3f} "
+            f"| {'-' if old is None else f'{old:.3f}'} | {row['grid_best_vs_best']:.3f} |"
         )
     if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=1) + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "command": "python benchmarks/choose_defaults.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "rule": dataclasses.asdict(rule),
+            "worst_vs_grid_best": worst,
+            "geomean_vs_grid_best": geomean,
+            "iterations": args.iterations,
+            "warmup": args.warmup,
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from commsched import _core, buffers, transports
+from commsched import _core, buffers, link_probe, transports
 from commsched import config as _config
 from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
@@ -247,6 +247,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         kind, info, comm, process_group, resolved, device, device_memory=cuda
     )
     rank, size = _probe_rank_size(core_kind, argument, info)
+    resolved = link_probe.fit_to_link(resolved, _state.user_given, kind, comm, process_group, size)
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
         policy=resolved.policy,

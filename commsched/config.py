@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -107,6 +108,8 @@ class Settings:
     """The effective settings of one runtime."""
 
     policy: str = "priority"
+    # Left unset, the three sizes are fitted to the link at init (default_sizes); these values
+    # stand where no link is known (one rank, or gRPC / NCCL without COMMSCHED_LINK_*).
     partition_bytes: int = 4 * 1024**2
     credit_bytes: int | None = None  # None: one partition per rank, see credit_for()
     fusion_bytes: int = 1024**2
@@ -122,6 +125,9 @@ class Settings:
     log_level: str = "warning"
     autotune: bool = False
     autotune_log: str = ""
+    # The link the defaults are fitted to (default_sizes); None: measured at init under MPI.
+    link_bandwidth: float | None = None  # bytes per second of each rank's link
+    link_latency: float | None = None  # seconds per message
     grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
     # gRPC over TLS: all three files or none (see _check_grpc_tls); commsched-run --grpc-tls makes them.
     grpc_tls_ca: str = ""  # PEM: the CA every rank's certificate must chain to
@@ -156,6 +162,126 @@ def default_credit(partition_bytes: int, ranks: int) -> int:
     return unit * min(_MAX_CREDIT_PARTITIONS, max(_MIN_CREDIT_PARTITIONS, ranks))
 
 
+_RATE_UNITS = {
+    "tbit": 1e12 / 8,
+    "gbit": 1e9 / 8,
+    "mbit": 1e6 / 8,
+    "kbit": 1e3 / 8,
+    "gbps": 1e9,
+    "mbps": 1e6,
+    "kbps": 1e3,
+    "bps": 1.0,
+    "bit": 1 / 8,
+}
+
+
+def parse_rate(text: str | float) -> float:
+    """Parses a link rate in bytes per second (10gbit, 400mbit, 1.25GBps, 1.25GB/s, or a plain number)."""
+    if isinstance(text, bool):
+        raise TypeError("a rate, not a boolean")
+    if isinstance(text, (int, float)):
+        rate = float(text)
+    else:
+        lowered = str(text).strip().lower().replace("/s", "ps")
+        match = re.fullmatch(r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*([a-z]*)", lowered)
+        if not match or match.group(2) not in _RATE_UNITS and match.group(2) != "":
+            raise ValueError("not a rate")
+        rate = float(match.group(1)) * (_RATE_UNITS[match.group(2)] if match.group(2) else 1.0)
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError("a rate must be above 0")
+    return rate
+
+
+@dataclass(frozen=True)
+class DefaultRule:
+    """Partition, credit and fusion sizes as a function of the link's ring delay (see default_sizes).
+
+    Partition and credit are each `scale x (delay / 1 MiB) ** exponent`, rounded to a power of two;
+    the constants are fitted by benchmarks/choose_defaults.py with the simulator over rank counts,
+    bandwidths and latencies (docs/data/default_rule.json holds the fit and its table).
+    """
+
+    partition_scale_bytes: float
+    partition_exponent: float
+    min_partition_bytes: int
+    max_partition_bytes: int
+    credit_scale_bytes: float
+    credit_exponent: float
+    min_credit_partitions: int
+    max_credit_partitions: int
+    fusion_bytes: int
+
+
+# Fitted by `python benchmarks/choose_defaults.py --json docs/data/default_rule.json`: at most 1.17x,
+# 1.03x on geometric mean, of each case's best grid setting over 2-1024 ranks, 1-100 Gbit/s, 2-50 us.
+DEFAULT_RULE = DefaultRule(
+    partition_scale_bytes=4 * 1024**2,
+    partition_exponent=0.25,
+    min_partition_bytes=256 * 1024,
+    max_partition_bytes=64 * 1024**2,
+    credit_scale_bytes=8 * 1024**2,
+    credit_exponent=1.0,
+    min_credit_partitions=4,
+    max_credit_partitions=64,
+    fusion_bytes=4 * 1024**2,
+)
+_DELAY_UNIT_BYTES = 1024**2
+
+
+def ring_delay_bytes(ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Bytes the link could move while one ring allreduce pays its 2(n-1) message latencies."""
+    return bandwidth_bytes_per_s * 2 * max(1, ranks - 1) * latency_s
+
+
+def _power_of_two(value: float, low: int, high: int) -> int:
+    """`value` rounded to the nearest power of two (in log scale), within [low, high]."""
+    if not value > 0:
+        return low
+    return int(min(high, max(low, 2 ** round(math.log2(value)))))
+
+
+def _scaled(scale_bytes: float, exponent: float, delay_bytes: float) -> float:
+    """scale x (delay / 1 MiB) ** exponent: a constant at exponent 0, 0 for no delay otherwise."""
+    if exponent == 0:
+        return scale_bytes
+    return scale_bytes * (max(delay_bytes, 0.0) / _DELAY_UNIT_BYTES) ** exponent
+
+
+def default_sizes(
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule = DEFAULT_RULE,
+    partition_bytes: int | None = None,
+) -> dict[str, int]:
+    """The default partition, credit and fusion sizes for a link (the fitted rule).
+
+    Credit keeps the link busy while collectives in flight wait out their latency: it grows
+    with the ring delay, the bytes the link moves during one allreduce's 2(n-1) latencies,
+    which at 1024 ranks dwarfs what a 2-rank job needs. Partitions grow more slowly, so an
+    urgent tensor still finds a chunk boundary soon. A given `partition_bytes` (not 0) is kept,
+    and the credit counted in it.
+    """
+    delay = ring_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s)
+    partition = _power_of_two(
+        _scaled(rule.partition_scale_bytes, rule.partition_exponent, delay),
+        rule.min_partition_bytes,
+        rule.max_partition_bytes,
+    )
+    if partition_bytes:  # the user's partition: credit still counts whole partitions of it
+        partition = partition_bytes
+    partitions = _power_of_two(
+        _scaled(rule.credit_scale_bytes, rule.credit_exponent, delay) / partition,
+        rule.min_credit_partitions,
+        rule.max_credit_partitions,
+    )
+    return {
+        "partition_bytes": partition,
+        "credit_bytes": partition * partitions,
+        "fusion_bytes": rule.fusion_bytes,
+    }
+
+
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"
 _DURATION_FORM = "seconds with an optional unit, e.g. 60, 30s or 500ms"
 # field -> (environment variable, parser, accepted form)
@@ -165,7 +291,8 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "credit_bytes": (
         "COMMSCHED_CREDIT_BYTES",
         parse_size,
-        _SIZE_FORM + " (unset: one partition per rank, 2 to 16 partitions)",
+        _SIZE_FORM
+        + " (unset: fitted to the link, see default_sizes; one partition per rank, 2 to 16, without one)",
     ),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
     "inline_bytes": (
@@ -186,6 +313,16 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "log_level": ("COMMSCHED_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
     "autotune": ("COMMSCHED_AUTOTUNE", _flag, "1 or 0 (also true/false, yes/no, on/off)"),
     "autotune_log": ("COMMSCHED_AUTOTUNE_LOG", _path, "a file path for the CSV log of trials"),
+    "link_bandwidth": (
+        "COMMSCHED_LINK_BANDWIDTH",
+        parse_rate,
+        "a rate per rank and direction, e.g. 10gbit, 400mbit or 1.25GBps (unset: measured at init under MPI)",
+    ),
+    "link_latency": (
+        "COMMSCHED_LINK_LATENCY",
+        parse_duration,
+        _DURATION_FORM + " per message, e.g. 20us (unset: measured at init under MPI)",
+    ),
     "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
     "grpc_tls_ca": ("COMMSCHED_GRPC_TLS_CA", _path, "the path of a PEM file with the job's CA certificate"),
     "grpc_tls_cert": (

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from commsched.config import DEFAULT_RULE
+
 pytest.importorskip("mpi4py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -109,8 +111,12 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
     assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == (4 << 20) // 16
     # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
     assert any(int(r["partition_bytes"]) != (4 << 20) // 16 for r in rows), rows
-    assert int(rows[0]["credit_bytes"]) == 2 * (4 << 20) // 16  # a scaled partition per rank
-    assert any(int(r["credit_bytes"]) != 2 * (4 << 20) // 16 for r in rows), rows
+    # The credit the link rule gives for that partition: a whole power of two of partitions.
+    credit, partition = int(rows[0]["credit_bytes"]), (4 << 20) // 16
+    partitions = credit // partition
+    assert credit % partition == 0 and partitions & (partitions - 1) == 0, rows[0]
+    assert DEFAULT_RULE.min_credit_partitions <= partitions <= DEFAULT_RULE.max_credit_partitions, rows[0]
+    assert any(int(r["credit_bytes"]) != credit for r in rows), rows
 
 
 def test_replay_compute_does_not_pile_up_sleep_overshoot():

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from commsched.bench import allreduce, report, schedule, sim_cli
+from commsched.bench.report import human_size
+from commsched.config import default_sizes
 
 
 def test_sizes_double_from_4_bytes_to_256_mib():
@@ -107,10 +109,13 @@ def test_sim_cli_prints_and_writes_json(tmp_path, monkeypatch, capsys):
     )
     printed = capsys.readouterr().out
     assert "priority" in printed and "fifo" in printed
-    assert "credit 8MiB at 2 ranks, 64MiB at 1024 ranks (one partition per rank" in printed
     data = json.loads(out.read_text())
     assert {row["ranks"] for row in data["results"]} == {2, 1024}
-    assert {row["ranks"]: row["credit_bytes"] for row in data["results"]} == {2: 8 << 20, 1024: 64 << 20}
+    # Unset sizes are commsched's for each link: 1 Gbit/s and the default 20 us per message.
+    for row in data["results"]:
+        expected = default_sizes(row["ranks"], 1.25e8, 20e-6)
+        assert {name: row[name] for name in expected} == expected
+        assert "/".join(human_size(v) for v in expected.values()) + f" at {row['ranks']} ranks" in printed
     # Communication of one ring allreduce of every gradient at 1 Gbit/s, written out by hand.
     total = 4 * (64 * 32 + 64 + 10 * 64)
     row = next(r for r in data["results"] if r["ranks"] == 1024)

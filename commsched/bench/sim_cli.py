@@ -14,7 +14,7 @@ from typing import Any
 
 from commsched._core import simulate, simulate_ideal
 from commsched.bench import report, schedule
-from commsched.config import default_credit, parse_duration, parse_size
+from commsched.config import default_sizes, parse_duration, parse_size
 
 DEFAULT_RANKS = "2,4,8,16,64,256,1024"
 
@@ -78,14 +78,17 @@ def predict(
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
-    the bandwidth (see parse_size_costs). A `credit_bytes` of None is commsched's default for
-    `ranks` (config.default_credit).
+    the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
+    (config.default_sizes).
     """
-    credit = settings.get("credit_bytes")
-    credit = default_credit(int(settings["partition_bytes"]), ranks) if credit is None else int(credit)
-    # The best schedule moves every byte at the best rate the link showed at any message size.
+    given_partition = settings.get("partition_bytes")
+    link_defaults = default_sizes(ranks, bandwidth_bytes_per_s, latency_s, partition_bytes=given_partition)
+    settings = {**settings, **{name: v for name, v in link_defaults.items() if settings.get(name) is None}}
+    credit = int(settings["credit_bytes"])
+    # The best schedule moves every byte at the best rate the link showed at any message size, and
+    # pays one ring latency per reduction.
     best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
-    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup)
+    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s)
     rows = []
     for policy in policies:
         for mode in modes:
@@ -115,7 +118,9 @@ def predict(
                     policy=policy,
                     mode=mode,
                     ranks=ranks,
+                    partition_bytes=int(settings["partition_bytes"]),
                     credit_bytes=credit,
+                    fusion_bytes=int(settings["fusion_bytes"]),
                     bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                     best_s=best["iteration_s"],
                     hidden=min(1.0, max(0.0, hidden)),
@@ -185,13 +190,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
     parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
-    parser.add_argument("--partition-bytes", default="4MiB")
-    parser.add_argument(
-        "--credit-bytes",
-        default=None,
-        help="default: one partition per rank, 2 to 16 partitions (as commsched)",
-    )
-    parser.add_argument("--fusion-bytes", default="1MiB")
+    link_default = "default: commsched's for each link (ranks, bandwidth, latency; config.default_sizes)"
+    parser.add_argument("--partition-bytes", default=None, help=link_default)
+    parser.add_argument("--credit-bytes", default=None, help=link_default)
+    parser.add_argument("--fusion-bytes", default=None, help=link_default)
     parser.add_argument("--cycle-time", default="1ms")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -205,9 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = {
-            "partition_bytes": parse_size(args.partition_bytes),
+            "partition_bytes": parse_size(args.partition_bytes) if args.partition_bytes else None,
             "credit_bytes": parse_size(args.credit_bytes) if args.credit_bytes else None,
-            "fusion_bytes": parse_size(args.fusion_bytes),
+            "fusion_bytes": parse_size(args.fusion_bytes) if args.fusion_bytes else None,
             "cycle_time": parse_duration(args.cycle_time),
         }
         latency = parse_duration(args.latency)
@@ -250,12 +252,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
         f"latency {latency * 1e6:g} us; simulated with the real scheduler"
     )
-    credits = {row["ranks"]: row["credit_bytes"] for row in rows}
+    sizes = {
+        (row["ranks"], row["bandwidth_bytes_per_s"]): "/".join(
+            report.human_size(row[name]) for name in ("partition_bytes", "credit_bytes", "fusion_bytes")
+        )
+        for row in rows
+    }
     print(
-        f"# partition {report.human_size(settings['partition_bytes'])}, fusion "
-        f"{report.human_size(settings['fusion_bytes'])}, credit "
-        + ", ".join(f"{report.human_size(credit)} at {n} ranks" for n, credit in credits.items())
-        + ("" if args.credit_bytes else " (one partition per rank, 2 to 16: commsched's default)")
+        "# partition/credit/fusion: "
+        + ", ".join(f"{text} at {n} ranks, {rate * 8e-9:.3g} Gbit/s" for (n, rate), text in sizes.items())
+        + (
+            ""
+            if args.partition_bytes and args.credit_bytes and args.fusion_bytes
+            else " (unset: commsched's for the link)"
+        )
     )
     table = [dict(report.timing_fields(row), gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9) for row in rows]
     print(report.format_table(COLUMNS, table))

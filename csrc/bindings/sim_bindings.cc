@@ -89,17 +89,19 @@ void register_simulator(py::module_& module) {
   module.def(
       "simulate_ideal",
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, int iterations,
-         int warmup) {
+         int warmup, double latency_s) {
         const auto spec = to_layers(layers);
         sim::SimResult result;
         {
           py::gil_scoped_release release;
-          result = sim::simulate_ideal(spec, to_network(ranks, bandwidth_bytes_per_s, 0.0), iterations, warmup);
+          result = sim::simulate_ideal(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s), iterations, warmup);
         }
         return to_dict(result);
       },
       py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("iterations") = 6,
-      py::arg("warmup") = 2, "The best schedule possible: overlap with an infinitely preemptive, zero-overhead link.");
+      py::arg("warmup") = 2, py::arg("latency_s") = 0.0,
+      "The best schedule possible: overlap with an infinitely preemptive, zero-overhead link; each reduction "
+      "pays one ring latency (2(n-1) * latency_s) after its last byte.");
 
   module.def(
       "ring_allreduce_s",

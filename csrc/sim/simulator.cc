@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -278,11 +279,12 @@ class RuntimeComm : public Comm {
   uint64_t max_bytes_in_flight_ = 0;
 };
 
-// A fluid link that always serves the ready tensor the next forward needs first.
+// A fluid link that always serves the ready tensor the next forward needs first. A reduction
+// becomes visible one ring latency after its last byte: no schedule avoids paying it once.
 class IdealComm : public Comm {
  public:
   IdealComm(const std::vector<Param>& params, const NetworkSpec& network)
-      : params_(params), ranks_(network.ranks), rate_(network.bandwidth_bytes_per_s) {}
+      : params_(params), ranks_(network.ranks), rate_(network.bandwidth_bytes_per_s), delay_s_(ring_latency_s(network)) {}
 
   void submit(double now_s, uint64_t tensor_id) override {
     serve(now_s);
@@ -291,17 +293,23 @@ class IdealComm : public Comm {
   }
 
   double next_event_s() const override {
-    return ready_.empty() ? kNever : now_s_ + ready_.begin()->second.remaining / rate_;
+    const double served = ready_.empty() ? kNever : now_s_ + ready_.begin()->second.remaining / rate_;
+    return std::min(served, delayed_.empty() ? kNever : delayed_.front().first);
   }
 
   std::vector<uint64_t> advance(double now_s) override {
-    std::vector<uint64_t> done;
-    while (!ready_.empty() && next_event_s() <= now_s) {
-      now_s_ = next_event_s();
-      done.push_back(ready_.begin()->second.tensor_id);
+    while (!ready_.empty() && served_next_s() <= now_s) {
+      now_s_ = served_next_s();
+      // The delay is the same for every tensor, so visibility keeps the order of service.
+      delayed_.emplace_back(now_s_ + delay_s_, ready_.begin()->second.tensor_id);
       ready_.erase(ready_.begin());
     }
     serve(now_s);
+    std::vector<uint64_t> done;
+    while (!delayed_.empty() && delayed_.front().first <= now_s) {
+      done.push_back(delayed_.front().second);
+      delayed_.pop_front();
+    }
     return done;
   }
 
@@ -311,6 +319,8 @@ class IdealComm : public Comm {
     uint64_t tensor_id = 0;
     double remaining = 0;  // wire bytes
   };
+
+  double served_next_s() const { return ready_.empty() ? kNever : now_s_ + ready_.begin()->second.remaining / rate_; }
 
   // Gives the time up to `now_s` to the head; advance() has already retired whatever finishes by then.
   void serve(double now_s) {
@@ -322,9 +332,11 @@ class IdealComm : public Comm {
   const std::vector<Param>& params_;
   const int ranks_;
   const double rate_;
+  const double delay_s_;
   double now_s_ = 0;
   uint64_t next_seq_ = 0;
   std::map<Key, Ready> ready_;
+  std::deque<std::pair<double, uint64_t>> delayed_;  // (visible at, tensor), in service order
 };
 
 void check_inputs(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations, int warmup) {

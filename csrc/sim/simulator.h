@@ -56,7 +56,8 @@ struct SimResult {
 SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& network, const SimSettings& settings);
 
 // The best schedule possible for the profile: overlap, zero overhead, and a link that
-// always serves the most urgent ready byte (infinitely preemptive priority, no latency).
+// always serves the most urgent ready byte (infinitely preemptive priority); each reduction
+// pays the network's ring latency once, after its last byte (none when latency_s is 0).
 SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
                          int warmup);
 

@@ -1,0 +1,41 @@
+"""Rank program: the defaults init() derives from the link, checked on every rank.
+
+argv[1] is the scenario: "measured" (no link settings: init() probes it), "given" (the link from
+COMMSCHED_LINK_* variables) or "explicit" (partition from a variable, fusion from init()).
+Prints LINK-OK on success.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import commsched
+from commsched.config import default_sizes
+
+scenario = sys.argv[1]
+comm = MPI.COMM_WORLD
+arguments = {"fusion_bytes": 12345} if scenario == "explicit" else {}
+commsched.init(**arguments)
+settings = commsched.config()
+sizes = {name: settings[name] for name in ("partition_bytes", "credit_bytes", "fusion_bytes")}
+link = (settings["link_bandwidth"], settings["link_latency"])
+assert link[0] > 0 and link[1] >= 0, link
+# Every rank holds the same link figures and the same sizes.
+assert comm.allgather((link, sizes)) == [(link, sizes)] * comm.Get_size(), comm.allgather((link, sizes))
+if scenario == "given":
+    assert abs(link[0] - 1.25e9) < 1 and abs(link[1] - 20e-6) < 1e-12, link
+expected = default_sizes(comm.Get_size(), *link)
+if scenario == "explicit":
+    expected = default_sizes(comm.Get_size(), *link, partition_bytes=128 * 1024)
+    expected["fusion_bytes"] = 12345
+    assert sizes["partition_bytes"] == 128 * 1024, sizes
+assert sizes == expected, (sizes, expected)
+# The sizes in effect schedule real reductions correctly.
+array = np.full(300000, comm.Get_rank() + 1, np.float32)
+commsched.allreduce(array, name="sum", op="sum")
+assert np.array_equal(array, np.full(300000, sum(range(1, comm.Get_size() + 1)), np.float32)), array[:4]
+commsched.shutdown()
+print("LINK-OK", scenario, link, sizes, flush=True)

@@ -1,0 +1,128 @@
+"""Defaults from the link: the fitted rule (config.default_sizes) and how init() applies it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from mpirun import run_ranks
+
+from commsched.config import (
+    DEFAULT_RULE,
+    DefaultRule,
+    SettingError,
+    Settings,
+    default_sizes,
+    parse_rate,
+    resolve,
+)
+from commsched.link_probe import link_from_timings
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = [2, 3, 8, 64, 1024, 4096]
+RATES = [1e8, 1.25e8, 1.25e9, 1.25e10, 5e10]
+LATENCIES = [0.0, 1e-6, 5e-6, 20e-6, 1e-4]
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def test_the_rule_grows_with_ranks_bandwidth_and_latency() -> None:
+    """Partition and credit never shrink when any of the three grows; all sizes stay in the rule's clamps."""
+    for ranks, rate, latency in itertools.product(RANKS, RATES, LATENCIES):
+        sizes = default_sizes(ranks, rate, latency)
+        assert (
+            DEFAULT_RULE.min_partition_bytes <= sizes["partition_bytes"] <= DEFAULT_RULE.max_partition_bytes
+        )
+        partitions = sizes["credit_bytes"] // sizes["partition_bytes"]
+        assert sizes["credit_bytes"] == partitions * sizes["partition_bytes"]
+        assert DEFAULT_RULE.min_credit_partitions <= partitions <= DEFAULT_RULE.max_credit_partitions
+        assert _is_power_of_two(sizes["partition_bytes"]) and _is_power_of_two(partitions)
+        assert sizes["fusion_bytes"] == DEFAULT_RULE.fusion_bytes
+        for bigger in (
+            (ranks * 2, rate, latency),
+            (ranks, rate * 2, latency),
+            (ranks, rate, latency * 2 + 1e-6),
+        ):
+            grown = default_sizes(*bigger)
+            assert grown["partition_bytes"] >= sizes["partition_bytes"], (bigger, grown, sizes)
+            assert grown["credit_bytes"] >= sizes["credit_bytes"], (bigger, grown, sizes)
+
+
+def test_the_rule_depends_on_the_ring_delay_only() -> None:
+    """Two links with the same bandwidth x 2(n-1) x latency get the same sizes."""
+    assert default_sizes(9, 1.25e9, 20e-6) == default_sizes(5, 1.25e9, 40e-6) == default_sizes(3, 5e9, 20e-6)
+
+
+def test_a_given_partition_is_kept_and_credit_counts_it() -> None:
+    """With the user's partition, credit is still a whole power-of-two number of those partitions."""
+    sizes = default_sizes(1024, 1.25e10, 20e-6, partition_bytes=128 * 1024)
+    assert sizes["partition_bytes"] == 128 * 1024
+    partitions = sizes["credit_bytes"] // (128 * 1024)
+    assert sizes["credit_bytes"] % (128 * 1024) == 0 and _is_power_of_two(partitions)
+
+
+def test_a_hand_made_rule_gives_its_formula() -> None:
+    """The rule computed by hand: partition = delay / 4 rounded to 2**k, credit = 2 x delay in partitions."""
+    mib = 1 << 20
+    rule = DefaultRule(mib / 4, 1.0, mib, 64 * mib, 2.0 * mib, 1.0, 2, 64, mib)
+    delay = 1.25e9 * 2 * 63 * 20e-6  # 64 ranks, 10 Gbit/s, 20 us: 3.15 MB
+    assert delay == pytest.approx(3.15e6)
+    sizes = default_sizes(64, 1.25e9, 20e-6, rule=rule)
+    assert sizes["partition_bytes"] == mib  # 0.79 MB rounds to 1 MiB
+    assert sizes["credit_bytes"] == mib * 8  # 6.3 MB is 6 MiB, nearest power of two 8
+    assert default_sizes(2, 1.25e8, 1e-6, rule=rule) == {
+        "partition_bytes": mib,
+        "credit_bytes": 2 * mib,
+        "fusion_bytes": mib,
+    }
+    # Square root: 64x the delay, 8x the credit.
+    root = DefaultRule(mib, 0.0, mib, mib, 4.0 * mib, 0.5, 1, 4096, mib)
+    assert default_sizes(2, 1.25e9, mib / 2.5e9, rule=root)["credit_bytes"] == 4 * mib
+    assert default_sizes(2, 1.25e9, 64 * mib / 2.5e9, rule=root)["credit_bytes"] == 32 * mib
+
+
+def test_the_code_holds_the_fitted_rule() -> None:
+    """config.DEFAULT_RULE is the rule benchmarks/choose_defaults.py wrote to docs/data/default_rule.json."""
+    fitted = json.loads((ROOT / "docs" / "data" / "default_rule.json").read_text())
+    assert DefaultRule(**fitted["rule"]) == DEFAULT_RULE
+    for row in fitted["rows"]:
+        assert default_sizes(row["ranks"], row["bandwidth_bytes_per_s"], row["latency_s"]) == row["defaults"]
+
+
+def test_link_settings_parse_and_name_the_variable_when_wrong() -> None:
+    """COMMSCHED_LINK_BANDWIDTH takes rates with units, COMMSCHED_LINK_LATENCY durations."""
+    settings = resolve({}, environ={"COMMSCHED_LINK_BANDWIDTH": "10gbit", "COMMSCHED_LINK_LATENCY": "20us"})
+    assert settings.link_bandwidth == pytest.approx(1.25e9) and settings.link_latency == pytest.approx(20e-6)
+    assert resolve({"link_bandwidth": "1.25GB/s"}, environ={}).link_bandwidth == pytest.approx(1.25e9)
+    assert parse_rate("400mbit") == pytest.approx(5e7) and parse_rate(3e9) == 3e9
+    with pytest.raises(SettingError, match="COMMSCHED_LINK_BANDWIDTH.*10gbit"):
+        resolve({}, environ={"COMMSCHED_LINK_BANDWIDTH": "fast"})
+    with pytest.raises(SettingError, match="link_bandwidth"):
+        resolve({"link_bandwidth": "0gbit"}, environ={})
+    assert Settings().link_bandwidth is None
+
+
+def test_link_from_timings_inverts_the_ring_model() -> None:
+    """Times made with the ring model's formula give back its bandwidth and latency."""
+    ranks, rate, latency, nbytes = 8, 1.25e9, 15e-6, 1 << 20
+    tiny = 2 * (ranks - 1) * latency
+    big = tiny + 2 * (ranks - 1) / ranks * nbytes / rate
+    assert link_from_timings(ranks, tiny, big, nbytes) == pytest.approx((rate, latency))
+
+
+@pytest.mark.parametrize("scenario", ["measured", "given", "explicit"])
+def test_init_applies_the_rule_the_same_on_every_rank(scenario: str) -> None:
+    """Under MPI: measured or given link, the same sizes on every rank, explicit settings untouched."""
+    pytest.importorskip("mpi4py")
+    env = {"PYTHONPATH": str(ROOT)}
+    if scenario == "given":
+        env |= {"COMMSCHED_LINK_BANDWIDTH": "10gbit", "COMMSCHED_LINK_LATENCY": "20us"}
+    if scenario == "explicit":
+        env |= {"COMMSCHED_PARTITION_BYTES": "128KiB"}
+    result = run_ranks(3, "link_defaults.py", scenario, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("LINK-OK") == 3, result.stdout
