@@ -707,7 +707,6 @@ from commsched.collectives import (
     reducescatter,
     reducescatter_async,
 )
-from commsched.timeline import start_timeline, stop_timeline
 from commsched.process_sets import (
     ProcessSet,
     add_process_set,
@@ -715,3 +714,4 @@ from commsched.process_sets import (
     global_process_set,
     remove_process_set,
 )
+from commsched.timeline import start_timeline, stop_timeline

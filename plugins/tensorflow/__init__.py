@@ -43,8 +43,13 @@ from commsched.tensorflow.functions import (
 )
 from commsched.tensorflow.optimizer import DistributedOptimizer
 from commsched.tensorflow.tape import DistributedGradientTape
-from commsched.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
-from commsched.tensorflow.util import local_rank_op, local_size_op, rank_op, size_op
+from commsched.tensorflow.util import (
+    _executing_eagerly,  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
+    local_rank_op,
+    local_size_op,
+    rank_op,
+    size_op,
+)
 
 from commsched._horovod import (
     Adasum,

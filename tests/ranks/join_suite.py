@@ -95,9 +95,8 @@ def framework_free(size: int, rank: int, inline_bytes: int) -> None:
 
 def torch_training(size: int, rank: int) -> None:
     """DistributedOptimizer on uneven batches, then join and a broadcast from the last to join."""
-    import torch
-
     import commsched.torch as hvd
+    import torch
 
     def batch(q: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(1000 * q + step)
@@ -142,9 +141,8 @@ def torch_training(size: int, rank: int) -> None:
 
 def tensorflow_eager(settings: dict[str, str]) -> None:
     """commsched.tensorflow in eager mode: uneven allreduce and allgather steps, then hvd.join()."""
-    import tensorflow as tf
-
     import commsched.tensorflow as hvd
+    import tensorflow as tf
 
     hvd.init(**settings)
     size, rank = hvd.size(), hvd.rank()

@@ -193,9 +193,8 @@ def check_grpc_refuses_subsets() -> int:
 def check_tensorflow(pair: commsched.ProcessSet) -> int:
     """commsched.tensorflow's eager collectives on {1,2}: allreduce, grouped allreduce, broadcast of a
     tensor and of variables, against numpy."""
-    import tensorflow as tf
-
     import commsched.tensorflow as hvd
+    import tensorflow as tf
 
     me = commsched.rank()
     if not pair.included():
