@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = [ROOT / "csrc" / "core" / f"{name}.cc" for name in ("types", "elementwise", "scheduler", "agreement")]
+CORE = [
+    ROOT / "csrc" / "core" / f"{name}.cc"
+    for name in ("types", "elementwise", "scheduler", "agreement", "agreement_membership")
+]
 TESTS = sorted((ROOT / "tests" / "cpp").glob("*.cc"))
 FLAGS = [
     "-std=c++17",
