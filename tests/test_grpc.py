@@ -407,6 +407,20 @@ def test_a_set_numbers_its_collectives_apart_and_waits_on_no_global_one() -> Non
             transport.close()
 
 
+def test_a_stalled_set_collective_is_named_with_its_set() -> None:
+    """A set's collective that its other member never begins fails on the watchdog, naming the set."""
+    pair = make_pair(timeout_s=1.0)
+    try:
+        for transport in pair:
+            transport.add_process_set(2, [0, 1])
+        array = np.ones(100, dtype=np.float32)
+        [error] = wait_all([pair[0].start(array.ctypes.data, 100, "float32", "allreduce", 0, process_set=2)])
+        assert "no data from rank 1" in error and "process set 2 [0, 1]" in error, error
+    finally:
+        for transport in pair:
+            transport.close()
+
+
 def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     """A stream or join without the token gets PERMISSION_DENIED; the next allreduce still works."""
     pair = make_pair()

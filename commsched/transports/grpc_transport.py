@@ -5,7 +5,8 @@ explicit address list, then keep long-lived client streams open: a control strea
 rank (agreement reports, so they never wait behind data) and `streams` data streams to the
 right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
-protobuf's copies), checked for size, dtype and sequence on arrival.
+protobuf's copies), checked for size, dtype and sequence on arrival. A process set runs on a ring
+of its members with a data stream of its own to its right-hand member (grpc_lanes).
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
