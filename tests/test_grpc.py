@@ -345,7 +345,7 @@ def test_pieces_spread_over_several_data_streams() -> None:
     every collective still sums (allreduce of 3 ranks' worth of pieces, then a broadcast)."""
     pair = make_pair(piece_bytes=4096, streams=3)
     try:
-        assert len(pair[0]._node._data_out) == 3
+        assert len(pair[0]._node._global.outboxes) == 3
         for count in (10_000, 100_003):
             assert allreduce_pair(pair, count) == ["", ""]
         values = [np.full(50_000, r + 7, np.int32) for r in range(2)]
@@ -353,6 +353,69 @@ def test_pieces_spread_over_several_data_streams() -> None:
             [t.start(v.ctypes.data, v.size, "int32", "broadcast", 0) for t, v in zip(pair, values)]
         ) == ["", ""]
         assert all((v == 7).all() for v in values)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_a_set_numbers_its_collectives_apart_and_waits_on_no_global_one() -> None:
+    """A process set of both ranks has its own ring and numbering: its allreduce, begun on rank 0
+    only, waits while global collectives finish around it; it finishes once rank 1 begins it, with
+    broadcast roots read as positions in the set. A set of one rank finishes alone."""
+    pair = make_pair(piece_bytes=4096)
+    try:
+        for transport in pair:
+            transport.add_process_set(3, [0, 1])
+            transport.add_process_set(4, [transport.rank])
+        pending_set = np.arange(5000, dtype=np.float64)
+        first = pair[0].start(pending_set.ctypes.data, 5000, "float64", "allreduce", 0, process_set=3)
+        for _ in range(2):
+            assert allreduce_pair(pair) == ["", ""]
+        assert not first.test()
+        other = np.arange(5000, dtype=np.float64) * 2
+        second = pair[1].start(other.ctypes.data, 5000, "float64", "allreduce", 0, process_set=3)
+        assert wait_all([first, second]) == ["", ""]
+        for array in (pending_set, other):
+            np.testing.assert_array_equal(array, np.arange(5000) * 3.0)
+        values = [np.full(3000, r + 5, np.int64) for r in range(2)]
+        assert wait_all(
+            [
+                t.start(v.ctypes.data, 3000, "int64", "broadcast", 1, process_set=3)
+                for t, v in zip(pair, values)
+            ]
+        ) == ["", ""]
+        assert all((v == 6).all() for v in values)
+        alone = np.arange(10, dtype=np.float32)
+        assert wait_all([pair[1].start(alone.ctypes.data, 10, "float32", "allreduce", 0, process_set=4)]) == [
+            ""
+        ]
+        np.testing.assert_array_equal(alone, np.arange(10, dtype=np.float32))
+        for transport in pair:
+            transport.remove_process_set(3)
+            transport.add_process_set(3, [0, 1])  # the same id again gets fresh streams
+        assert allreduce_pair(pair) == ["", ""]
+        again = [np.full(100, r + 1.0) for r in range(2)]
+        assert wait_all(
+            [
+                t.start(v.ctypes.data, 100, "float64", "allreduce", 0, process_set=3)
+                for t, v in zip(pair, again)
+            ]
+        ) == ["", ""]
+        assert all((v == 3.0).all() for v in again)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_a_stalled_set_collective_is_named_with_its_set() -> None:
+    """A set's collective that its other member never begins fails on the watchdog, naming the set."""
+    pair = make_pair(timeout_s=1.0)
+    try:
+        for transport in pair:
+            transport.add_process_set(2, [0, 1])
+        array = np.ones(100, dtype=np.float32)
+        [error] = wait_all([pair[0].start(array.ctypes.data, 100, "float32", "allreduce", 0, process_set=2)])
+        assert "no data from rank 1" in error and "process set 2 [0, 1]" in error, error
     finally:
         for transport in pair:
             transport.close()

@@ -1,7 +1,7 @@
 """Process sets at 3 ranks over each transport, one launch per transport: every collective on
 {0,1}, {1,2}, {0,2} and the global set against numpy, a set's collective completing while the rank
 outside it waits elsewhere, non-members refused, remove and add again, DistributedOptimizer on a
-set (tests/ranks/process_sets_suite.py). gRPC refuses sets of some ranks by name."""
+set (tests/ranks/process_sets_suite.py); gRPC runs each set on a ring of its members."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _run(transport: str, tmp_path: Path, python_path: Path | None = None) -> str
     return output
 
 
-@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+@pytest.mark.parametrize("transport", ["mpi", "gloo", "grpc"])
 def test_process_sets_over_transport(transport: str, tmp_path: Path) -> None:
     """Every check passes on every rank, over the native Gloo transport where it is built."""
     if not TRANSPORTS[transport]:
@@ -60,15 +60,6 @@ def test_process_sets_over_python_gloo(tmp_path: Path) -> None:
     output = _run("gloo", tmp_path, python_path=tmp_path)
     for rank in range(3):
         assert f"rank {rank}: PROCESS SETS OK" in output and "over gloo (python)" in output, output
-
-
-def test_grpc_refuses_sets_of_some_ranks(tmp_path: Path) -> None:
-    """gRPC refuses a set of some ranks on every rank with the transport named, and runs the set of all."""
-    if not TRANSPORTS["grpc"]:
-        pytest.skip("grpc is not available here")
-    output = _run("grpc", tmp_path)
-    for rank in range(3):
-        assert f"rank {rank}: PROCESS SETS REFUSED over grpc" in output, output
 
 
 def test_process_set_arguments_are_checked_on_one_rank() -> None:

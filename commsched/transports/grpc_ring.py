@@ -132,6 +132,7 @@ class RingOp:
         op: str = "sum",
         bounds: list[tuple[int, int]] | None = None,
         direct_bytes: int = 0,
+        ranks: list[int] | None = None,
     ) -> None:
         if kind not in ("allreduce", "broadcast", "reducescatter", "allgather"):
             raise ValueError(f"unknown collective {kind!r}")
@@ -142,7 +143,9 @@ class RingOp:
         self.itemsize = itemsize(dtype)
         self._send = send
         piece_elements = max(1, piece_bytes // self.itemsize)
-        self.left = (rank - 1) % size
+        # `rank`, `size` and `root` are positions in the ring; frames name the global ranks in `ranks`.
+        self.src = rank if ranks is None else ranks[rank]
+        self.left = (rank - 1) % size if ranks is None else ranks[(rank - 1) % size]
         count = int(array.size)
         # Leading steps that reduce what they receive; later ones copy it.
         self._reduce_steps = size - 1 if kind in ("allreduce", "reducescatter") else 0
@@ -197,7 +200,7 @@ class RingOp:
         if self._direct:
             payload = payload.copy()
         self.sent_bytes += payload.nbytes
-        self._send(DataFrame(self.rank, self.seq, step, piece, self.dtype, offset, count, payload))
+        self._send(DataFrame(self.src, self.seq, step, piece, self.dtype, offset, count, payload))
 
     def check(self, frame: Any) -> tuple[int, int]:
         """Validates a frame against what this op expects next; returns its (offset, count)."""

@@ -71,6 +71,7 @@ class Outbox:
         self._node_ref: Callable[[], StreamOwner | None] = weakref.ref(node)  # type: ignore[arg-type]
         self._rank = node.rank
         self._peer, self._kind, self._address = peer, kind, address
+        self._closed = False  # closed on purpose: its end is no failure
         method = channel.stream_unary(
             STREAM_METHOD, request_serializer=serialize, response_deserializer=wire.Ack.FromString
         )
@@ -90,6 +91,7 @@ class Outbox:
 
     def close(self) -> None:
         """Ends the stream with a CLOSE frame, so the peer knows it was on purpose."""
+        self._closed = True
         self._queue.put(encode_frame(wire.CLOSE, self._rank))
         self._queue.put(None)
 
@@ -102,7 +104,7 @@ class Outbox:
 
     def _finished(self, future: Any) -> None:
         node = self._node_ref()
-        if node is None or node.closing or future.cancelled() or self._peer in node.departed:
+        if node is None or node.closing or self._closed or future.cancelled() or self._peer in node.departed:
             return
         error = future.exception()
         detail = (

@@ -5,7 +5,8 @@ explicit address list, then keep long-lived client streams open: a control strea
 rank (agreement reports, so they never wait behind data) and `streams` data streams to the
 right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
-protobuf's copies), checked for size, dtype and sequence on arrival.
+protobuf's copies), checked for size, dtype and sequence on arrival. A process set runs on a ring
+of its members with a data stream of its own to its right-hand member (grpc_lanes).
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
@@ -20,17 +21,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog, join_rendezvous
-from commsched.transports.grpc_frames import DataFrame, deserialize, encode_frame
+from commsched.transports.grpc_frames import deserialize, encode_frame
+from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
-from commsched.transports.grpc_ops import GrpcError, PendingOp, plan_collective
-from commsched.transports.grpc_ring import FrameError, RingOp, array_at, check_payload
+from commsched.transports.grpc_ops import GrpcError, PendingOp
+from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
 
@@ -78,19 +79,16 @@ class _Node:
         self._joined: dict[int, str] = {}
         self._reports: dict[int, dict[int, bytes]] = {}
         self._exchange_seq = 0
-        # Data-path state, changed under _ops_lock by start() and by the data streams' threads.
-        self._ops_lock = threading.RLock()
-        self._ops: dict[int, PendingOp] = {}  # begun here, still expecting pieces
-        self._live: dict[int, PendingOp] = {}  # begun here, not done yet (some may still be sending)
-        self._early: dict[int, list[Any]] = {}
-        self._next_seq = 0  # next collective number start() hands out (core thread)
-        self._begun = 0  # collectives below this number were begun here
-        self._finished_below = 0  # every collective below this number received all its pieces
+        # The global ring, and each process set's ring of its members by set id and by stream kind.
+        self._global = Lane(self, range(self.size), self.rank, piece_bytes, DIRECT_BYTES, "the global ring")
+        self._sets: dict[int, Lane] = {}
+        self._lanes: dict[str, Lane] = {kind: self._global for kind in self.data_kinds}
+        self._sets_added = 0  # every rank adds the same sets in the same order, so the counts agree
         self._streams_in: set[tuple[int, str]] = set()
         self._outboxes: dict[tuple[int, str], Outbox] = {}
-        self._data_out: list[Outbox] = []
         limit = max(max_frame_bytes, piece_bytes + 64 * 1024)
-        threads = (2 + len(self.data_kinds)) * self.size + 16
+        # Each incoming stream holds a server thread for its life; process sets' streams take the spare ones.
+        threads = (2 + len(self.data_kinds)) * self.size + 64
         self._pool = DaemonExecutor(threads, "commsched-grpc")
         self._server = grpc.server(
             self._pool,
@@ -150,7 +148,7 @@ class _Node:
         if self.size > 1:
             for kind in self.data_kinds:
                 self._outboxes[(self.right, kind)] = self._open_stream(self.right, kind)
-                self._data_out.append(self._outboxes[(self.right, kind)])
+                self._global.outboxes.append(self._outboxes[(self.right, kind)])
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -256,8 +254,10 @@ class _Node:
 
     def _serve_stream(self, frames: Any, context: grpc.ServicerContext) -> Any:
         peer, kind = self._authenticate(context)
-        data = kind in self.data_kinds
-        if not (kind == "control" or data) or (data and peer != (self.rank - 1) % self.size):
+        data = kind in self.data_kinds or _is_set_stream(kind)
+        if not (kind == "control" or data) or (
+            kind in self.data_kinds and peer != (self.rank - 1) % self.size
+        ):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"rank {self.rank} takes no {kind} stream from rank {peer}"
             )
@@ -270,6 +270,8 @@ class _Node:
             for frame in frames:
                 if frame.channel == wire.CLOSE:
                     closed = True
+                    if _is_set_stream(kind):
+                        break  # the set was removed; the peer itself may stay
                     with self._lock:
                         self.departed.add(peer)  # it shuts down: our streams to it may end now
                         if kind == "control":
@@ -283,7 +285,7 @@ class _Node:
                 elif frame.channel == wire.CONTROL:
                     self._take_report(frame)
                 else:
-                    self._apply(frame)
+                    self._lane_of(kind, peer).apply(frame)
         except FrameError as error:
             message = f"rank {self.rank} rejected a frame from rank {peer} ({context.peer()}): {error}"
             self.fail(message)
@@ -310,8 +312,15 @@ class _Node:
             )
         if frame.channel == wire.DATA:
             check_payload(frame)
-            if frame.seq < self._finished_below:
-                raise FrameError(f"collective #{frame.seq} is already finished")
+
+    def _lane_of(self, kind: str, peer: int) -> Lane:
+        """The ring a data stream of `kind` from `peer` feeds; FrameError unless `peer` feeds it."""
+        lane = self._lanes.get(kind)
+        if lane is None:
+            raise FrameError(f"data on a {kind} stream, but this rank has no such process set")
+        if peer != lane.left:
+            raise FrameError(f"data comes from rank {lane.left} in {lane.name}, not from rank {peer}")
+        return lane
 
     # ---------------------------------------------------------------- agreement
 
@@ -372,43 +381,10 @@ class _Node:
         kind: str,
         root: int,
         op: str = "sum",
-        array: Any = None,
-        bounds: list[tuple[int, int]] | None = None,
-        finish: Callable[[], None] | None = None,
+        process_set: int = 0,
     ) -> PendingOp:
-        """Begins a collective: sends what it can at once; the data streams' threads do the rest."""
-        seq = self._next_seq
-        self._next_seq += 1
-        pending = PendingOp(finish)
-        pending.ring = RingOp(
-            seq,
-            array_at(address, count, dtype) if array is None else array,
-            dtype,
-            kind,
-            root,
-            self.rank,
-            self.size,
-            self.piece_bytes,
-            (lambda frame: self._send(pending, frame)) if self._data_out else _no_peer,
-            op=op,
-            bounds=bounds,
-            direct_bytes=DIRECT_BYTES,
-        )
-        try:
-            with self._ops_lock:
-                if self.failure:
-                    pending.fail(self.failure)
-                    return pending
-                self._ops[seq] = self._live[seq] = pending
-                self._begun = seq + 1
-                self._finished_below = min(self._ops)
-                pending.ring.begin()
-                for frame in self._early.pop(seq, []):
-                    pending.ring.receive(frame)
-                self._settle(pending)
-        except FrameError as error:
-            self.fail(f"rank {self.rank} rejected data from rank {(self.rank - 1) % self.size}: {error}")
-        return pending
+        """Begins an allreduce or broadcast (`root`: a position in the set) on the ring of `process_set`."""
+        return self._lane(process_set).start(address, count, dtype, kind, root, op)
 
     def start_collective(
         self,
@@ -420,61 +396,63 @@ class _Node:
         output: int,
         recv_counts: list[int],
         layout: list[int],
+        process_set: int = 0,
     ) -> PendingOp:
         """Starts an allgather, reducescatter or alltoall as a ring collective (see plan_collective)."""
-        ring_kind, array, bounds, finish = plan_collective(
-            kind, dtype, address, count, output, recv_counts, layout, self.rank, self.size
+        return self._lane(process_set).start_collective(
+            kind, dtype, op, address, count, output, recv_counts, layout
         )
-        return self.start(0, 0, dtype, ring_kind, 0, op, array, bounds, finish)
 
-    def _send(self, op: PendingOp, frame: DataFrame) -> None:
-        op.track(frame)
-        self._data_out[frame.piece % len(self._data_out)].put(frame)
+    def _lane(self, process_set: int) -> Lane:
+        if process_set == 0:
+            return self._global
+        lane = self._sets.get(process_set)
+        if lane is None:
+            raise GrpcError(
+                f"rank {self.rank} is not a member of process set {process_set} (or it was removed)"
+            )
+        return lane
 
-    def _apply(self, frame: Any) -> None:
-        """Applies one data frame to its collective, on the thread of the stream it came by."""
-        with self._ops_lock:
-            op = self._ops.get(frame.seq)
-            if op is None:
-                if self.failure:
-                    return  # the op was ended already; late frames go nowhere
-                if frame.seq < self._begun:
-                    raise FrameError(f"frame for collective #{frame.seq}, which already finished")
-                if frame.seq > self._begun + 65536:
-                    raise FrameError(f"frame for collective #{frame.seq}, far ahead of #{self._begun}")
-                # The peer started it before us; the payload is kept, as its message is not reused.
-                self._early.setdefault(frame.seq, []).append(frame)
-                return
-            op.ring.receive(frame)
-            op.progress_at = time.monotonic()
-            self._settle(op)
+    # ---------------------------------------------------------------- process sets
 
-    def _settle(self, op: PendingOp) -> None:
-        if not op.ring.done:
+    def add_process_set(self, set_id: int, ranks: list[int]) -> None:
+        """Opens the member-only ring of a set (every rank calls it, in the same order)."""
+        self._sets_added += 1
+        kind = set_stream_kind(self._sets_added)
+        if self.rank not in ranks:
             return
-        del self._ops[op.ring.seq]
-        self._finished_below = min(self._ops, default=self._begun)
-        op.received_all()
-        if op.done:
-            self._live.pop(op.ring.seq, None)
+        lane = Lane(
+            self, ranks, self.rank, self.piece_bytes, DIRECT_BYTES, f"process set {set_id} {ranks}", kind
+        )
+        if lane.size > 1:
+            outbox = self._open_stream(lane.right, kind)
+            self._outboxes[(lane.right, kind)] = outbox
+            lane.outboxes.append(outbox)
+        with self._lock:
+            self._sets[set_id] = self._lanes[kind] = lane
+
+    def remove_process_set(self, set_id: int) -> None:
+        """Closes a set's ring; every rank is done with it (process_sets.remove_process_set waits for that)."""
+        with self._lock:
+            lane = self._sets.pop(set_id, None)
+            for kind in [kind for kind, known in self._lanes.items() if known is lane]:
+                del self._lanes[kind]
+        if lane is None:
+            return
+        for outbox in lane.outboxes:
+            self._outboxes.pop((lane.right, lane.stream_kind), None)
+            outbox.close()
 
     def _watch(self) -> None:
         """Every half second: forgets finished ops and fails the job if data stopped flowing."""
         while not self._stopped.wait(0.5):
             now = time.monotonic()
-            for seq, op in list(self._live.items()):
-                if op.done or op.error:
-                    self._live.pop(seq, None)
-                elif now - op.progress_at > self.timeout_s:
-                    left = (self.rank - 1) % self.size
-                    waits = f"no data from rank {left} at {self._address_of(left)}"
-                    if op.ring.done:
-                        waits = (
-                            f"its data to rank {self.right} at {self._address_of(self.right)} did not leave"
-                        )
-                    self.fail(
-                        f"rank {self.rank}: {waits} for {self.timeout_s:.0f}s during {op.ring.describe()}"
-                    )
+            with self._lock:
+                lanes = [self._global, *self._sets.values()]
+            for lane in lanes:
+                stalled = lane.stalled(now, self.timeout_s, self._address_of)
+                if stalled:
+                    self.fail(stalled)
                     break
 
     def fail(self, message: str, tell_peers: bool = True) -> None:
@@ -485,12 +463,10 @@ class _Node:
             self.failure = message
             self._lock.notify_all()
         log.error("grpc: %s", message)
-        with self._ops_lock:
-            self._ops.clear()
-            self._early.clear()
-        for op in list(self._live.values()):
-            op.fail(message)
-        self._live.clear()
+        with self._lock:
+            lanes = [self._global, *self._sets.values()]
+        for lane in lanes:
+            lane.fail(message)
         if tell_peers:
             abort = encode_frame(wire.ABORT, self.rank, payload=message.encode())
             for (_, kind), outbox in list(self._outboxes.items()):
@@ -504,9 +480,10 @@ class _Node:
                 return
             self.closing = True
             self._lock.notify_all()
-        for outbox in self._outboxes.values():
+        outboxes = list(self._outboxes.values())
+        for outbox in outboxes:
             outbox.close()
-        for outbox in self._outboxes.values():
+        for outbox in outboxes:
             outbox.wait(1.0)
         for channel in self._channels.values():
             channel.close()
@@ -518,8 +495,8 @@ class _Node:
             self._watchdog.join(5.0)
 
 
-def _no_peer(frame: Any) -> None:
-    raise GrpcError("a single rank sends no data")
+def _is_set_stream(kind: str) -> bool:
+    return kind.startswith("set") and kind[3:].isdigit()
 
 
 class GrpcTransport:
@@ -568,9 +545,27 @@ class GrpcTransport:
         """Blocking allgather of one byte string per rank."""
         return self._node.exchange(report, timeout_s)
 
-    def start(self, address: int, count: int, dtype: str, kind: str, root: int, op: str = "sum") -> PendingOp:
-        """Starts an in-place allreduce (sum, min, max, product) or a broadcast from `root` on raw memory."""
-        return self._node.start(address, count, dtype, kind, root, op)
+    def start(
+        self,
+        address: int,
+        count: int,
+        dtype: str,
+        kind: str,
+        root: int,
+        op: str = "sum",
+        process_set: int = 0,
+    ) -> PendingOp:
+        """Starts an in-place allreduce (sum, min, max, product) or a broadcast from `root` on raw memory;
+        `root` is a position in `process_set`."""
+        return self._node.start(address, count, dtype, kind, root, op, process_set)
+
+    def add_process_set(self, set_id: int, ranks: list[int]) -> None:
+        """Opens a set's ring of its members (every rank calls it, in the same order)."""
+        self._node.add_process_set(set_id, list(ranks))
+
+    def remove_process_set(self, set_id: int) -> None:
+        """Closes a set's ring."""
+        self._node.remove_process_set(set_id)
 
     def unsupported(self, kind: str, dtype: str, op: str) -> str:
         """The ring runs every collective and op commsched has."""
@@ -587,9 +582,12 @@ class GrpcTransport:
         recv_counts: list[int],
         send_counts: list[int],
         layout: list[int],
+        process_set: int = 0,
     ) -> PendingOp:
         """Starts an allgather, reducescatter or alltoall into `output` (see _Node.start_collective)."""
-        return self._node.start_collective(kind, dtype, op, address, count, output, recv_counts, layout)
+        return self._node.start_collective(
+            kind, dtype, op, address, count, output, recv_counts, layout, process_set
+        )
 
     def close(self) -> None:
         """Closes streams and server now instead of when the object is collected."""

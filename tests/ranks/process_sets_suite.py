@@ -171,25 +171,6 @@ def check_torch_optimizer(pair: commsched.ProcessSet) -> int:
     return 2
 
 
-def check_grpc_refuses_subsets() -> int:
-    """The gRPC ring has no member-only rings yet: a set of some ranks is refused on every rank alike,
-    naming the transport; the set of every rank runs on the ring itself."""
-    me = commsched.rank()
-    try:
-        commsched.add_process_set([0, 1])
-    except ValueError as error:
-        assert "grpc transport does not implement process sets" in str(error), error
-    else:
-        raise AssertionError("the grpc transport took a process set of some ranks")
-    everyone = commsched.add_process_set([0, 1, 2])
-    result = commsched.allreduce(np.full(2, float(me)), name="everyone", process_set=everyone)
-    np.testing.assert_array_equal(result, [3.0, 3.0])
-    assert commsched.remove_process_set(everyone)
-    commsched.shutdown()
-    print(f"rank {me}: PROCESS SETS REFUSED over grpc", flush=True)
-    return 0
-
-
 def check_tensorflow(pair: commsched.ProcessSet) -> int:
     """commsched.tensorflow's eager collectives on {1,2}: allreduce, grouped allreduce, broadcast of a
     tensor and of variables, against numpy."""
@@ -225,8 +206,6 @@ def main() -> int:
     assert commsched.size() == 3, "this program runs at 3 ranks"
     assert commsched.global_process_set.size() == 3 and commsched.global_process_set.included()
 
-    if commsched.config()["transport"] == "grpc":
-        return check_grpc_refuses_subsets()
     sets = [commsched.add_process_set(ranks) for ranks in PAIRS]
     assert len({s.process_set_id for s in sets}) == 3 and 0 not in {s.process_set_id for s in sets}
     checks = 0
