@@ -540,6 +540,8 @@ def _submit_view(
     except (TypeError, ValueError) as error:
         _refuse(name, error)
         raise
+    if kind in _SHAPED_KINDS and "row_shape" not in extra:
+        extra["row_shape"] = _trailing_dims(array)
     if _state.pending is not None:
         _start_pending(view.on_gpu, view.device)
     if _state.settings is not None:  # else the core's enqueue says to call init() first
@@ -573,6 +575,18 @@ def _submit_view(
     if tuner is not None and tuner.recording and kind == "allreduce":
         tuner.observe(name, view.count, view.dtype, priority, core_handle)
     return view, core_handle
+
+
+# Kinds whose ranks must agree on the whole shape, not only the element count (Horovod's check).
+_SHAPED_KINDS = ("allreduce", "broadcast")
+
+
+def _trailing_dims(array: Any) -> list[int]:
+    """The array's shape after its first dim ([] for 0-d and 1-d arrays and for shapeless buffers)."""
+    shape = getattr(array, "shape", None)
+    if shape is None:
+        return []
+    return [int(extent) for extent in tuple(shape)[1:]]
 
 
 def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -> None:

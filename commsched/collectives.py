@@ -327,9 +327,9 @@ def barrier(name: str | None = None, timeout: float | None = None, process_set: 
 def join(timeout: float | None = None) -> int:
     """Marks this rank out of data (Horovod's join) and returns the last rank to join, once every rank has.
 
-    Until then this rank takes part in the other ranks' collectives: allreduce with zeros (op="average"
-    still divides by every rank, as Horovod does), allgather with no rows; broadcast, reducescatter and
-    alltoall fail while a rank has joined. Of ranks joining in the same agreement round, the highest
+    Until then this rank takes part in the other ranks' allreduces with zeros (op="average" still
+    divides by every rank) and barriers; as in Horovod, allgather, broadcast, reducescatter and
+    alltoall fail on every rank that asked for them while a rank has joined. Of ranks joining in the same agreement round, the highest
     counts as last. Afterwards every rank may go on (a new epoch).
     """
     if _api._state.pending is not None:

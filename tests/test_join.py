@@ -33,8 +33,8 @@ def _run(transport: str, ranks: int, arguments: list[str]) -> str:
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_uneven_epochs_end_in_join(transport: str, ranks: int) -> None:
-    """Allreduce (inline and on the wire) and allgather with joined ranks, join's answer on every rank,
-    an even epoch after it, DistributedOptimizer training on uneven batches, shutdown while joined."""
+    """Allreduce (inline and on the wire) with joined ranks, broadcast and allgather refused meanwhile,
+    join's answer on every rank, an even epoch after it, DistributedOptimizer training on uneven batches, shutdown while joined."""
     if not TRANSPORTS[transport]:
         pytest.skip(f"{transport} is not available here")
     output = _run(transport, ranks, ["--torch"] if HAVE_TORCH else [])

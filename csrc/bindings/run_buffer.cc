@@ -83,6 +83,12 @@ int run_buffer(py::handle array, const std::string& name, ReduceOp op, Collectiv
   spec.root = root;
   spec.count = static_cast<uint64_t>(buffer.view().len / buffer.view().itemsize);
   spec.priority = priority;
+  // The trailing dims, as commsched._submit_view sends them: ranks whose shapes differ but whose
+  // element counts agree must still fail the agreement.
+  const Py_buffer& view = buffer.view();
+  for (int dim = 1; dim < view.ndim && view.shape != nullptr; ++dim) {
+    spec.row_shape.push_back(static_cast<uint64_t>(view.shape[dim]));
+  }
   const std::shared_ptr<Runtime> runtime =
       runtime_slot().require(kind == CollectiveKind::kBroadcast ? "broadcast" : "allreduce");
   // This thread waits next and runs the core itself: waking the core's thread would only take a CPU.

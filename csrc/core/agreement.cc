@@ -458,14 +458,15 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
     consistent = consistent && other.agrees_with(agreed);
     agreed.priority = std::min(agreed.priority, other.priority);
   }
-  const bool joinable = agreed.kind == CollectiveKind::kAllreduce || agreed.kind == CollectiveKind::kAllgather ||
-                        agreed.kind == CollectiveKind::kBarrier;
+  // As Horovod: a joined rank adds zeros to an allreduce and needs no data for a barrier; every
+  // other collective (allgather too: its output shape would change with who joined) fails.
+  const bool joinable = agreed.kind == CollectiveKind::kAllreduce || agreed.kind == CollectiveKind::kBarrier;
   if (consistent && !joined_without.empty() && !joinable) {
     // As Horovod: a joined rank has no data to send or room to receive.
     outcome.failures.push_back(
         {name,
          std::string(kind_name(agreed.kind)) + " of '" + name + "' cannot run while " + rank_list(joined_without) +
-             " joined; only allreduce, allgather and barrier take part in join(). Run it before a rank joins, or "
+             " joined; only allreduce and barrier take part in join(), as in Horovod. Run it before a rank joins, or "
              "after join() returned on every rank.",
          entry.local_id, -1});
     return;

@@ -162,7 +162,13 @@ void divide_packed16(void* data, uint64_t count, double divisor) {
 template <typename T>
 void multiply_typed(void* data, uint64_t count, double factor) {
   auto* values = static_cast<T*>(data);
-  for (uint64_t i = 0; i < count; ++i) values[i] = static_cast<T>(static_cast<double>(values[i]) * factor);
+  if constexpr (std::is_same_v<T, float>) {
+    // float32 data times a float32 factor, as Horovod and the frameworks scale: the results match bit for bit.
+    const float by = static_cast<float>(factor);
+    for (uint64_t i = 0; i < count; ++i) values[i] *= by;
+  } else {
+    for (uint64_t i = 0; i < count; ++i) values[i] = static_cast<T>(static_cast<double>(values[i]) * factor);
+  }
 }
 
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>

@@ -125,7 +125,7 @@ std::string shape_text(uint64_t rows, const std::vector<uint64_t>& row_shape) {
 
 std::string TensorSpec::describe() const {
   std::string text = std::string(kind_name(kind)) + " " + dtype_name(dtype);
-  if (kind_has_output(kind)) {
+  if (kind_has_output(kind) || !row_shape.empty()) {  // a shape beyond 1-D tells apart equal counts
     const uint64_t row = row_elements();
     text += shape_text(row == 0 ? 0 : count / row, row_shape);
   } else {

@@ -354,12 +354,18 @@ def reducescatter_async(
     return Handle(work.done, lambda: _like(work.wait(), tensor))
 
 
+class SplitsTypeError(TypeError, ValueError):
+    """Alltoall splits of the wrong type: a TypeError, and the ValueError Horovod raises for them."""
+
+
 def _split_counts(splits: Any) -> list[int] | None:
     if splits is None:
         return None
     if isinstance(splits, torch.Tensor):
         if splits.is_floating_point() or splits.dim() != 1:
-            raise TypeError(f"alltoall splits must be a 1-d integer tensor or a list of ints, not {splits!r}")
+            raise SplitsTypeError(
+                f"alltoall splits must be a 1-d integer tensor or a list of ints, not {splits!r}"
+            )
         return [int(v) for v in splits.tolist()]
     return [int(v) for v in splits]
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from commsched.torch import _codec, _wire
+from commsched.torch.optimizer import DistributedOptimizer, _needs_closure
 
 import commsched
 import torch
@@ -65,6 +66,7 @@ def broadcast_optimizer_state(
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _wire.ensure_initialized(None, _device_of(params))
+    _initialize_state(optimizer)
     device = _wire.wire_device(params)  # under NCCL, even the skeleton travels in GPU memory
     call = next(_calls)
     prefix = f"torch.optstate{call}."
@@ -92,3 +94,19 @@ def broadcast_optimizer_state(
         kinds = _codec.tensor_devices(skeleton)
         received = [w.cpu() if kind == "cpu" else w for w, kind in zip(wires, kinds)]
         optimizer.load_state_dict(_codec.decode(skeleton, received))
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """A fresh optimizer takes one step on zero gradients, as in Horovod, so its state exists to broadcast.
+
+    Every parameter that trains is left with a zero gradient (not None). The step is the wrapped
+    optimizer's own: a DistributedOptimizer's step would reduce, and this runs on each rank alone.
+    """
+    inner = optimizer._inner if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if len(inner.state) > 0 or _needs_closure(inner):  # a closure step would need the caller's loss
+        return
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    inner.step()

@@ -100,18 +100,20 @@ TEST_CASE(inline_allreduce_completes_with_a_joined_rank_as_an_empty_payload) {
   }
 }
 
-TEST_CASE(allgather_while_joined_gathers_nothing_from_the_joined_rank) {
+TEST_CASE(allgather_fails_on_every_rank_while_a_rank_joined_as_in_horovod) {
   JoinWorld world(3);
   world.cycle({1});
   world.ranks[0].announce(tensor("g", 4, CollectiveKind::kAllgather), {}, 1);
   world.ranks[2].announce(tensor("g", 6, CollectiveKind::kAllgather), {}, 2);
   std::vector<CycleOutcome> outcomes = world.cycle();
   for (const CycleOutcome& outcome : outcomes) {
-    EXPECT(outcome.failures.empty());
-    EXPECT(outcome.agreed.at(0).layout == (std::vector<uint64_t>{4, 0, 6}));
-    EXPECT_EQ(outcome.agreed[0].count, 10u);
+    EXPECT(outcome.agreed.empty());
+    EXPECT_EQ(outcome.failures.size(), 1u);
+    EXPECT(outcome.failures.at(0).message.find("cannot run while rank 1 joined") != std::string::npos);
   }
-  EXPECT_EQ(outcomes[1].agreed_ids[0], kNoLocalTensor);
+  EXPECT_EQ(outcomes[0].failures[0].local_id, 1u);
+  EXPECT_EQ(outcomes[2].failures[0].local_id, 2u);
+  EXPECT_EQ(outcomes[1].failures[0].local_id, kNoLocalTensor);
 }
 
 TEST_CASE(broadcast_reducescatter_and_alltoall_fail_on_every_rank_while_a_rank_joined) {
