@@ -605,98 +605,6 @@ def _check_memory(view: buffers.BufferView, name: str, device_transport: bool) -
         )
 
 
-def allreduce_async(
-    array: Any,
-    name: str | None = None,
-    priority: int = 0,
-    op: str = "sum",
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = None,
-) -> Handle:
-    """Starts an in-place allreduce; smaller priority numbers go on the wire first.
-
-    op: sum, average (integers floor-divide, as Horovod), min, max or product (bool: min and
-    product are logical and, max is logical or). prescale_factor multiplies this rank's data before
-    the reduction, postscale_factor the result after it. process_set: the ProcessSet it runs on
-    (default: every rank); average divides by the set's size.
-    """
-    if process_set is not None:
-        with _process_sets.scope(process_set):
-            return allreduce_async(array, name, priority, op, prescale_factor, postscale_factor)
-    if prescale_factor == 1.0 and postscale_factor == 1.0:
-        return _submit(array, name, "allreduce", op, 0, priority)
-    name, root, priority = _checked(name, "allreduce", op, 0, priority)
-    try:
-        scales = {
-            "prescale": _factor(prescale_factor, "prescale_factor", name),
-            "postscale": _factor(postscale_factor, "postscale_factor", name),
-        }
-    except TypeError as error:
-        _refuse(name, error)
-        raise
-    return _enqueue(array, name, "allreduce", _op_name(op), root, priority, **scales)
-
-
-def allreduce(
-    array: Any,
-    name: str | None = None,
-    priority: int = 0,
-    op: str = "sum",
-    timeout: float | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = None,
-) -> Any:
-    """Allreduces in place and returns the array (op, scale factors and process_set as allreduce_async)."""
-    if process_set is not None:
-        with _process_sets.scope(process_set):
-            return allreduce(array, name, priority, op, timeout, prescale_factor, postscale_factor)
-    if prescale_factor != 1.0 or postscale_factor != 1.0:
-        handle = allreduce_async(array, name, priority, op, prescale_factor, postscale_factor)
-        return handle.wait(timeout)
-    # The common call, a named buffer on a transport that takes host memory, goes straight to the
-    # core, which checks name, op and priority itself and hands anything doubtful back (-2): on
-    # shared memory a small allreduce costs ~2 us, and each Python call layer ~50 ns.
-    if (
-        type(name) is str
-        and type(priority) is int
-        and _state.pending is None
-        and not _state.device_memory
-        and _state.tuner is None
-        and _process_sets.current() == 0
-    ):
-        done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
-        if done != -2:  # -1: valid arguments, not a host buffer the core takes: no second try
-            return _buffer_outcome(done, array, name, "allreduce", op, 0, priority, timeout)
-    return _run_now(array, name, "allreduce", op, 0, priority, timeout)
-
-
-def broadcast_async(
-    array: Any, root: int = 0, name: str | None = None, priority: int = 0, process_set: Any = None
-) -> Handle:
-    """Starts an in-place broadcast from `root` (a global rank, a member of process_set when given)."""
-    if process_set is not None:
-        with _process_sets.scope(process_set):
-            return broadcast_async(array, root, name, priority)
-    return _submit(array, name, "broadcast", "sum", root, priority)
-
-
-def broadcast(
-    array: Any,
-    root: int = 0,
-    name: str | None = None,
-    priority: int = 0,
-    timeout: float | None = None,
-    process_set: Any = None,
-) -> Any:
-    """Broadcasts in place from `root` and returns the array (process_set as broadcast_async)."""
-    if process_set is not None:
-        with _process_sets.scope(process_set):
-            return broadcast(array, root, name, priority, timeout)
-    return _run_now(array, name, "broadcast", "sum", root, priority, timeout)
-
-
 # Process sets and the collectives beyond allreduce and broadcast live in their own modules.
 from commsched import process_sets as _process_sets
 from commsched.collectives import (
@@ -721,6 +629,7 @@ from commsched.collectives import (
     reducescatter,
     reducescatter_async,
 )
+from commsched.inplace import allreduce, allreduce_async, broadcast, broadcast_async
 from commsched.process_sets import (
     ProcessSet,
     add_process_set,
