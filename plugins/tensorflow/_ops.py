@@ -74,6 +74,7 @@ def allreduce(
     priority: int = 0,
     prescale: float = 1.0,
     postscale: float = 1.0,
+    process_set_id: int = 0,
 ) -> tf.Tensor:
     """Every rank's `tensor` reduced with `op` (a commsched op name), scaled before and after."""
     _check_reduced(tensor, "allreduce", name)
@@ -84,12 +85,18 @@ def allreduce(
         prescale_factor=_scale(prescale, "prescale_factor"),
         postscale_factor=_scale(postscale, "postscale_factor"),
         priority=priority,
+        process_set_id=process_set_id,
         core_library=core_library(),
     )
 
 
 def grouped_allreduce(
-    tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float = 1.0, postscale: float = 1.0
+    tensors: Sequence[tf.Tensor],
+    name: str,
+    op: str,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    process_set_id: int = 0,
 ) -> list[tf.Tensor]:
     """Allreduces of same-dtype tensors that every rank agrees on together (members `name.0`, ...)."""
     for tensor in tensors:
@@ -103,6 +110,7 @@ def grouped_allreduce(
             reduce_op=OP_CODES[op],
             prescale_factor=_scale(prescale, "prescale_factor"),
             postscale_factor=_scale(postscale, "postscale_factor"),
+            process_set_id=process_set_id,
             core_library=core_library(),
         )
     )
@@ -118,26 +126,41 @@ def _carried(tensor: tf.Tensor, what: str, name: str) -> tuple[tf.Tensor, tf.DTy
     return tf.bitcast(tensor, carrier), tensor.dtype
 
 
-def broadcast(tensor: tf.Tensor, name: str, root: int, priority: int = 0) -> tf.Tensor:
-    """`root`'s `tensor` on every rank."""
+def broadcast(
+    tensor: tf.Tensor, name: str, root: int, priority: int = 0, process_set_id: int = 0
+) -> tf.Tensor:
+    """`root`'s `tensor` on every rank of the set (`root` is a global rank, as in Horovod)."""
     sent, view = _carried(tensor, "broadcast", name)
     received = _library().commsched_broadcast(
-        sent, tensor_name=name, root_rank=root, priority=priority, core_library=core_library()
+        sent,
+        tensor_name=name,
+        root_rank=root,
+        priority=priority,
+        process_set_id=process_set_id,
+        core_library=core_library(),
     )
     return received if view is None else tf.bitcast(received, view)
 
 
-def allgather(tensor: tf.Tensor, name: str, priority: int = 0) -> tuple[tf.Tensor, tf.Tensor]:
-    """(every rank's `tensor` concatenated on the first dimension, the rows each rank gave)."""
+def allgather(
+    tensor: tf.Tensor, name: str, priority: int = 0, process_set_id: int = 0
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """(every set member's `tensor` concatenated on the first dimension, the rows each member gave)."""
     sent, view = _carried(tensor, "allgather", name)
     gathered, rows = _library().commsched_allgather(
-        sent, tensor_name=name, priority=priority, core_library=core_library()
+        sent, tensor_name=name, priority=priority, process_set_id=process_set_id, core_library=core_library()
     )
     return (gathered if view is None else tf.bitcast(gathered, view)), rows
 
 
 def reducescatter(
-    tensor: tf.Tensor, name: str, op: str, prescale: float = 1.0, postscale: float = 1.0, priority: int = 0
+    tensor: tf.Tensor,
+    name: str,
+    op: str,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    priority: int = 0,
+    process_set_id: int = 0,
 ) -> tf.Tensor:
     """This rank's rows of the reduction: the first (rows % size) ranks get one row more."""
     _check_reduced(tensor, "reducescatter", name)
@@ -150,16 +173,24 @@ def reducescatter(
         prescale_factor=_scale(prescale, "prescale_factor"),
         postscale_factor=_scale(postscale, "postscale_factor"),
         priority=priority,
+        process_set_id=process_set_id,
         core_library=core_library(),
     )
 
 
-def alltoall(tensor: tf.Tensor, splits: Any, name: str, priority: int = 0) -> tuple[tf.Tensor, tf.Tensor]:
-    """(rows every rank sent here, rows received from each rank); `splits` None sends equal parts."""
+def alltoall(
+    tensor: tf.Tensor, splits: Any, name: str, priority: int = 0, process_set_id: int = 0
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """(rows every set member sent here, rows received from each); `splits` None sends equal parts."""
     sent, view = _carried(tensor, "alltoall", name)
     counts = tf.constant([], tf.int32) if splits is None else tf.reshape(tf.cast(splits, tf.int32), [-1])
     received, received_splits = _library().commsched_alltoall(
-        sent, counts, tensor_name=name, priority=priority, core_library=core_library()
+        sent,
+        counts,
+        tensor_name=name,
+        priority=priority,
+        process_set_id=process_set_id,
+        core_library=core_library(),
     )
     return (received if view is None else tf.bitcast(received, view)), received_splits
 
@@ -181,6 +212,16 @@ def _dense(grad: Any) -> tf.Tensor:
     return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
 
 
+def _set_of(op: Any) -> int:
+    return int(op.get_attr("process_set_id"))
+
+
+def _position(set_id: int) -> tuple[int, int]:
+    """(this rank's position in the set, the set's size)."""
+    ranks = commsched.get_process_sets()[set_id]
+    return ranks.index(commsched.rank()), len(ranks)
+
+
 @tf.RegisterGradient("CommschedAllreduce")
 def _allreduce_gradient(op: Any, grad: Any) -> tf.Tensor:
     """The same allreduce (op and scale factors) of the incoming gradient."""
@@ -191,6 +232,7 @@ def _allreduce_gradient(op: Any, grad: Any) -> tf.Tensor:
         op.get_attr("priority"),
         op.get_attr("prescale_factor"),
         op.get_attr("postscale_factor"),
+        _set_of(op),
     )
 
 
@@ -206,22 +248,26 @@ def _grouped_allreduce_gradient(op: Any, *grads: Any) -> list[tf.Tensor]:
         _NAMES_OF_CODES[op.get_attr("reduce_op")],
         op.get_attr("prescale_factor"),
         op.get_attr("postscale_factor"),
+        _set_of(op),
     )
 
 
 @tf.RegisterGradient("CommschedBroadcast")
 def _broadcast_gradient(op: Any, grad: Any) -> tf.Tensor:
     """The sum of every rank's gradient on the root, zero elsewhere (Horovod 0.28 averages instead)."""
-    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", _GATHERED_GRADIENT_OP)
+    name = f"{_text(op.get_attr('tensor_name'))}.grad"
+    reduced = allreduce(_dense(grad), name, _GATHERED_GRADIENT_OP, process_set_id=_set_of(op))
     return reduced if commsched.rank() == op.get_attr("root_rank") else reduced * 0
 
 
 @tf.RegisterGradient("CommschedAllgather")
 def _allgather_gradient(op: Any, grad: Any, _rows_grad: Any) -> tf.Tensor:
     """This rank's rows of the sum of every rank's gradient of the gathered tensor."""
-    reduced = allreduce(_dense(grad), f"{_text(op.get_attr('tensor_name'))}.grad", _GATHERED_GRADIENT_OP)
-    parts = tf.split(reduced, num_or_size_splits=op.outputs[1], axis=0, num=commsched.size())
-    part = parts[commsched.rank()]
+    name = f"{_text(op.get_attr('tensor_name'))}.grad"
+    reduced = allreduce(_dense(grad), name, _GATHERED_GRADIENT_OP, process_set_id=_set_of(op))
+    position, size = _position(_set_of(op))
+    parts = tf.split(reduced, num_or_size_splits=op.outputs[1], axis=0, num=size)
+    part = parts[position]
     return tf.reshape(part, tf.shape(op.inputs[0]))
 
 
@@ -230,18 +276,19 @@ def _reducescatter_gradient(op: Any, grad: Any) -> tf.Tensor:
     """Every rank's gradient of its part, gathered (times the size for a sum, and the scale factors)."""
     grad = _dense(grad)
     if _NAMES_OF_CODES[op.get_attr("reduce_op")] == "sum":
-        grad = grad * tf.cast(commsched.size(), grad.dtype)
+        grad = grad * tf.cast(_position(_set_of(op))[1], grad.dtype)
     for factor in (op.get_attr("prescale_factor"), op.get_attr("postscale_factor")):
         if factor != 1.0:
             grad = grad * tf.cast(factor, grad.dtype)
-    gathered, _ = allgather(grad, f"{_text(op.get_attr('tensor_name'))}.grad")
+    gathered, _ = allgather(grad, f"{_text(op.get_attr('tensor_name'))}.grad", process_set_id=_set_of(op))
     return tf.reshape(gathered, tf.shape(op.inputs[0]))
 
 
 @tf.RegisterGradient("CommschedAlltoall")
 def _alltoall_gradient(op: Any, grad: Any, _splits_grad: Any) -> tuple[tf.Tensor, None]:
     """The gradient goes back where its rows came from: an alltoall by the received splits."""
-    returned, _ = alltoall(_dense(grad), op.outputs[1], f"{_text(op.get_attr('tensor_name'))}.grad")
+    name = f"{_text(op.get_attr('tensor_name'))}.grad"
+    returned, _ = alltoall(_dense(grad), op.outputs[1], name, process_set_id=_set_of(op))
     return returned, None
 
 

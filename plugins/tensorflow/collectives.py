@@ -1,10 +1,11 @@
 """Horovod's collectives beyond allreduce and broadcast, on TensorFlow tensors, eager or in tf.function.
 
 allgather, reducescatter, alltoall and barrier run as the async custom ops (see _ops), with the
-gradients Horovod registers. On a process set, and for the object forms, they take a numpy round
-trip through commsched's framework-free API (which schedules them in the core like every other
-collective), in eager mode only; bfloat16 then travels as float32 for reductions and as its raw
-16 bits otherwise, and results come back in the input's dtype.
+gradients Horovod registers. On a process set outside tf.function, and for the object forms, they
+take a numpy round trip through commsched's framework-free API (which schedules them in the core
+like every other collective); bfloat16 then travels as float32 for reductions and as its raw 16
+bits otherwise, and results come back in the input's dtype. Inside tf.function a set's collective
+runs as the custom op on that set.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 from commsched.tensorflow import _ops
 from commsched.tensorflow.compression import Compression, compressor
-from commsched.tensorflow.functions import require_init
+from commsched.tensorflow.functions import on_set_eagerly, require_init, set_id_of
 
 import commsched
 import tensorflow as tf
@@ -91,9 +92,10 @@ def allgather(
 ) -> tf.Tensor:
     """Every rank's `tensor` concatenated on the first dimension, which may differ between ranks."""
     require_init("allgather()")
-    if _horovod.is_global(process_set):
-        return _ops.allgather(tf.convert_to_tensor(tensor), _name("allgather", name))[0]
-    _eager("allgather() on a process set")
+    if not on_set_eagerly(process_set):
+        return _ops.allgather(
+            tf.convert_to_tensor(tensor), _name("allgather", name), process_set_id=set_id_of(process_set)
+        )[0]
     array, dtype = _to_numpy(tensor, reduces=False)
     gathered = commsched.allgather(
         array, name=_name("allgather", name), **_horovod.core_arguments(process_set)
@@ -118,12 +120,16 @@ def reducescatter(
     op = _horovod.resolve_op(op)
     chosen = compressor(compression)
     compressed, context = chosen.compress(tf.convert_to_tensor(tensor))
-    if _horovod.is_global(process_set):
+    if not on_set_eagerly(process_set):
         part = _ops.reducescatter(
-            compressed, _name("reducescatter", name), op, prescale_factor, postscale_factor
+            compressed,
+            _name("reducescatter", name),
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set_id=set_id_of(process_set),
         )
         return chosen.decompress(part, context)
-    _eager("reducescatter() on a process set")
     array, dtype = _to_numpy(compressed, reduces=True)
     part = commsched.reducescatter(
         array,
@@ -146,10 +152,12 @@ def alltoall(
     """Sends rows splits[r] of `tensor` to rank r (equal parts without splits); returns what every rank
     sent here, and with `splits` given, also the rows received from each rank (as Horovod)."""
     require_init("alltoall()")
-    if _horovod.is_global(process_set):
-        output, received = _ops.alltoall(tf.convert_to_tensor(tensor), splits, _name("alltoall", name))
+    if not on_set_eagerly(process_set):
+        set_id = set_id_of(process_set)
+        output, received = _ops.alltoall(
+            tf.convert_to_tensor(tensor), splits, _name("alltoall", name), process_set_id=set_id
+        )
         return (output, received) if splits is not None else output
-    _eager("alltoall() on a process set")
     array, dtype = _to_numpy(tensor, reduces=False)
     counts = None if splits is None else [int(v) for v in np.asarray(splits).reshape(-1)]
     output, received = commsched.alltoall(

@@ -54,6 +54,21 @@ class Reduction:
     prescale: float = 1.0
     postscale: float = 1.0  # times 1/size when `divide` (a predivided average)
     divide: bool = False
+    process_set: Any = global_process_set  # the ranks the gradients are reduced over
+
+
+def set_id_of(process_set: Any) -> int:
+    """The id the ops take for `process_set` (0: every rank); a ValueError for a rank outside it."""
+    if _horovod.is_global(process_set):
+        return 0
+    from commsched import process_sets
+
+    return process_sets.resolve(process_set)
+
+
+def on_set_eagerly(process_set: Any) -> bool:
+    """True where a collective on `process_set` takes the eager numpy road (a set, outside tf.function)."""
+    return not _horovod.is_global(process_set) and tf.executing_eagerly()
 
 
 def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process_set: Any) -> Reduction:
@@ -61,22 +76,18 @@ def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process
     op = _horovod.resolve_op(op)
     _reduce_code(op)
     if not _horovod.is_global(process_set):
-        raise NotImplementedError(
-            "DistributedOptimizer / DistributedGradientTape with process_set= is not available in "
-            "commsched.tensorflow yet (its gradient ops reach the core through a C ABI without process sets); "
-            "reduce over all ranks, or allreduce the gradients with hvd.allreduce(..., process_set=) in eager mode"
-        )
+        _horovod.core_arguments(process_set)  # a ProcessSet that add_process_set() registered
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
         raise TypeError(f"gradient_predivide_factor must be a number, not {gradient_predivide_factor!r}")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be above 0, not {gradient_predivide_factor}")
     chosen = compressor(compression)
     if gradient_predivide_factor == 1.0:
-        return Reduction(op, chosen)
+        return Reduction(op, chosen, process_set=process_set)
     if op != "average":
         raise ValueError("gradient_predivide_factor is supported only with op=hvd.Average (as in Horovod)")
     factor = float(gradient_predivide_factor)
-    return Reduction("sum", chosen, 1.0 / factor, factor, divide=True)
+    return Reduction("sum", chosen, 1.0 / factor, factor, divide=True, process_set=process_set)
 
 
 def densify(value: Any) -> Any:
@@ -92,12 +103,12 @@ def variable_label(variable: Any) -> str:
     return str(label).removesuffix(":0")
 
 
-def _allreduce_op(tensor: tf.Tensor, name: str, code: int, priority: int) -> tf.Tensor:
-    return _ops.allreduce(tensor, name, _CODE_NAMES[code], priority)
+def _allreduce_op(tensor: tf.Tensor, name: str, code: int, priority: int, set_id: int = 0) -> tf.Tensor:
+    return _ops.allreduce(tensor, name, _CODE_NAMES[code], priority, process_set_id=set_id)
 
 
-def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int) -> tf.Tensor:
-    return _ops.broadcast(tensor, name, root, priority)
+def _broadcast_op(tensor: tf.Tensor, name: str, root: int, priority: int, set_id: int = 0) -> tf.Tensor:
+    return _ops.broadcast(tensor, name, root, priority, process_set_id=set_id)
 
 
 def allreduce(
@@ -119,7 +130,8 @@ def allreduce(
     Every op (sum, average, min, max, product) and dtype runs as an async custom op, with the
     scale factors applied by the core (in double precision for integers); on a process set the
     reduction takes a numpy round trip through commsched's framework-free API, in eager mode
-    only. device_* are accepted for Horovod's signature; TensorFlow places the ops.
+    only; in tf.function a set's reduction runs as the same custom op on the set. device_* are
+    accepted for Horovod's signature; TensorFlow places the ops.
     """
     require_init("allreduce()")
     op = _horovod.resolve_op(op, average)
@@ -127,13 +139,14 @@ def allreduce(
     if name is None:
         # Numbered in call (or trace) order, which must then match on every rank, as in commsched.allreduce.
         name = f"tf.allreduce.unnamed.{next(_unnamed)}"
-    if not _horovod.is_global(process_set):
+    if on_set_eagerly(process_set):
         from commsched.tensorflow import collectives
 
         return collectives.eager_allreduce(value, name, op, prescale_factor, postscale_factor, process_set)
+    set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed, context = chosen.compress(value)
-    reduced = _ops.allreduce(compressed, name, op, priority, prescale_factor, postscale_factor)
+    reduced = _ops.allreduce(compressed, name, op, priority, prescale_factor, postscale_factor, set_id)
     return chosen.decompress(reduced, context)
 
 
@@ -149,23 +162,31 @@ def broadcast(
     require_init("broadcast()")
     if name is None:
         name = f"tf.broadcast.unnamed.{next(_unnamed)}"
-    if not _horovod.is_global(process_set):
+    if on_set_eagerly(process_set):
         from commsched.tensorflow import collectives
 
         return collectives.eager_broadcast(tf.convert_to_tensor(tensor), name, root_rank, process_set)
-    return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority)
+    return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority, set_id_of(process_set))
 
 
 def _allreduce_group(
-    tensors: Sequence[tf.Tensor], names: tuple[str, ...], priorities: tuple[int, ...], code: int
+    tensors: Sequence[tf.Tensor],
+    names: tuple[str, ...],
+    priorities: tuple[int, ...],
+    code: int,
+    set_id: int = 0,
 ) -> list[tf.Tensor]:
-    return [_allreduce_op(t, n, code, p) for t, n, p in zip(tensors, names, priorities)]
+    return [_allreduce_op(t, n, code, p, set_id) for t, n, p in zip(tensors, names, priorities)]
 
 
 def _broadcast_group(
-    tensors: Sequence[tf.Tensor], names: tuple[str, ...], priorities: tuple[int, ...], root: int
+    tensors: Sequence[tf.Tensor],
+    names: tuple[str, ...],
+    priorities: tuple[int, ...],
+    root: int,
+    set_id: int = 0,
 ) -> list[tf.Tensor]:
-    return [_broadcast_op(t, n, root, p) for t, n, p in zip(tensors, names, priorities)]
+    return [_broadcast_op(t, n, root, p, set_id) for t, n, p in zip(tensors, names, priorities)]
 
 
 # Eagerly, one tf.function per group lets TensorFlow's executor start every op at once;
@@ -181,9 +202,18 @@ def allreduce_many(
     op: str = "average",
     how: Reduction | None = None,
 ) -> list[tf.Tensor | None]:
-    """Allreduces several tensors concurrently; None entries stay None. `how` overrides `op`."""
+    """Allreduces several tensors concurrently; None entries stay None. `how` overrides `op`.
+
+    On a process set, as in Horovod, a rank outside the set (or a set of one rank) keeps its own
+    gradients unchanged, and an average divides by the set's size.
+    """
     how = how or Reduction(_horovod.resolve_op(op))
     code = _reduce_code(how.op)
+    process_set = how.process_set
+    if not _horovod.is_global(process_set) and (not process_set.included() or process_set.size() == 1):
+        return [None if t is None else tf.convert_to_tensor(densify(t)) for t in tensors]
+    set_id = set_id_of(process_set)
+    size = _horovod.set_size(process_set)
     present = [i for i, t in enumerate(tensors) if t is not None]
     values, contexts = [], []
     compresses = how.compressor is not NoneCompressor
@@ -192,7 +222,7 @@ def allreduce_many(
         if how.prescale != 1.0:
             value = value * tf.cast(how.prescale, value.dtype)
         if compresses and how.op == "average" and value.dtype.is_floating:
-            value = value / tf.cast(commsched.size(), value.dtype)  # in full precision: no fp16 overflow
+            value = value / tf.cast(size, value.dtype)  # in full precision: no fp16 overflow
         value, context = how.compressor.compress(value)
         values.append(value)
         contexts.append(context)
@@ -201,8 +231,8 @@ def allreduce_many(
     group_names = tuple(names[i] for i in present)
     group_priorities = tuple(int(priorities[i]) for i in present)
     run = _allreduce_group_eager if tf.executing_eagerly() else _allreduce_group
-    reduced = run(values, group_names, group_priorities, code) if values else []
-    postscale = how.postscale / commsched.size() if how.divide else how.postscale
+    reduced = run(values, group_names, group_priorities, code, set_id) if values else []
+    postscale = how.postscale / size if how.divide else how.postscale
     result: list[tf.Tensor | None] = [None] * len(tensors)
     for i, value, context in zip(present, reduced, contexts):
         value = how.compressor.decompress(value, context)
@@ -231,7 +261,7 @@ def grouped_allreduce(
     require_init("grouped_allreduce()")
     op = _horovod.resolve_op(op, average)
     base = name or f"tf.grouped_allreduce.unnamed.{next(_unnamed)}"
-    if not _horovod.is_global(process_set):
+    if on_set_eagerly(process_set):
         from commsched.tensorflow import collectives
 
         scales = (prescale_factor, postscale_factor)
@@ -239,6 +269,7 @@ def grouped_allreduce(
             collectives.eager_allreduce(tf.convert_to_tensor(t), f"{base}.{i}", op, *scales, process_set)
             for i, t in enumerate(tensors)
         ]
+    set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed = [chosen.compress(tf.convert_to_tensor(densify(tensor))) for tensor in tensors]
     by_dtype: dict[tf.DType, list[int]] = {}
@@ -248,7 +279,7 @@ def grouped_allreduce(
     for dtype, members in by_dtype.items():
         group = base if len(by_dtype) == 1 else f"{base}.{dtype.name}"
         reduced = _ops.grouped_allreduce(
-            [compressed[i][0] for i in members], group, op, prescale_factor, postscale_factor
+            [compressed[i][0] for i in members], group, op, prescale_factor, postscale_factor, set_id
         )
         for index, value in zip(members, reduced):
             result[index] = chosen.decompress(value, compressed[index][1])
@@ -268,7 +299,7 @@ def broadcast_variables(
     if not variables:
         return
     names = tuple(f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables))
-    if not _horovod.is_global(process_set):
+    if on_set_eagerly(process_set):
         from commsched.tensorflow import collectives
 
         for name, variable in zip(names, variables):
@@ -278,7 +309,7 @@ def broadcast_variables(
         return
     values = [tf.convert_to_tensor(v) for v in variables]
     run = _broadcast_group_eager if tf.executing_eagerly() else _broadcast_group
-    received = run(values, names, tuple(range(len(variables))), root_rank)
+    received = run(values, names, tuple(range(len(variables))), root_rank, set_id_of(process_set))
     for variable, value in zip(variables, received):
         variable.assign(value)
 

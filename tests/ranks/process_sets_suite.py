@@ -179,7 +179,7 @@ def check_tensorflow(pair: commsched.ProcessSet) -> int:
 
     me = commsched.rank()
     if not pair.included():
-        return 0
+        return check_tensorflow_outside(pair)
     total = sum(data(r, 7, 2) for r in pair.ranks)
     reduced = hvd.allreduce(tf.constant(data(me, 7, 2)), op=hvd.Sum, name="tf.sum", process_set=pair)
     np.testing.assert_array_equal(reduced.numpy(), total)
@@ -192,14 +192,99 @@ def check_tensorflow(pair: commsched.ProcessSet) -> int:
     variable = tf.Variable(data(me, 9, 2))
     hvd.broadcast_variables([variable], root_rank=root, process_set=pair)
     np.testing.assert_array_equal(variable.numpy(), data(root, 9, 2))
+    return 4 + check_tensorflow_graph(pair)
+
+
+def check_tensorflow_graph(pair: commsched.ProcessSet) -> int:
+    """Inside tf.function on {1,2}: allreduce, allgather and broadcast against numpy, and a
+    DistributedGradientTape's gradient against the hand-computed average over the set."""
+    import commsched.tensorflow as hvd
+    import tensorflow as tf
+
+    me, root = commsched.rank(), pair.ranks[1]
+
+    @tf.function
+    def collectives(tensor: tf.Tensor, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        average = hvd.allreduce(tensor, op=hvd.Average, name="tf.fn.avg", process_set=pair)
+        gathered = hvd.allgather(rows, name="tf.fn.gather", process_set=pair)
+        sent = hvd.broadcast(tensor, root_rank=root, name="tf.fn.bcast", process_set=pair)
+        return average, gathered, sent
+
+    average, gathered, sent = collectives(tf.constant(data(me, 10, 2)), tf.constant(data(me, 11, me + 1)))
+    np.testing.assert_allclose(average.numpy(), sum(data(r, 10, 2) for r in pair.ranks) / pair.size())
+    np.testing.assert_array_equal(gathered.numpy(), np.concatenate([data(r, 11, r + 1) for r in pair.ranks]))
+    np.testing.assert_array_equal(sent.numpy(), data(root, 10, 2))
+
+    # loss = sum(x_rank * w^2): d/dw = 2 w x_rank on each rank, averaged over the set's members.
+    gradient = tape_gradient(pair, data(me, 12, 1)[0])
+    expected = 2 * TAPE_WEIGHTS * np.mean([data(r, 12, 1)[0] for r in pair.ranks], axis=0)
+    np.testing.assert_allclose(gradient, expected)
     return 4
+
+
+TAPE_WEIGHTS = np.array([1.0, -2.0, 0.5])
+
+
+def tape_gradient(pair: commsched.ProcessSet, x: np.ndarray) -> np.ndarray:
+    """The gradient of sum(x * w^2) at TAPE_WEIGHTS from a DistributedGradientTape on `pair`, in tf.function."""
+    import commsched.tensorflow as hvd
+    import tensorflow as tf
+
+    weights = tf.Variable(TAPE_WEIGHTS)
+
+    @tf.function
+    def step() -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.constant(x) * weights * weights)
+        tape = hvd.DistributedGradientTape(tape, process_set=pair, name="tf.fn.tape")
+        return tape.gradient(loss, [weights])[0]
+
+    return step().numpy()
+
+
+def check_tensorflow_outside(pair: commsched.ProcessSet) -> int:
+    """On a rank outside `pair`: a DistributedGradientTape keeps the local gradient (as Horovod), and a
+    collective on the set is refused inside tf.function and by the op, with the Python API's message."""
+    import commsched.tensorflow as hvd
+    import tensorflow as tf
+    from commsched.tensorflow import _ops
+
+    x = data(commsched.rank(), 12, 1)[0]
+    np.testing.assert_allclose(tape_gradient(pair, x), 2 * TAPE_WEIGHTS * x)
+    try:
+        commsched.allreduce(np.ones(2), name="tf.outside", process_set=pair)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a rank outside the set ran its allreduce")
+    assert "is not a member" in message, message
+
+    @tf.function
+    def outside() -> tf.Tensor:
+        return hvd.allreduce(tf.ones(2), name="tf.fn.outside", process_set=pair)
+
+    try:
+        outside()
+    except ValueError as error:
+        assert str(error) == message, (str(error), message)
+    else:
+        raise AssertionError("a rank outside the set ran its allreduce in tf.function")
+    try:
+        _ops.allreduce(tf.ones(2), "tf.op.outside", "sum", process_set_id=pair.process_set_id)
+    except tf.errors.FailedPreconditionError as error:
+        assert message in error.message, (error.message, message)
+    else:
+        raise AssertionError("the allreduce op ran on a set this rank is not in")
+    return 3
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--transport", default="")
     parser.add_argument("--signal-dir", required=True)
-    parser.add_argument("--tensorflow", action="store_true", help="also check commsched.tensorflow (eager)")
+    parser.add_argument(
+        "--tensorflow", action="store_true", help="also check commsched.tensorflow (eager and in tf.function)"
+    )
     args = parser.parse_args()
     commsched.init(**({"transport": args.transport} if args.transport else {}))
     me = commsched.rank()

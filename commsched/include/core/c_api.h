@@ -87,7 +87,7 @@ typedef struct commsched_request_t {
   int32_t kind;
   int32_t root; /* broadcast */
   int32_t priority;
-  int32_t process_set_id; /* 0: every rank (the only set the ABI serves so far) */
+  int32_t process_set_id; /* 0: every rank; else a set from add_process_set(), which this rank is in */
   double prescale;        /* reductions: applied before; 1 leaves the data as it is */
   double postscale;       /* reductions: applied after */
   /* extents of one row (all dimensions but the first); every rank's must match, so equal-size
@@ -113,6 +113,11 @@ typedef struct commsched_api_v2_t {
   /* Tells every rank that this rank refuses the collective `name` for `reason` (a submission
    * this rank cannot make), so theirs fail with it instead of waiting. */
   void (*refuse)(const char* name, const char* reason);
+  /* Appended later, so older callers that read only the fields above still work. */
+  int (*process_set_rank)(int32_t process_set_id); /* position in the set; -1: not a member or unknown */
+  int (*process_set_size)(int32_t process_set_id); /* -1 when unknown */
+  /* refuse() for a collective on a process set; `name` as submitted (without the set's prefix). */
+  void (*refuse_on_set)(const char* name, const char* reason, int32_t process_set_id);
 } commsched_api_v2_t;
 
 extern const commsched_api_v2_t commsched_api_v2;

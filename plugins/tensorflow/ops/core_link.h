@@ -99,12 +99,13 @@ class CommschedKernel : public tensorflow::AsyncOpKernel {
   // Refuses this op's collective on every rank (for input this rank cannot submit) and sets the
   // status here; the caller then calls TensorFlow's done.
   void Refuse(tensorflow::OpKernelContext* context, const std::string& reason) const {
-    api_->refuse(name_.c_str(), reason.c_str());
+    api_->refuse_on_set(name_.c_str(), reason.c_str(), static_cast<int32_t>(process_set_id_));
     context->SetStatus(tensorflow::errors::InvalidArgument("commsched: ", reason));
   }
 
-  int Size() const { return api_->size(); }
-  int Rank() const { return api_->rank(); }
+  // The number of ranks in this op's process set, and this rank's position in it (-1: not a member).
+  int Size() const { return api_->process_set_size(static_cast<int32_t>(process_set_id_)); }
+  int Rank() const { return api_->process_set_rank(static_cast<int32_t>(process_set_id_)); }
 
   std::string name_;
   int priority_ = 0;
