@@ -72,7 +72,7 @@ class DistributedGradientTape:
         output_gradients: Any = None,
         unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
     ) -> Any:
-        """The wrapped tape's gradients, each averaged (or summed) over all ranks."""
+        """The wrapped tape's gradients, each averaged (or summed) over the ranks of its process set."""
         functions.require_init("DistributedGradientTape.gradient()")
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)

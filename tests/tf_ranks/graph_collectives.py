@@ -74,7 +74,7 @@ def main() -> int:
             got = tf.function(lambda t, op=op: hvd.allreduce(t, op=op))(tf.constant(flags[rank]))
             assert got.dtype == tf.bool
             equal(got, reference(flags, axis=0), what=f"bool {op}")
-        # The ABI's process-set slot takes 0 (every rank) only; another id fails on every rank, naming it.
+        # A process set id never registered fails the op, naming the set.
         from commsched.tensorflow import _build, _ops
 
         try:
@@ -84,7 +84,7 @@ def main() -> int:
         except tf.errors.FailedPreconditionError as refusal:
             assert "process set 1" in str(refusal), refusal
         else:
-            raise AssertionError("process_set_id=1 was not refused")
+            raise AssertionError("the unregistered process_set_id=1 was not refused")
         try:
             hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
         except NotImplementedError as refusal:
