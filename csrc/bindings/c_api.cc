@@ -214,5 +214,4 @@ void refuse_on_set(const char* name, const char* reason, int32_t process_set) {
 extern "C" __attribute__((visibility("default"))) const commsched_api_v1_t commsched_api_v1 = {1, &submit, &rank,
                                                                                                 &size, &running};
 extern "C" __attribute__((visibility("default"))) const commsched_api_v2_t commsched_api_v2 = {
-    2,     &submit_requests,  &rank,         &size, &running, &refuse, &process_set_rank, &process_set_size,
-    &refuse_on_set};
+    2, &submit_requests, &rank, &size, &running, &refuse, &process_set_rank, &process_set_size, &refuse_on_set};

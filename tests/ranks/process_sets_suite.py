@@ -219,7 +219,8 @@ def check_tensorflow_graph(pair: commsched.ProcessSet) -> int:
     gradient = tape_gradient(pair, data(me, 12, 1)[0])
     expected = 2 * TAPE_WEIGHTS * np.mean([data(r, 12, 1)[0] for r in pair.ranks], axis=0)
     np.testing.assert_allclose(gradient, expected)
-    return 4
+    np.testing.assert_allclose(optimizer_step(pair, data(me, 12, 1)[0]), TAPE_WEIGHTS - expected)
+    return 5
 
 
 TAPE_WEIGHTS = np.array([1.0, -2.0, 0.5])
@@ -242,15 +243,39 @@ def tape_gradient(pair: commsched.ProcessSet, x: np.ndarray) -> np.ndarray:
     return step().numpy()
 
 
+def optimizer_step(pair: commsched.ProcessSet, x: np.ndarray) -> np.ndarray:
+    """The weights after one SGD step (learning rate 1) on sum(x * w^2) from TAPE_WEIGHTS through a
+    DistributedOptimizer on `pair`, in tf.function."""
+    import commsched.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    weights = keras.Variable(TAPE_WEIGHTS)
+    optimizer = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(learning_rate=1.0), process_set=pair, name="tf.fn.optimizer"
+    )
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.constant(x) * weights * weights)
+        optimizer.apply_gradients([(tape.gradient(loss, weights), weights)])
+
+    step()
+    return np.asarray(weights.numpy())
+
+
 def check_tensorflow_outside(pair: commsched.ProcessSet) -> int:
-    """On a rank outside `pair`: a DistributedGradientTape keeps the local gradient (as Horovod), and a
-    collective on the set is refused inside tf.function and by the op, with the Python API's message."""
+    """On a rank outside `pair`: DistributedGradientTape and DistributedOptimizer keep the local gradient
+    (as Horovod), and a collective on the set is refused inside tf.function and by the op, with the
+    Python API's message."""
     import commsched.tensorflow as hvd
     import tensorflow as tf
     from commsched.tensorflow import _ops
 
     x = data(commsched.rank(), 12, 1)[0]
     np.testing.assert_allclose(tape_gradient(pair, x), 2 * TAPE_WEIGHTS * x)
+    np.testing.assert_allclose(optimizer_step(pair, x), TAPE_WEIGHTS - 2 * TAPE_WEIGHTS * x)
     try:
         commsched.allreduce(np.ones(2), name="tf.outside", process_set=pair)
     except ValueError as error:
@@ -275,7 +300,7 @@ def check_tensorflow_outside(pair: commsched.ProcessSet) -> int:
         assert message in error.message, (error.message, message)
     else:
         raise AssertionError("the allreduce op ran on a set this rank is not in")
-    return 3
+    return 4
 
 
 def main() -> int:
