@@ -31,6 +31,7 @@ RANKS = 3
 VICTIM = 1
 FAULT_STEP = 3
 TENSOR = f"grad.{FAULT_STEP}"
+PREVIOUS_TENSOR = f"grad.{FAULT_STEP - 1}"
 STALL_TIMEOUT_S = 1
 STALL_SHUTDOWN_S = 3
 SURVIVOR_BOUND_S = STALL_SHUTDOWN_S + 10
@@ -247,7 +248,10 @@ def test_no_rank_is_left_hanging(
                 f"rank {rank} exited without an error, and the launcher named nobody:\n{output}"
             )
             continue
-        assert NAMES_VICTIM.search(seen[0]) and f"'{TENSOR}'" in seen[0], (
+        # A victim's last allreduce may return before its final frames reach every peer (the
+        # transport sends them asynchronously); killed then, the peers fail on that tensor.
+        named_tensor = f"'{TENSOR}'" in seen[0] or f"'{PREVIOUS_TENSOR}'" in seen[0]
+        assert NAMES_VICTIM.search(seen[0]) and named_tensor, (
             f"rank {rank}'s error names neither rank {VICTIM} nor '{TENSOR}': {seen[0]}"
         )
         if fault == "raise" and transport != "grpc":
