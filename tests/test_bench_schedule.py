@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from commsched.config import DEFAULT_RULE
+from commsched.config import DEFAULT_RULE, default_sizes
 
 pytest.importorskip("mpi4py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -108,11 +108,16 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
     assert "# autotune chose for overlap:" in proc.stdout
     with open(trials) as handle:
         rows = list(csv.DictReader(handle))
-    assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == (4 << 20) // 16
+    # The defaults the link rule fits to the measured link, divided by --scale.
+    run = data["run"]
+    fitted = default_sizes(2, run["bandwidth_bytes_per_s"], run["latency_s"])
+    partition = fitted["partition_bytes"] // 16
+    assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == partition, (rows[0], run)
     # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
-    assert any(int(r["partition_bytes"]) != (4 << 20) // 16 for r in rows), rows
+    assert any(int(r["partition_bytes"]) != partition for r in rows), rows
     # The credit the link rule gives for that partition: a whole power of two of partitions.
-    credit, partition = int(rows[0]["credit_bytes"]), (4 << 20) // 16
+    credit = int(rows[0]["credit_bytes"])
+    assert credit == fitted["credit_bytes"] // 16, (rows[0], fitted)
     partitions = credit // partition
     assert credit % partition == 0 and partitions & (partitions - 1) == 0, rows[0]
     assert DEFAULT_RULE.min_credit_partitions <= partitions <= DEFAULT_RULE.max_credit_partitions, rows[0]

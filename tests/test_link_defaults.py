@@ -126,3 +126,32 @@ def test_init_applies_the_rule_the_same_on_every_rank(scenario: str) -> None:
     result = run_ranks(3, "link_defaults.py", scenario, timeout=120, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("LINK-OK") == 3, result.stdout
+
+
+def test_the_simulator_scales_the_link_defaults_with_the_model() -> None:
+    """A model shrunk by --scale gets the full model's link defaults divided by the same factor."""
+    from commsched.bench import schedule, sim_cli
+
+    layers = schedule.timed_layers(schedule.load_model("resnet50"), 1.0, 16.0, 1.0)
+    spec = schedule.sim_layers(layers)
+    rows = sim_cli.predict(
+        spec, 4, 1.25e8, 48e-6, {"cycle_time": 0.001}, ["priority"], ["overlap"], scale=16.0
+    )
+    full = default_sizes(4, 1.25e8, 48e-6)
+    assert {name: rows[0][name] for name in full} == {name: full[name] // 16 for name in full}
+    given = sim_cli.predict(
+        spec,
+        4,
+        1.25e8,
+        48e-6,
+        {"cycle_time": 0.001, "partition_bytes": 65536},
+        ["priority"],
+        ["overlap"],
+        scale=16.0,
+    )
+    # A given (scaled) partition is kept; the credit counts whole partitions of it.
+    assert given[0]["partition_bytes"] == 65536
+    assert (
+        given[0]["credit_bytes"]
+        == default_sizes(4, 1.25e8, 48e-6, partition_bytes=65536 * 16)["credit_bytes"] // 16
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from commsched.bench import report
-from commsched.config import Settings, resolve
+from commsched.config import default_sizes, parse_size, resolve
 
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
@@ -231,16 +231,23 @@ _PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
 _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
 
 
-def _scaled_setting(given: str | None, name: str, scale: float) -> str | int | None:
-    """A size flag as given; else, unless COMMSCHED_* sets it, commsched's default divided by --scale.
+def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float) -> dict[str, Any]:
+    """Sizes for the replay: each flag as given; else, unless COMMSCHED_* sets it, the default
+    commsched fits to this link (config.default_sizes) divided by --scale.
 
     Shrinking tensors by --scale without shrinking the chunk sizes would change how many
     chunks each tensor has, so the replay would no longer stand for the full-size model.
     """
-    default = getattr(Settings(), name)
-    if given is not None or default is None or scale == 1 or os.environ.get(f"COMMSCHED_{name.upper()}"):
-        return given  # an unset credit follows the scaled partition (Settings.credit_for)
-    return max(1, int(default / scale))
+    given = {name: getattr(args, name) for name in _SCALED_SETTINGS}
+    full_partition = parse_size(given["partition_bytes"]) * args.scale if given["partition_bytes"] else None
+    fitted = default_sizes(ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None)
+    sizes: dict[str, Any] = {}
+    for name in _SCALED_SETTINGS:
+        if given[name] is not None or os.environ.get(f"COMMSCHED_{name.upper()}"):
+            sizes[name] = given[name]  # None: init() reads the variable
+        else:
+            sizes[name] = max(1, int(fitted[name] / args.scale))
+    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         time_scale *= factor
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
     latency = small_s / (2 * (ranks - 1))
-    sizes = {name: _scaled_setting(getattr(args, name), name, args.scale) for name in _SCALED_SETTINGS}
+    sizes = _replay_sizes(args, ranks, bandwidth, latency)
     credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_for(ranks)
     size_costs = (
         measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
@@ -414,7 +421,7 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     chosen = header["settings"]
     print(
         f"# partition {report.human_size(chosen['partition_bytes'])}, credit {report.human_size(chosen['credit_bytes'])},"
-        f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults / scale)"
+        f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults for this link / scale)"
     )
     table = [
         dict(

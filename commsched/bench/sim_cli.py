@@ -74,16 +74,25 @@ def predict(
     warmup: int = 2,
     link: str = "fifo",
     size_costs: Sequence[tuple[int, float]] = (),
+    scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
     the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
-    (config.default_sizes).
+    (config.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
     """
     given_partition = settings.get("partition_bytes")
-    link_defaults = default_sizes(ranks, bandwidth_bytes_per_s, latency_s, partition_bytes=given_partition)
-    settings = {**settings, **{name: v for name, v in link_defaults.items() if settings.get(name) is None}}
+    link_defaults = default_sizes(
+        ranks,
+        bandwidth_bytes_per_s,
+        latency_s,
+        partition_bytes=int(given_partition * scale) if given_partition else None,
+    )
+    settings = {
+        **settings,
+        **{name: max(1, int(v / scale)) for name, v in link_defaults.items() if settings.get(name) is None},
+    }
     credit = int(settings["credit_bytes"])
     # The best schedule moves every byte at the best rate the link showed at any message size, and
     # pays one ring latency per reduction.
@@ -246,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.warmup,
                 args.link,
                 size_costs,
+                args.scale,
             )
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
