@@ -26,7 +26,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol
@@ -310,9 +310,14 @@ def open_link(
     server, client = _contexts(tls) if tls is not None else (None, None)
     deadline = time.monotonic() + timeout_s
     accepted: list[tuple[socket.socket, str]] = []
+    stop = threading.Event()
+
+    def given_up() -> bool:  # by this rank, by the job, or by the left-hand rank itself
+        return stop.is_set() or bool(owner.failure) or owner.closing or left in owner.departed
+
     accepting = threading.Thread(
         target=_accept,
-        args=(listener, server, _hello_digest(token, left, rank), left, rank, deadline, accepted),
+        args=(listener, server, _hello_digest(token, left, rank), left, rank, deadline, accepted, given_up),
         name="commsched-bulk-accept",
         daemon=True,
     )
@@ -333,11 +338,14 @@ def open_link(
         if not accepted:
             raise GrpcError(
                 f"rank {rank}: rank {left} did not open its bulk data connection to "
-                f"{_address(listener)} within {timeout_s:.0f}s; that address must be reachable from "
-                f"rank {left}'s host: choose the interface every rank listens on with COMMSCHED_GRPC_BIND"
+                f"{_address(listener)} ({'it gave up' if given_up() else f'within {timeout_s:.0f}s'}); "
+                f"that address must be reachable from rank {left}'s host: choose the interface every "
+                "rank listens on with COMMSCHED_GRPC_BIND"
             )
         incoming, left_address = accepted[0]
     except BaseException:
+        stop.set()
+        accepting.join(6.0)  # its hello wait is at most 5 s
         if outgoing is not None:
             outgoing.close()
         for sock, _ in accepted:
@@ -410,11 +418,12 @@ def _accept(
     rank: int,
     deadline: float,
     accepted: list[tuple[socket.socket, str]],
+    given_up: Callable[[], bool],
 ) -> None:
     """Accepts connections until one proves to come from rank `left` (others are logged and closed)."""
-    while (left_s := deadline - time.monotonic()) > 0:
-        listener.settimeout(min(0.5, left_s))
+    while not given_up() and (remaining := deadline - time.monotonic()) > 0:
         try:
+            listener.settimeout(min(0.2, remaining))
             sock, peer = listener.accept()
         except TimeoutError:
             continue
@@ -422,7 +431,8 @@ def _accept(
             return  # the listener was closed
         where = f"{peer[0]}:{peer[1]}"
         try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            # A silent intruder holds the door this long at most.
+            sock.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if server is not None:
                 sock = server.wrap_socket(sock, server_side=True)
@@ -444,5 +454,8 @@ def _accept(
             log.warning("grpc rank %d: refused a bulk data connection from %s: %s", rank, where, error)
             sock.close()
             continue
+        if given_up():
+            sock.close()
+            return
         accepted.append((sock, where))
         return
