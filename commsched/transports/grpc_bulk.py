@@ -357,23 +357,32 @@ def open_link(
     return BulkLink(owner, lane, outgoing, incoming, (right_address, left_address), piece_bytes, threshold)
 
 
-def start_link(
-    owner: Any,
-    lane: Lane,
-    bind: str,
-    advertise: str,
-    token: str,
-    tls: TlsFiles | None,
-    timeout_s: float,
-    piece_bytes: int,
-    threshold: int = BULK_BYTES,
-) -> BulkLink:
-    """Listens where gRPC binds, trades the address over the owner's exchange() (every rank calls
-    this once, in open()) and connects the global ring's sockets."""
-    with listen(bind) as listener:
-        reports = owner.exchange(advertised(listener, advertise).encode(), timeout_s)
+def start_link(owner: Any, lane: Lane) -> BulkLink:
+    """Listens where the owner's gRPC server binds, trades the address over its exchange() (every
+    rank calls this once, in open()) and connects the lane's sockets, with the owner's token, TLS
+    files, join timeout, piece size and bulk threshold."""
+    endpoint = owner.endpoint
+    with listen(endpoint.bind) as listener:
+        reports = owner.exchange(advertised(listener, endpoint.advertise).encode(), owner.join_timeout_s)
         right_address = reports[lane.right].decode()
-        return open_link(owner, lane, listener, right_address, token, tls, timeout_s, piece_bytes, threshold)
+        return open_link(
+            owner,
+            lane,
+            listener,
+            right_address,
+            owner.token,
+            owner.tls,
+            owner.join_timeout_s,
+            max(owner.piece_bytes, 16),
+            owner.bulk_bytes,
+        )
+
+
+def link_stats(link: BulkLink | None) -> dict[str, int | bool]:
+    """Payload bytes a link sent and received, and whether it carries TLS (zeros without a link)."""
+    if link is None:
+        return {"sent_bytes": 0, "received_bytes": 0, "tls": False}
+    return {"sent_bytes": link.sent_bytes, "received_bytes": link.received_bytes, "tls": link.tls}
 
 
 def listen(bind: str) -> socket.socket:

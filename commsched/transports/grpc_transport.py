@@ -5,10 +5,9 @@ explicit address list, then keep long-lived client streams open: a control strea
 rank (agreement reports, so they never wait behind data) and `streams` data streams to the
 right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
-protobuf's copies), checked for size, dtype and sequence on arrival. The global ring's large pieces
-travel over a plain TCP (or TLS) socket to the neighbour instead (grpc_bulk), which gRPC's
-copying Python API cannot match. A process set runs on a ring of its members with a data stream
-of its own to its right-hand member (grpc_lanes).
+protobuf's copies), checked for size, dtype and sequence on arrival; the global ring's large pieces
+take a TCP (or TLS) socket instead (grpc_bulk). A process set runs on a ring of its members with a
+data stream of its own to its right-hand member (grpc_lanes).
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
@@ -29,7 +28,7 @@ import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog, join_rendezvous
-from commsched.transports.grpc_bulk import BULK_BYTES, BulkLink, start_link
+from commsched.transports.grpc_bulk import BULK_BYTES, BulkLink, link_stats, start_link
 from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
@@ -156,10 +155,7 @@ class _Node:
                 self._outboxes[(self.right, kind)] = self._open_stream(self.right, kind)
                 self._global.outboxes.append(self._outboxes[(self.right, kind)])
         if self.size > 1 and self.bulk_bytes > 0:
-            self.bulk = self._global.bulk = start_link(
-                self, self._global, self.endpoint.bind, self.endpoint.advertise, self.token, self.tls,
-                self.join_timeout_s, max(self.piece_bytes, 16), self.bulk_bytes,
-            )  # fmt: skip
+            self.bulk = self._global.bulk = start_link(self, self._global)
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -563,10 +559,7 @@ class GrpcTransport:
 
     def bulk_stats(self) -> dict[str, int | bool]:
         """Payload bytes sent and received over the bulk sockets, and whether they carry TLS."""
-        bulk = self._node.bulk
-        if bulk is None:
-            return {"sent_bytes": 0, "received_bytes": 0, "tls": False}
-        return {"sent_bytes": bulk.sent_bytes, "received_bytes": bulk.received_bytes, "tls": bulk.tls}
+        return link_stats(self._node.bulk)
 
     def start(
         self,
