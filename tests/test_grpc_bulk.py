@@ -158,7 +158,7 @@ def test_small_pieces_stay_on_grpc_and_the_bulk_path_can_be_off() -> None:
     large collectives still sum over gRPC."""
     pair = make_pair(piece_bytes=PIECE)
     try:
-        arrays = [np.full(5000, r + 1, np.float32) for r in range(2)]  # 20 KB: below the threshold
+        arrays = [np.full(2000, r + 1, np.float32) for r in range(2)]  # 8 KB: below the threshold
         assert wait_all(
             [t.start(a.ctypes.data, a.size, "float32", "allreduce", 0) for t, a in zip(pair, arrays)]
         ) == [
