@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import queue
 import socket
 import ssl
 import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -35,7 +35,7 @@ import numpy as np
 
 from commsched.transports.grpc_frames import DataFrame, FrameView
 from commsched.transports.grpc_lanes import Lane
-from commsched.transports.grpc_ops import GrpcError
+from commsched.transports.grpc_ops import GrpcError, PendingOp
 from commsched.transports.grpc_ring import NUMPY_DTYPES, FrameError, itemsize
 from commsched.transports.grpc_tls import TlsFiles
 
@@ -112,9 +112,38 @@ def _closing_on_error(sock: socket.socket) -> Iterator[socket.socket]:
         raise
 
 
+class _Outgoing:
+    """A frame on its way out: what is left to write, and the op whose buffer it reads."""
+
+    __slots__ = ("nbytes", "op", "parts")
+
+    def __init__(self, parts: list[memoryview], op: PendingOp | None) -> None:
+        self.parts, self.op, self.nbytes = parts, op, parts[1].nbytes
+
+
+def _write(sock: socket.socket, parts: list[memoryview], flags: int) -> None:
+    """Writes `parts`, dropping what left; with MSG_DONTWAIT, returns early when the socket is full."""
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS (and no MSG_DONTWAIT: see put)
+        for part in parts:
+            sock.sendall(part)
+        parts.clear()
+        return
+    while parts:
+        try:
+            done = sock.sendmsg(parts, [], flags)
+        except BlockingIOError:
+            return
+        while parts and done >= parts[0].nbytes:
+            done -= parts[0].nbytes
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][done:]
+
+
 class BulkLink:
-    """The global ring's sockets: to the right-hand neighbour (fed by a sender thread from a queue)
-    and from the left one (read by a receiver thread that applies what arrives)."""
+    """The global ring's sockets: to the right-hand neighbour (written by whichever thread has a
+    frame, or by a sender thread when the socket is full) and from the left one (read by a
+    receiver thread that applies what arrives)."""
 
     def __init__(
         self,
@@ -134,8 +163,13 @@ class BulkLink:
         self.sent_bytes = self.received_bytes = 0
         self._limit = piece_bytes
         self._scratch = memoryview(bytearray(piece_bytes))
-        self._queue: queue.SimpleQueue[DataFrame | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the four below
+        self._ready = threading.Condition(self._lock)
+        self._waiting: deque[_Outgoing] = deque()  # for the sender thread, in order
+        self._writing = False  # a thread writes to the outgoing socket
+        self._stopping = False  # close() was called, or the socket failed
         self._ended = False  # sockets shut down: errors on them are expected
+        self._tls = isinstance(outgoing, ssl.SSLSocket)
         self._sender = threading.Thread(target=self._send_loop, name="commsched-bulk-send", daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="commsched-bulk-recv", daemon=True)
         self._sender.start()
@@ -147,59 +181,82 @@ class BulkLink:
         return isinstance(self._outgoing, ssl.SSLSocket) and isinstance(self._incoming, ssl.SSLSocket)
 
     def put(self, frame: DataFrame) -> None:
-        """Queues a data frame (tracked by its op) for the right-hand neighbour."""
-        self._queue.put(frame)
+        """Sends a data frame (tracked by its op) to the right-hand neighbour: at once on this
+        thread as far as the socket takes it without blocking, the rest from the sender thread."""
+        op = frame.owner
+        if op is not None and not op.borrow():
+            return  # the op failed: its peers were told over the control streams
+        header = _HEADER.pack(
+            _DATA, _DTYPES.index(frame.dtype), frame.step, frame.piece, frame.seq, frame.offset, frame.count
+        )
+        item = _Outgoing([memoryview(header), memoryview(frame.payload).cast("B")], op)
+        with self._lock:
+            # Inline only while nothing waits (frames leave in order) and never over TLS, whose
+            # non-blocking writes must be retried with the same buffer.
+            inline = not (self._waiting or self._writing or self._stopping or self._tls)
+            if not inline:
+                self._waiting.append(item)
+                self._ready.notify()
+                return
+            self._writing = True
+        # A piece forwarded by the receiving thread leaves without waking the sender thread: under
+        # load that wake-up cost more than the send.
+        try:
+            _write(self._outgoing, item.parts, socket.MSG_DONTWAIT)
+        except OSError as error:
+            self._broken(item, error)
+            return
+        with self._lock:
+            self._writing = False
+            if item.parts:
+                self._waiting.appendleft(item)
+            self._ready.notify()
+        if not item.parts:
+            self._sent(item)
 
     # ---------------------------------------------------------------- sending
 
     def _send_loop(self) -> None:
-        try:
-            while (frame := self._queue.get()) is not None:
-                self._send(frame)
-            with suppress(OSError):  # the peer may be gone already; then it does not need to know
-                self._outgoing.sendall(_HEADER.pack(_CLOSE, 0, 0, 0, 0, 0, 0))
-        except (OSError, ValueError) as error:
-            if not self._quiet(self.right):
-                self._owner.fail(
-                    f"rank {self.rank}: the bulk data connection to rank {self.right} at "
-                    f"{self._right_address} ended ({error or type(error).__name__})"
-                )
+        while True:
+            with self._lock:
+                while self._writing or not (self._waiting or self._stopping):
+                    self._ready.wait()
+                if not self._waiting:
+                    break  # stopping, and everything queued left
+                item = self._waiting.popleft()
+                self._writing = True
+            try:
+                _write(self._outgoing, item.parts, 0)
+            except (OSError, ValueError) as error:
+                self._broken(item, error)
+                return
+            with self._lock:
+                self._writing = False
+            self._sent(item)
+        with suppress(OSError, ValueError):  # the peer may be gone already; then it need not know
+            self._outgoing.sendall(_HEADER.pack(_CLOSE, 0, 0, 0, 0, 0, 0))
 
-    def _send(self, frame: DataFrame) -> None:
-        op = frame.owner
-        if op is not None and not op.borrow():
-            return  # the op failed: its peers were told over the control streams
-        sent = False
-        try:
-            header = _HEADER.pack(
-                _DATA,
-                _DTYPES.index(frame.dtype),
-                frame.step,
-                frame.piece,
-                frame.seq,
-                frame.offset,
-                frame.count,
+    def _sent(self, item: _Outgoing) -> None:
+        self.sent_bytes += item.nbytes
+        if item.op is not None:
+            item.op.give_back(sent=True)
+
+    def _broken(self, item: _Outgoing, error: BaseException) -> None:
+        """The socket failed: gives every borrowed op back, reports the peer unless that is no news."""
+        with self._lock:
+            self._writing = False
+            self._stopping = True  # later frames are dropped: the job has failed
+            dropped = [item, *self._waiting]
+            self._waiting.clear()
+            self._ready.notify_all()
+        for each in dropped:
+            if each.op is not None:
+                each.op.give_back()
+        if not self._quiet(self.right):
+            self._owner.fail(
+                f"rank {self.rank}: the bulk data connection to rank {self.right} at "
+                f"{self._right_address} ended ({error or type(error).__name__})"
             )
-            self._write(header, memoryview(frame.payload).cast("B"))
-            sent = True
-        finally:
-            if op is not None:
-                op.give_back(sent=sent)
-
-    def _write(self, header: bytes, payload: memoryview) -> None:
-        if isinstance(self._outgoing, ssl.SSLSocket):  # no sendmsg over TLS
-            self._outgoing.sendall(header)
-            self._outgoing.sendall(payload)
-        else:
-            parts = [memoryview(header), payload]
-            while parts:
-                done = self._outgoing.sendmsg(parts)
-                while parts and done >= parts[0].nbytes:
-                    done -= parts[0].nbytes
-                    parts.pop(0)
-                if parts:
-                    parts[0] = parts[0][done:]
-        self.sent_bytes += payload.nbytes
 
     # ---------------------------------------------------------------- receiving
 
@@ -285,7 +342,9 @@ class BulkLink:
 
     def close(self) -> None:
         """Says goodbye to the right-hand neighbour, stops both threads and closes both sockets."""
-        self._queue.put(None)
+        with self._lock:
+            self._stopping = True
+            self._ready.notify_all()
         try:
             self._sender.join(1.0)
             self._shut()
