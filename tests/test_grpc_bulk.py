@@ -289,3 +289,19 @@ def test_every_bulk_socket_is_closed_at_shutdown() -> None:
         assert link is not None
         assert link._outgoing.fileno() == -1 and link._incoming.fileno() == -1
         assert not link._sender.is_alive() and not link._receiver.is_alive()
+
+
+def test_a_collective_on_a_closed_link_fails_instead_of_hanging() -> None:
+    """Frames handed to a link already closed are dropped with their op given back, so the
+    watchdog's stall error reaches the caller (no op stays borrowed, none hangs)."""
+    pair = make_pair(timeout_s=1.0, piece_bytes=PIECE)
+    try:
+        pair[0]._node.bulk.close()
+        arrays = [np.ones(400_000, np.float32) for _ in range(2)]
+        errors = wait_all(
+            [t.start(a.ctypes.data, a.size, "float32", "allreduce", 0) for t, a in zip(pair, arrays)]
+        )
+        assert all(errors), errors
+        assert any("rank 0" in e or "rank 1" in e for e in errors), errors
+    finally:
+        close_all(pair)

@@ -191,14 +191,18 @@ class BulkLink:
         )
         item = _Outgoing([memoryview(header), memoryview(frame.payload).cast("B")], op)
         with self._lock:
+            stopped = self._stopping
             # Inline only while nothing waits (frames leave in order) and never over TLS, whose
             # non-blocking writes must be retried with the same buffer.
-            inline = not (self._waiting or self._writing or self._stopping or self._tls)
-            if not inline:
+            if not stopped and (self._waiting or self._writing or self._tls):
                 self._waiting.append(item)
                 self._ready.notify()
                 return
-            self._writing = True
+            self._writing = not stopped
+        if stopped:  # closed or failed: nobody would send it, and its op must not stay borrowed
+            if op is not None:
+                op.give_back()
+            return
         # A piece forwarded by the receiving thread leaves without waking the sender thread: under
         # load that wake-up cost more than the send.
         try:
