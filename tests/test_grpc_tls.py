@@ -5,6 +5,7 @@ rate-limited log of refused connections."""
 from __future__ import annotations
 
 import importlib
+import ssl
 import subprocess
 import sys
 import threading
@@ -15,8 +16,9 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
+import numpy as np
 from mpirun import local_launch  # tests/ is on sys.path (conftest.py)
-from test_grpc import ROOT, TOKEN, allreduce_pair, job_environment, make_pair
+from test_grpc import ROOT, TOKEN, allreduce_pair, job_environment, make_pair, wait_all
 
 from commsched.run import free_port
 from commsched.transports import grpc_tls
@@ -64,6 +66,32 @@ def test_tls_pair_reduces_and_refuses_plaintext_and_foreign_certificates(tmp_pat
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
             channel.close()
         assert allreduce_pair(pair) == ["", ""]  # the job goes on
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_tls_pair_carries_bulk_data_over_tls_only(tmp_path: Path) -> None:
+    """With TLS configured, the bulk sockets are TLS sockets (mutually verified at connect time) and
+    the large pieces of a checked allreduce and broadcast travel over them."""
+    pair = make_pair(tls=_tls(tmp_path / "job"), piece_bytes=256 * 1024)
+    try:
+        count = 1_000_003
+        arrays = [np.arange(count, dtype=np.float64) * (r + 1) for r in range(2)]
+        ops = [t.start(a.ctypes.data, count, "float64", "allreduce", 0) for t, a in zip(pair, arrays)]
+        assert wait_all(ops, 30) == ["", ""]
+        for array in arrays:
+            np.testing.assert_array_equal(array, np.arange(count, dtype=np.float64) * 3)
+        values = [np.full(count, r + 1, np.int32) for r in range(2)]
+        ops = [t.start(v.ctypes.data, count, "int32", "broadcast", 1) for t, v in zip(pair, values)]
+        assert wait_all(ops, 30) == ["", ""]
+        assert all((v == 2).all() for v in values)
+        for transport in pair:
+            link = transport._node.bulk
+            assert isinstance(link._outgoing, ssl.SSLSocket) and isinstance(link._incoming, ssl.SSLSocket)
+            assert link._incoming.getpeercert() is not None  # the peer showed a certificate of the CA
+            stats = transport.bulk_stats()
+            assert stats["tls"] is True and stats["sent_bytes"] >= 8 * count, stats
     finally:
         for transport in pair:
             transport.close()

@@ -3,7 +3,9 @@
 A lane holds its own collective numbering, its own pending ops and its own data streams to its
 right-hand member, so that a set's frames are never taken for the global ring's or another set's,
 and a set's collective in flight waits on nothing but its own members. Frames arrive on the
-stream they were sent by; the stream's kind says which lane they belong to.
+stream they were sent by; the stream's kind says which lane they belong to. The global ring's
+large pieces may travel over a bulk connection instead (grpc_bulk), received in place where the
+ring copies them; process sets' rings stay on their gRPC streams.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from commsched.transports.grpc_frames import DataFrame
 from commsched.transports.grpc_ops import GrpcError, PendingOp, plan_collective
@@ -34,6 +38,15 @@ class LaneOwner(Protocol):
 def set_stream_kind(serial: int) -> str:
     """The data stream kind of the process set added `serial`-th (every rank counts adds alike)."""
     return f"set{serial}"
+
+
+class BulkSender(Protocol):
+    """A socket link to the right-hand member that takes the lane's large pieces."""
+
+    threshold: int
+
+    def put(self, frame: DataFrame) -> None:
+        """Queues a data frame for the right-hand member."""
 
 
 class Lane:
@@ -59,6 +72,7 @@ class Lane:
         self.left = self.members[(self.position - 1) % self.size]
         self.piece_bytes, self.direct_bytes = piece_bytes, direct_bytes
         self.outboxes: list[Outbox] = []
+        self.bulk: BulkSender | None = None  # takes pieces of at least bulk.threshold bytes
         # Changed under `lock` by start() and by the incoming stream's thread.
         self.lock = threading.RLock()
         self.ops: dict[int, PendingOp] = {}  # begun here, still expecting pieces
@@ -134,10 +148,37 @@ class Lane:
 
     def _send(self, op: PendingOp, frame: DataFrame) -> None:
         op.track(frame)
-        self.outboxes[frame.piece % len(self.outboxes)].put(frame)
+        if self.bulk is not None and frame.payload.nbytes >= self.bulk.threshold:
+            self.bulk.put(frame)
+        else:
+            self.outboxes[frame.piece % len(self.outboxes)].put(frame)
 
-    def apply(self, frame: Any) -> None:
-        """Applies one data frame to its collective, on the thread of the stream it came by."""
+    def landing(self, frame: Any) -> tuple[np.ndarray, PendingOp] | None:
+        """The part of a begun collective's buffer a copied frame may be received into, with its op
+        borrowed (hand it to `landed`); None where the frame goes through `apply`."""
+        with self.lock:
+            op = self.ops.get(frame.seq)
+            if op is None:
+                return None
+            target = op.ring.landing(frame)
+            if target is None or not op.borrow():
+                return None
+            return target, op
+
+    def landed(self, frame: Any, op: PendingOp, complete: bool) -> None:
+        """Counts a frame received in place (`complete`: every byte arrived) and gives the op back."""
+        try:
+            with self.lock:
+                if complete and self.ops.get(frame.seq) is op:
+                    op.ring.receive(frame, landed=True)
+                    op.progress_at = time.monotonic()
+                    self._settle(op)
+        finally:
+            op.give_back()
+
+    def apply(self, frame: Any, reused: bool = False) -> None:
+        """Applies one data frame to its collective, on the thread of the stream it came by;
+        `reused`: its payload's memory is overwritten once this returns."""
         with self.lock:
             if frame.seq < self.finished_below:
                 raise FrameError(f"collective #{frame.seq} of {self.name} is already finished")
@@ -151,7 +192,9 @@ class Lane:
                     )
                 if frame.seq > self._begun + MAX_AHEAD:
                     raise FrameError(f"frame for collective #{frame.seq}, far ahead of #{self._begun}")
-                # The peer started it before us; the payload is kept, as its message is not reused.
+                # The peer started it before us; the payload is kept (copied if its memory is reused).
+                if reused:
+                    frame.payload = memoryview(bytes(frame.payload))
                 self._early.setdefault(frame.seq, []).append(frame)
                 return
             op.ring.receive(frame)

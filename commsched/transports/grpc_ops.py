@@ -19,7 +19,12 @@ class GrpcError(RuntimeError):
 
 class PendingOp:
     """A collective in flight as the core sees it: done once every piece arrived and every piece
-    it sends was encoded (read from its buffer); `lock` guards that count, `done` and `error`."""
+    it sends was encoded (read from its buffer); `lock` guards that count, `done` and `error`.
+
+    A socket transfer that reads or writes its buffer in place (grpc_bulk) borrows the op first;
+    a failure is reported only once every borrow is given back, so the caller never frees memory
+    a transfer still touches.
+    """
 
     def __init__(self, finish: Callable[[], None] | None = None) -> None:
         self.lock = threading.Lock()
@@ -29,12 +34,13 @@ class PendingOp:
         self.progress_at = time.monotonic()
         self._received_all = False
         self._unsent = 0
+        self._borrowed = 0
         self._callbacks: list[Callable[[], None]] = []
         self._finish = finish  # moves the ring's result into the core's output, on the core's thread
 
     def test(self) -> bool:
         """True once the collective finished; raises if it failed."""
-        if self.error:
+        if self.error and not self._borrowed:
             raise GrpcError(self.error)
         if self.done and self._finish is not None:
             self._finish()
@@ -44,7 +50,7 @@ class PendingOp:
     def on_done(self, callback: Callable[[], None]) -> None:
         """Calls `callback` once, from any thread, when the op finishes or fails."""
         with self.lock:
-            if not (self.done or self.error):
+            if not (self.done or (self.error and not self._borrowed)):
                 self._callbacks.append(callback)
                 return
         callback()
@@ -61,6 +67,27 @@ class PendingOp:
         self.progress_at = time.monotonic()
         self._settle_locked()
 
+    def borrow(self) -> bool:
+        """Marks its buffer as in use by a socket transfer; False if the op already ended."""
+        with self.lock:
+            if self.done or self.error:
+                return False
+            self._borrowed += 1
+            return True
+
+    def give_back(self, sent: bool = False) -> None:
+        """Ends a borrow; `sent`: the transfer sent one of its frames (counted as encoded)."""
+        with self.lock:
+            self._borrowed -= 1
+            if sent:
+                self._unsent -= 1
+                self.progress_at = time.monotonic()
+            if self.error:
+                if not self._borrowed:
+                    self._ring_locked()
+            else:
+                self._settle_locked()
+
     def received_all(self) -> None:
         """Every expected piece arrived and was applied."""
         with self.lock:
@@ -73,7 +100,8 @@ class PendingOp:
             if self.done or self.error:
                 return
             self.error = message
-            self._ring_locked()
+            if not self._borrowed:
+                self._ring_locked()
 
     def _settle_locked(self) -> None:
         if self._received_all and self._unsent == 0 and not self.done and not self.error:

@@ -222,15 +222,26 @@ class RingOp:
             raise FrameError(f"{where}: piece received twice")
         return offset, count
 
-    def receive(self, frame: Any) -> None:
-        """Applies one validated frame (sum or copy) and forwards the piece where the ring says so."""
+    def landing(self, frame: Any) -> np.ndarray | None:
+        """Where a frame that copies (rather than reduces) can be received straight into: the
+        validated part of the buffer; None for a frame that is summed or may be mutated after
+        arrival (direct mode)."""
+        if self._direct or frame.step < self._reduce_steps:
+            return None
         offset, count = self.check(frame)
-        incoming = np.frombuffer(frame.payload, dtype=self.array.dtype)
+        return self.array[offset : offset + count]
+
+    def receive(self, frame: Any, landed: bool = False) -> None:
+        """Applies one validated frame (sum or copy) and forwards the piece where the ring says so;
+        `landed`: its payload was already received into the place `landing` gave."""
+        offset, count = self.check(frame)
         target = self.array[offset : offset + count]
-        if frame.step < self._reduce_steps:
-            add_into(target, incoming, self.dtype, self.op)
+        if landed:
+            pass
+        elif frame.step < self._reduce_steps:
+            add_into(target, np.frombuffer(frame.payload, dtype=self.array.dtype), self.dtype, self.op)
         else:
-            target[:] = incoming
+            target[:] = np.frombuffer(frame.payload, dtype=self.array.dtype)
         self._received[frame.step][frame.piece] = 1
         self.remaining -= 1
         if self.kind != "broadcast" and not self._direct:

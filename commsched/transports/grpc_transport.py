@@ -5,8 +5,9 @@ explicit address list, then keep long-lived client streams open: a control strea
 rank (agreement reports, so they never wait behind data) and `streams` data streams to the
 right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
-protobuf's copies), checked for size, dtype and sequence on arrival. A process set runs on a ring
-of its members with a data stream of its own to its right-hand member (grpc_lanes).
+protobuf's copies), checked for size, dtype and sequence on arrival; the global ring's large pieces
+take a TCP (or TLS) socket instead (grpc_bulk). A process set runs on a ring of its members with a
+data stream of its own to its right-hand member (grpc_lanes).
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
@@ -27,6 +28,7 @@ import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog, join_rendezvous
+from commsched.transports.grpc_bulk import BULK_BYTES, BulkLink, link_stats, start_link
 from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
@@ -58,9 +60,12 @@ class _Node:
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
         streams: int = 1,
+        bulk_bytes: int = BULK_BYTES,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
         self.data_kinds = stream_kinds(streams)
+        self.bulk_bytes = bulk_bytes  # 0: every piece over gRPC (every rank must agree)
+        self.bulk: BulkLink | None = None
         self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         self.tls = tls
         self._refusals = RefusalLog(self.rank)
@@ -149,6 +154,8 @@ class _Node:
             for kind in self.data_kinds:
                 self._outboxes[(self.right, kind)] = self._open_stream(self.right, kind)
                 self._global.outboxes.append(self._outboxes[(self.right, kind)])
+        if self.size > 1 and self.bulk_bytes > 0:
+            self.bulk = self._global.bulk = start_link(self, self._global)
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -467,6 +474,8 @@ class _Node:
             lanes = [self._global, *self._sets.values()]
         for lane in lanes:
             lane.fail(message)
+        if self.bulk is not None:
+            self.bulk.abort()
         if tell_peers:
             abort = encode_frame(wire.ABORT, self.rank, payload=message.encode())
             for (_, kind), outbox in list(self._outboxes.items()):
@@ -485,6 +494,8 @@ class _Node:
             outbox.close()
         for outbox in outboxes:
             outbox.wait(1.0)
+        if self.bulk is not None:
+            self.bulk.close()
         for channel in self._channels.values():
             channel.close()
         self._stopped.set()
@@ -514,6 +525,7 @@ class GrpcTransport:
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
         streams: int = DATA_STREAMS,
+        bulk_bytes: int = BULK_BYTES,
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -525,7 +537,7 @@ class GrpcTransport:
             raise ValueError("streams (data streams to the ring neighbour) must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
         self._node = _Node(
-            endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s, streams
+            endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s, streams, bulk_bytes
         )
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
@@ -544,6 +556,10 @@ class GrpcTransport:
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Blocking allgather of one byte string per rank."""
         return self._node.exchange(report, timeout_s)
+
+    def bulk_stats(self) -> dict[str, int | bool]:
+        """Payload bytes sent and received over the bulk sockets, and whether they carry TLS."""
+        return link_stats(self._node.bulk)
 
     def start(
         self,
