@@ -129,6 +129,7 @@ class Settings:
     link_bandwidth: float | None = None  # bytes per second of each rank's link
     link_latency: float | None = None  # seconds per message
     grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
+    grpc_bulk_bytes: int = 16 * 1024  # gRPC ring pieces this large go over a TCP/TLS socket; 0: all over gRPC
     # gRPC over TLS: all three files or none (see _check_grpc_tls); commsched-run --grpc-tls makes them.
     grpc_tls_ca: str = ""  # PEM: the CA every rank's certificate must chain to
     grpc_tls_cert: str = ""  # PEM: this rank's certificate, shown as server and as client
@@ -324,6 +325,12 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         _DURATION_FORM + " per message, e.g. 20us (unset: measured at init under MPI)",
     ),
     "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
+    "grpc_bulk_bytes": (
+        "COMMSCHED_GRPC_BULK_BYTES",
+        parse_size,
+        _SIZE_FORM
+        + ", the same on every rank (0 sends every piece over gRPC, for hosts open to the gRPC ports only)",
+    ),
     "grpc_tls_ca": ("COMMSCHED_GRPC_TLS_CA", _path, "the path of a PEM file with the job's CA certificate"),
     "grpc_tls_cert": (
         "COMMSCHED_GRPC_TLS_CERT",

@@ -305,3 +305,40 @@ def test_a_collective_on_a_closed_link_fails_instead_of_hanging() -> None:
         assert any("rank 0" in e or "rank 1" in e for e in errors), errors
     finally:
         close_all(pair)
+
+
+def test_ranks_that_disagree_on_the_bulk_threshold_fail_at_init_naming_the_variable() -> None:
+    """One rank with the bulk path off and one with it on would wait for each other's pieces on
+    different roads: both refuse at init instead, each rank's value named."""
+    port = free_port()
+    errors: list[Any] = [None, None]
+    made: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        endpoint = endpoint_from(rank, 2, "127.0.0.1", port, [], "", False)
+        try:
+            made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=10.0, bulk_bytes=[0, 65536][rank])
+        except GrpcError as error:
+            errors[rank] = error
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for transport in made:
+        if transport is not None:
+            transport.close()
+    assert all(error is not None for error in errors), (errors, made)
+    for error in errors:
+        assert "COMMSCHED_GRPC_BULK_BYTES" in str(error) and "rank 0: 0, rank 1: 65536" in str(error)
+
+
+def test_the_bulk_threshold_setting_is_read_and_checked() -> None:
+    """COMMSCHED_GRPC_BULK_BYTES takes a size; a bad one names the variable."""
+    from commsched.config import SettingError, resolve
+
+    assert resolve({}, environ={"COMMSCHED_GRPC_BULK_BYTES": "64KiB"}).grpc_bulk_bytes == 65536
+    assert resolve({}, environ={"COMMSCHED_GRPC_BULK_BYTES": "0"}).grpc_bulk_bytes == 0
+    with pytest.raises(SettingError, match="COMMSCHED_GRPC_BULK_BYTES"):
+        resolve({}, environ={"COMMSCHED_GRPC_BULK_BYTES": "lots"})

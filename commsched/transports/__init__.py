@@ -140,4 +140,5 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
         timeout_s=settings.stall_timeout,
         tls=TlsFiles.from_settings(settings),
         join_timeout_s=max(settings.stall_timeout, settings.stall_shutdown),
+        bulk_bytes=settings.grpc_bulk_bytes,
     )

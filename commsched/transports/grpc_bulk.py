@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -421,14 +421,28 @@ def open_link(
     return BulkLink(owner, lane, outgoing, incoming, (right_address, left_address), piece_bytes, threshold)
 
 
-def start_link(owner: Any, lane: Lane) -> BulkLink:
-    """Listens where the owner's gRPC server binds, trades the address over its exchange() (every
-    rank calls this once, in open()) and connects the lane's sockets, with the owner's token, TLS
-    files, join timeout, piece size and bulk threshold."""
+def start_link(owner: Any, lane: Lane) -> BulkLink | None:
+    """Listens where the owner's gRPC server binds, trades the address and the bulk threshold over
+    its exchange() (every rank calls this once, in open()) and connects the lane's sockets, with
+    the owner's token, TLS files, join timeout, piece size and bulk threshold. None when every
+    rank turned the bulk path off; a GrpcError when the ranks' thresholds differ (a piece one rank
+    sends over the socket the other would wait for on gRPC)."""
     endpoint = owner.endpoint
-    with listen(endpoint.bind) as listener:
-        reports = owner.exchange(advertised(listener, endpoint.advertise).encode(), owner.join_timeout_s)
-        right_address = reports[lane.right].decode()
+    with ExitStack() as stack:
+        listener = stack.enter_context(listen(endpoint.bind)) if owner.bulk_bytes > 0 else None
+        address = advertised(listener, endpoint.advertise) if listener is not None else "-"
+        mine = f"{owner.bulk_bytes} {address}"
+        reports = [r.decode() for r in owner.exchange(mine.encode(), owner.join_timeout_s)]
+        thresholds = [int(r.split(" ", 1)[0]) for r in reports]
+        if len(set(thresholds)) != 1:
+            listed = ", ".join(f"rank {r}: {t}" for r, t in enumerate(thresholds))
+            raise GrpcError(
+                f"the ranks disagree on the gRPC bulk threshold ({listed}); set COMMSCHED_GRPC_BULK_BYTES "
+                "to the same value on every rank (0 turns the bulk sockets off)"
+            )
+        if listener is None:
+            return None
+        right_address = reports[lane.right].split(" ", 1)[1]
         return open_link(
             owner,
             lane,

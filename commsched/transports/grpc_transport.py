@@ -154,7 +154,7 @@ class _Node:
             for kind in self.data_kinds:
                 self._outboxes[(self.right, kind)] = self._open_stream(self.right, kind)
                 self._global.outboxes.append(self._outboxes[(self.right, kind)])
-        if self.size > 1 and self.bulk_bytes > 0:
+        if self.size > 1:  # every rank, so ranks with different thresholds hear of it
             self.bulk = self._global.bulk = start_link(self, self._global)
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
