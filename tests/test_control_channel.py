@@ -63,6 +63,23 @@ def test_native_gloo_collectives_are_exact_with_every_round_over_the_tcp_channel
     assert "over gloo" in result.stdout
 
 
+@needs_gloo
+def test_a_departed_peer_is_named_by_every_other_rank() -> None:
+    """Rank 1 of 3 exits mid-job: ranks 0 and 2 fail with RankFailure.rank == 1 from the channel, no hang."""
+    env = {**clean_rank_env(ROOT), "COMMSCHED_TRANSPORT": "gloo", "COMMSCHED_CONTROL_CHANNEL": "tcp"}
+    result = subprocess.run(
+        local_launch(3, str(PROGRAM), "--expect", "peer-exits"),
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = unglue(result.stdout + result.stderr, "PEER-EXIT-OK")
+    for rank in (0, 2):
+        assert f"PEER-EXIT-OK on rank {rank}," in output, output
+
+
 @needs_mpi
 def test_auto_on_one_host_keeps_the_transport_exchange() -> None:
     """Ranks sharing one network stack: auto leaves the rounds on MPI's shared memory (no channel round)."""

@@ -235,6 +235,11 @@ bool Runtime::run_round() {
     stats_.cycles.fetch_add(1, std::memory_order_relaxed);
     if (control_.over_channel()) stats_.control_channel_rounds.fetch_add(1, std::memory_order_relaxed);
     stats_.cached_names.store(agreement_.cached_names(), std::memory_order_relaxed);
+  } catch (const control::PeerLost& lost) {
+    // The control channel knows which rank it lost: handles then name it (RankFailure.rank).
+    stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + lost.what(),
+                    lost.rank());
+    return false;
   } catch (const std::exception& error) {
     // The control path itself failed: nobody can be told, so stop here.
     stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());

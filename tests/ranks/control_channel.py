@@ -2,13 +2,16 @@
 numpy while agreement rounds travel where COMMSCHED_CONTROL_CHANNEL says, then the core's counters.
 
 Runs under mpiexec (python -m mpi4py) or a torchrun-style launcher (COMMSCHED_TRANSPORT=gloo).
-Arguments: --expect tcp|transport (where the rounds must have gone), or --expect init-error (init()
-must fail; the message is printed)."""
+Arguments: --expect tcp|transport (where the rounds must have gone), --expect init-error (init()
+must fail; the message is printed), or --expect peer-exits (rank 1 leaves; the others must fail
+naming it, through the channel)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 
 import numpy as np
 
@@ -49,10 +52,32 @@ def run_collectives(rank: int, size: int) -> int:
     return checked
 
 
+def peer_exits(rank: int) -> None:
+    """Rank 1 leaves without a word; every other rank's next collective fails naming rank 1."""
+    commsched.allreduce(np.ones(4, np.float32), name="before")
+    if rank == 1:
+        sys.stdout.flush()
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        commsched.allreduce(np.ones(100_000, np.float32), name="after", timeout=60)
+    except commsched.RankFailure as error:
+        if error.rank != 1 or "control channel" not in str(error):
+            raise SystemExit(f"rank {rank}: the failure names rank {error.rank}, not 1: {error}") from None
+        print(f"PEER-EXIT-OK on rank {rank}, RankFailure.rank={error.rank}: {error}", flush=True)
+        return
+    except ValueError as error:  # stopped before the submission: the message still names the rank
+        if "control channel" not in str(error) or "rank 1" not in str(error):
+            raise SystemExit(f"rank {rank}: unexpected error: {error}") from None
+        print(f"PEER-EXIT-OK on rank {rank}, stopped before submitting: {error}", flush=True)
+        return
+    raise SystemExit(f"rank {rank}: an allreduce with a departed peer succeeded")
+
+
 def main() -> None:
     """Runs the collectives, then prints where the rounds went."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--expect", choices=("tcp", "transport", "init-error"), required=True)
+    parser.add_argument("--expect", choices=("tcp", "transport", "init-error", "peer-exits"), required=True)
     expect = parser.parse_args().expect
     if expect == "init-error":
         try:
@@ -66,6 +91,9 @@ def main() -> None:
         raise SystemExit(f"rank {commsched.rank()}: init() succeeded, expected a failure")
     commsched.init()
     rank, size = commsched.rank(), commsched.size()
+    if expect == "peer-exits":
+        peer_exits(rank)
+        return
     checked = run_collectives(rank, size)
     stats = commsched.stats()
     rounds, cycles = stats["control_channel_rounds"], stats["cycles"]
