@@ -1,4 +1,4 @@
-"""The TCP control channel at 2 and 3 ranks over MPI and native Gloo: collectives stay exact while every
+"""The TCP control channel at 2 and 3 ranks over MPI, native Gloo and gRPC: collectives stay exact while every
 agreement round travels over it; `auto` on one host keeps the transport's own exchange; bad settings
 are refused with the variable named. (The channel's own protocol is tested in tests/cpp.)"""
 
@@ -45,11 +45,27 @@ def test_mpi_collectives_are_exact_with_every_round_over_the_tcp_channel(ranks: 
     _ok_lines(result.stdout, ranks, "tcp")
 
 
-@needs_gloo
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_native_gloo_collectives_are_exact_with_every_round_over_the_tcp_channel(ranks: int) -> None:
-    """The same over the native Gloo transport, started by commsched's own launcher."""
-    env = {**clean_rank_env(ROOT), **SIZES, "COMMSCHED_TRANSPORT": "gloo", "COMMSCHED_CONTROL_CHANNEL": "tcp"}
+needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="needs grpcio")
+
+
+@pytest.mark.parametrize(
+    ("transport", "ranks"),
+    [
+        pytest.param("gloo", 2, marks=needs_gloo),
+        pytest.param("gloo", 3, marks=needs_gloo),
+        pytest.param("grpc", 2, marks=needs_grpc),
+    ],
+)
+def test_launcher_collectives_are_exact_with_every_round_over_the_tcp_channel(
+    transport: str, ranks: int
+) -> None:
+    """The same over native Gloo and over gRPC (a Python transport), started by commsched's own launcher."""
+    env = {
+        **clean_rank_env(ROOT),
+        **SIZES,
+        "COMMSCHED_TRANSPORT": transport,
+        "COMMSCHED_CONTROL_CHANNEL": "tcp",
+    }
     result = subprocess.run(
         local_launch(ranks, str(PROGRAM), "--expect", "tcp"),
         env=env,
@@ -60,7 +76,7 @@ def test_native_gloo_collectives_are_exact_with_every_round_over_the_tcp_channel
     )
     assert result.returncode == 0, result.stdout + result.stderr
     _ok_lines(result.stdout, ranks, "tcp")
-    assert "over gloo" in result.stdout
+    assert f"over {transport}" in result.stdout
 
 
 @needs_gloo

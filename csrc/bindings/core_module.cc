@@ -240,7 +240,14 @@ PYBIND11_MODULE(_core, module) {
         settings.control_channel = control_channel_from_name(control_channel);
         settings.control_address = control_address;
         auto transport = make_transport(transport_kind, std::move(transport_argument));
-        runtime_slot().install(std::make_shared<Runtime>(settings, std::move(transport)));
+        std::shared_ptr<Runtime> runtime;
+        {
+          // Without the GIL: the constructor's control-channel bootstrap waits for the other ranks,
+          // whose reports a Python transport (gRPC) sends and receives on threads of its own.
+          py::gil_scoped_release release;
+          runtime = std::make_shared<Runtime>(settings, std::move(transport));
+        }
+        runtime_slot().install(std::move(runtime));
       },
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
