@@ -5,8 +5,11 @@ are refused with the variable named. (The channel's own protocol is tested in te
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from mpirun import clean_rank_env, local_launch, run_ranks, unglue  # tests/ is on sys.path (conftest.py)
@@ -123,3 +126,50 @@ def test_an_address_this_host_lacks_fails_every_rank_with_the_variable_named() -
     output = unglue(result.stdout, "rank ")
     assert output.count("init failed: ") == 2, output
     assert "COMMSCHED_CONTROL_ADDRESS=nosuchif0 is neither an IPv4 address nor an interface" in output, output
+
+
+def _netrig() -> ModuleType:
+    """benchmarks/netrig.py, a script folder's module."""
+    spec = importlib.util.spec_from_file_location("netrig", NETRIG)
+    assert spec and spec.loader
+    module = sys.modules.get("netrig") or importlib.util.module_from_spec(spec)
+    sys.modules["netrig"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+NETRIG = ROOT / "benchmarks" / "netrig.py"
+_RIG_OK, _RIG_WHY = _netrig().available()
+needs_rig = pytest.mark.skipif(not _RIG_OK, reason=f"needs the shaped-network rig: {_RIG_WHY}")
+
+
+def _on_rig(expect: str, env: dict[str, str]) -> str:
+    """Runs the rank program on 2 ranks in network namespaces of their own; returns its output."""
+    argv = [sys.executable, str(NETRIG), "--ranks", "2", "--rate", "1gbit", "--queue", "priority", "--"]
+    argv += [sys.executable, "-m", "mpi4py", str(PROGRAM), "--expect", expect]
+    result = subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@needs_mpi
+@needs_rig
+def test_auto_across_network_stacks_takes_the_channel() -> None:
+    """Ranks in separate network namespaces: auto puts every round on the TCP channel, results exact."""
+    _ok_lines(_on_rig("tcp", {**SIZES, "COMMSCHED_CONTROL_CHANNEL": "auto"}), 2, "tcp")
+
+
+@needs_mpi
+@needs_rig
+def test_a_channel_that_cannot_connect_falls_back_under_auto_and_fails_under_tcp() -> None:
+    """Each rank advertising 127.0.0.1 from its own namespace: no peer reaches it. auto warns and keeps
+    the rounds on MPI on both ranks; tcp fails init() on both ranks, saying why."""
+    unreachable = {**SIZES, "COMMSCHED_CONTROL_ADDRESS": "127.0.0.1"}
+    output = _on_rig("transport", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "auto"})
+    _ok_lines(output, 2, "transport")
+    assert output.count("the TCP control channel could not connect") >= 2, output
+    output = unglue(_on_rig("init-error", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "tcp"}), "rank ")
+    assert output.count("init failed: ") == 2, output
+    assert "COMMSCHED_CONTROL_CHANNEL=tcp: the TCP control channel could not connect" in output, output

@@ -10,9 +10,11 @@ namespace commsched {
 
 namespace {
 
-// Building the mesh waits for every rank's listener; ranks reach it within moments of each other,
-// but a loaded host may take a while to schedule them.
+// Building the mesh starts once every rank is past the bootstrap exchange, so it takes moments; a
+// loaded host may take a while to schedule the ranks, and a firewall that drops the connections
+// should fail (or, under auto, fall back) well before COMMSCHED_STALL_SHUTDOWN's 300 s.
 constexpr double kMinConnectTimeoutS = 10.0;
+constexpr double kMaxConnectTimeoutS = 30.0;
 // A rank that cannot take part in the bootstrap says so in its entry, so the others fail at once.
 constexpr char kRefusalMark = '!';
 
@@ -57,9 +59,28 @@ ControlPath::ControlPath(ControlChannel mode, const std::string& address_overrid
     logger.debug("agreement over the " + transport.name() + " transport: every rank shares one network stack");
     return;
   }
-  const double connect_s = std::max(kMinConnectTimeoutS, timeout_s);
-  channel->connect(channel_entries, std::chrono::duration_cast<control::Clock::duration>(
-                                        std::chrono::duration<double>(connect_s)));
+  const double connect_s = std::clamp(timeout_s, kMinConnectTimeoutS, kMaxConnectTimeoutS);
+  std::string failure;
+  try {
+    channel->connect(channel_entries, std::chrono::duration_cast<control::Clock::duration>(
+                                          std::chrono::duration<double>(connect_s)));
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  // Every rank learns whether every other one got its connections, so all take the same road.
+  const std::vector<std::string> verdicts = transport.exchange(failure.empty() ? "ok" : kRefusalMark + failure,
+                                                               timeout_s);
+  for (int peer = 0; peer < static_cast<int>(verdicts.size()); ++peer) {
+    if (verdicts[peer] == "ok") continue;
+    const std::string why = "rank " + std::to_string(peer) + ": " +
+                            (verdicts[peer].empty() ? std::string("no verdict") : verdicts[peer].substr(1));
+    if (mode == ControlChannel::kAuto) {
+      logger.warning("COMMSCHED_CONTROL_CHANNEL=auto: the TCP control channel could not connect (" + why +
+                     "); agreement rounds stay on the " + transport.name() + " transport");
+      return;
+    }
+    throw CommError("COMMSCHED_CONTROL_CHANNEL=tcp: the TCP control channel could not connect (" + why + ")");
+  }
   std::string where;
   for (const std::string& address : channel->addresses()) where += (where.empty() ? "" : ",") + address;
   logger.info("agreement over the TCP control channel (listening at " + where + ")");
