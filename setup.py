@@ -48,6 +48,9 @@ extensions = [
         CORE_SOURCES
         + [
             "csrc/transport/loopback/loopback_transport.cc",
+            "csrc/transport/control/control_wire.cc",
+            "csrc/transport/control/host_identity.cc",
+            "csrc/transport/control/tcp_control_channel.cc",
             "csrc/transport/python/python_transport.cc",
             "csrc/bindings/core_module.cc",
             "csrc/bindings/c_api.cc",

@@ -60,6 +60,10 @@ RING_ALLREDUCE_ENV = {
     "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring",
     "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "tsp_ring",
 }
+# The queue under each tbf: fifo (tbf's own), or priority: pfifo_fast, whose band 0 serves packets
+# marked low-delay (IP_TOS 0x10, SO_PRIORITY 6, as commsched's control channel marks them) ahead of
+# bulk data, as a host's default qdisc does on a real NIC.
+QUEUES = ("fifo", "priority")
 SUBNET = "10.77.0"
 RESULT_TAG = "NETRIG_RESULT "
 _instance_counter = itertools.count()
@@ -219,12 +223,16 @@ class NetRig:
         prefix: str = DEFAULT_PREFIX,
         handle_signals: bool = True,
         mpi_allreduce: str = "ring",
+        queue: str = "fifo",
     ) -> None:
         if not 2 <= n_ranks <= 4:
             raise ValueError(f"n_ranks must be 2 to 4, got {n_ranks}")
         if mpi_allreduce not in MPI_ALLREDUCE_CHOICES:
             raise ValueError(f"mpi_allreduce must be one of {MPI_ALLREDUCE_CHOICES}, got {mpi_allreduce!r}")
         self.mpi_allreduce = mpi_allreduce
+        if queue not in QUEUES:
+            raise ValueError(f"queue must be one of {QUEUES}, got {queue!r}")
+        self.queue = queue
         if not re.fullmatch(r"[a-z]+", prefix):
             raise ValueError(f"prefix must be lowercase letters, got {prefix!r}")
         self.rate_bps = parse_rate(rate)
@@ -294,9 +302,12 @@ class NetRig:
             _run(["ip", "-n", ns, "link", "set", veth, "up"])
             for where, dev in ((ns, veth), (hub, port)):
                 _run(
-                    ["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf"]
+                    ["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf"]
                     + ["rate", self.rate, "burst", self.burst, "latency", self.latency]
                 )
+                if self.queue == "priority":
+                    child = ["parent", "1:1", "handle", "10:", "pfifo_fast"]
+                    _run(["tc", "-n", where, "qdisc", "add", "dev", dev, *child])
                 _steer_receive(where, dev)
         self._wait_links_up()
 
@@ -608,6 +619,12 @@ def _parser() -> argparse.ArgumentParser:
         help="MPICH's allreduce algorithm on the ranks: ring (the default; what commsched-sim models) "
         "or auto (MPICH's own choice, at 4 ranks recursive halving and doubling)",
     )
+    p.add_argument(
+        "--queue",
+        choices=QUEUES,
+        default="fifo",
+        help="the queue under each link's tbf: fifo, or priority (pfifo_fast: low-delay packets first)",
+    )
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT for --launcher torch")
     p.add_argument("--check", action="store_true", help="measure allreduce time vs the rate")
     p.add_argument("--backend", choices=("mpi", "gloo", "both"), default="both", help="for --check")
@@ -638,9 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ok:
         print(f"netrig: cannot build a rig: {why}", file=sys.stderr)
         return 2
-    with NetRig(
-        args.ranks, args.rate, args.burst, args.latency, prefix=args.prefix, mpi_allreduce=args.mpi_allreduce
-    ) as rig:
+    options = {"prefix": args.prefix, "mpi_allreduce": args.mpi_allreduce, "queue": args.queue}
+    with NetRig(args.ranks, args.rate, args.burst, args.latency, **options) as rig:
         if args.check:
             backends = ["mpi", "gloo"] if args.backend == "both" else [args.backend]
             results = [run_check(rig, parse_size(args.size), b, args.repeats) for b in backends]

@@ -262,6 +262,8 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         log_level=resolved.log_level,
         transport_kind=core_kind,
         transport_argument=argument,
+        control_channel=resolved.control_channel,
+        control_address=resolved.control_address,
     )
     _state.settings = resolved
     _state.transport = kind

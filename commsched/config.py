@@ -28,6 +28,7 @@ POLICIES = ("priority", "fifo")
 TRANSPORTS = ("auto", "mpi", "gloo", "grpc", "nccl", "loopback")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
+CONTROL_CHANNELS = ("auto", "tcp", "transport")
 
 
 # Sizes travel as unsigned 64-bit counts; anything near that is a typo, not a buffer.
@@ -128,6 +129,10 @@ class Settings:
     # The link the defaults are fitted to (default_sizes); None: measured at init under MPI.
     link_bandwidth: float | None = None  # bytes per second of each rank's link
     link_latency: float | None = None  # seconds per message
+    # Where agreement rounds travel: tcp (connections of their own, marked low-delay, never behind data),
+    # transport (the transport's own exchange), auto (tcp unless every rank shares one network stack).
+    control_channel: str = "auto"
+    control_address: str = ""  # the control channel's IPv4 address or interface; default: every address
     grpc_bind: str = ""  # gRPC transport: interface, IP or host to listen on; default reaches MASTER_ADDR
     grpc_bulk_bytes: int = 16 * 1024  # gRPC ring pieces this large go over a TCP/TLS socket; 0: all over gRPC
     # gRPC over TLS: all three files or none (see _check_grpc_tls); commsched-run --grpc-tls makes them.
@@ -323,6 +328,16 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "COMMSCHED_LINK_LATENCY",
         parse_duration,
         _DURATION_FORM + " per message, e.g. 20us (unset: measured at init under MPI)",
+    ),
+    "control_channel": (
+        "COMMSCHED_CONTROL_CHANNEL",
+        _choice(CONTROL_CHANNELS),
+        "one of " + ", ".join(CONTROL_CHANNELS),
+    ),
+    "control_address": (
+        "COMMSCHED_CONTROL_ADDRESS",
+        _path,
+        "an IPv4 address or an interface name (eth0) of this host for the TCP control channel",
     ),
     "grpc_bind": ("COMMSCHED_GRPC_BIND", _path, "an interface name (eth0), an IP address or a host name"),
     "grpc_bulk_bytes": (

@@ -3,6 +3,9 @@ calls shutdown() early, under every transport and launcher. Every other rank mus
 COMMSCHED_STALL_SHUTDOWN + 10 s of the fault, with an error naming rank 1 and the tensor (or be
 ended by its launcher, which names rank 1), and no process of the job may be left behind.
 
+COMMSCHED_CONTROL_CHANNEL, when set for the test run, reaches the ranks, so the matrix runs with the
+agreement on the TCP control channel too (e.g. COMMSCHED_CONTROL_CHANNEL=tcp pytest ... -k mpi).
+
 Seconds from the fault until the last other rank exited are printed as a table (pytest -s) and
 written to fault_matrix.json in pytest's base temporary directory.
 """
@@ -38,6 +41,9 @@ SURVIVOR_BOUND_S = STALL_SHUTDOWN_S + 10
 # torchrun ends a stopped rank only after its fixed 30 s SIGTERM wait; everything else is far quicker.
 JOB_LIMIT_S = 90
 MARK = "COMMSCHED_FAULT_TEST_MARK"
+PASSED_THROUGH = (
+    "COMMSCHED_CONTROL_CHANNEL",
+)  # settings the matrix may run under, from the test's environment
 
 FAULTS = ("kill", "stop", "raise", "skip", "shutdown")
 LAUNCHES = {  # cell name -> (transport, launcher)
@@ -137,6 +143,9 @@ class _Cell:
                 MARK: self.mark,
             }
         )
+        for variable in PASSED_THROUGH:
+            if os.environ.get(variable):
+                environment[variable] = os.environ[variable]
         self.output_path = directory / "output.txt"
         with open(self.output_path, "w") as output:
             # A session of its own, so whatever the launcher leaves is found by its mark, not by luck.

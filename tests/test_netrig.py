@@ -132,6 +132,26 @@ def test_links_receive_each_flow_on_one_cpu() -> None:
 
 
 @needs_rig
+def test_priority_queue_puts_pfifo_fast_under_every_tbf() -> None:
+    """--queue priority: each shaped link, both directions, queues in pfifo_fast under its tbf; fifo has none."""
+    with pytest.raises(ValueError, match="queue"):
+        netrig.NetRig(n_ranks=2, queue="lifo")
+    for queue in netrig.QUEUES:
+        with netrig.NetRig(n_ranks=2, rate="1gbit", queue=queue) as rig:
+            ends = [(ns, rig.interface(i)) for i, ns in enumerate(rig.namespaces)]
+            ends += [(rig.hub, rig.hub_port(i)) for i in range(2)]
+            for namespace, dev in ends:
+                shown = subprocess.run(
+                    ["tc", "-n", namespace, "qdisc", "show", "dev", dev],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                assert "qdisc tbf 1: root" in shown, shown
+                assert ("qdisc pfifo_fast 10: parent 1:1" in shown) == (queue == "priority"), (queue, shown)
+
+
+@needs_rig
 def test_cleanup_on_exception() -> None:
     with pytest.raises(RuntimeError, match="boom"), netrig.NetRig(n_ranks=3, rate="1gbit") as rig:
         namespaces = [*rig.namespaces, rig.hub]

@@ -72,6 +72,13 @@ LogLevel log_level_from_name(const std::string& name) {
   throw UsageError("unknown log level '" + name + "'");
 }
 
+ControlChannel control_channel_from_name(const std::string& name) {
+  if (name == "auto") return ControlChannel::kAuto;
+  if (name == "tcp") return ControlChannel::kTcp;
+  if (name == "transport") return ControlChannel::kTransport;
+  throw UsageError("COMMSCHED_CONTROL_CHANNEL: unknown value '" + name + "'; use auto, tcp or transport");
+}
+
 std::unique_ptr<Transport> make_transport(const std::string& kind, py::object argument) {
   if (kind == "loopback") return std::make_unique<LoopbackTransport>();
   if (kind == "python") return std::make_unique<PythonTransport>(std::move(argument));
@@ -109,6 +116,7 @@ py::dict stats_dict(const RuntimeStats& stats) {
   out["failed_tensors"] = stats.failed_tensors;
   out["inline_tensors"] = stats.inline_tensors;
   out["cached_names"] = stats.cached_names;
+  out["control_channel_rounds"] = stats.control_channel_rounds;
   return out;
 }
 
@@ -217,7 +225,7 @@ PYBIND11_MODULE(_core, module) {
       [](const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          double cycle_time_s, double stall_timeout_s, double stall_shutdown_s, const std::string& timeline_path,
          const std::string& log_level, const std::string& transport_kind, py::object transport_argument,
-         uint64_t inline_bytes) {
+         uint64_t inline_bytes, const std::string& control_channel, const std::string& control_address) {
         RuntimeSettings settings;
         settings.scheduling.policy = policy == "fifo" ? Policy::kFifo : Policy::kPriority;
         settings.scheduling.partition_bytes = partition_bytes;
@@ -229,13 +237,23 @@ PYBIND11_MODULE(_core, module) {
         settings.stall_shutdown_s = stall_shutdown_s;
         settings.timeline_path = timeline_path;
         settings.log_level = log_level_from_name(log_level);
+        settings.control_channel = control_channel_from_name(control_channel);
+        settings.control_address = control_address;
         auto transport = make_transport(transport_kind, std::move(transport_argument));
-        runtime_slot().install(std::make_shared<Runtime>(settings, std::move(transport)));
+        std::shared_ptr<Runtime> runtime;
+        {
+          // Without the GIL: the constructor's control-channel bootstrap waits for the other ranks,
+          // whose reports a Python transport (gRPC) sends and receives on threads of its own.
+          py::gil_scoped_release release;
+          runtime = std::make_shared<Runtime>(settings, std::move(transport));
+        }
+        runtime_slot().install(std::move(runtime));
       },
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
       py::arg("log_level"), py::arg("transport_kind"), py::arg("transport_argument") = py::none(),
-      py::arg("inline_bytes") = RuntimeSettings{}.inline_bytes, "Starts the runtime (called by commsched.init()).");
+      py::arg("inline_bytes") = RuntimeSettings{}.inline_bytes, py::arg("control_channel") = "auto",
+      py::arg("control_address") = "", "Starts the runtime (called by commsched.init()).");
 
   module.def(
       "stop",

@@ -40,6 +40,7 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       cycle_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settings.cycle_time_s))),
       exchange_timeout_s_(settings.stall_shutdown_s > 0 ? settings.stall_shutdown_s : 10 * settings.stall_timeout_s),
       logger_(settings.log_level, rank_),
+      control_(settings.control_channel, settings.control_address, *transport_, exchange_timeout_s_, logger_),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
       started_(Clock::now()),
@@ -419,6 +420,7 @@ RuntimeStats LiveStats::snapshot() const {
   out.failed_tensors = failed_tensors.load(std::memory_order_relaxed);
   out.inline_tensors = inline_tensors.load(std::memory_order_relaxed);
   out.cached_names = cached_names.load(std::memory_order_relaxed);
+  out.control_channel_rounds = control_channel_rounds.load(std::memory_order_relaxed);
   return out;
 }
 

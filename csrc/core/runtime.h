@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/agreement.h"
+#include "core/control_path.h"
 #include "core/handle.h"
 #include "core/log.h"
 #include "core/node_recycler.h"
@@ -39,6 +40,7 @@ struct RuntimeStats {
   uint64_t failed_tensors = 0;
   uint64_t inline_tensors = 0;  // completed from the agreement reports, without a collective
   uint64_t cached_names = 0;  // tensor names the agreement remembers (bounded, see Agreement)
+  uint64_t control_channel_rounds = 0;  // rounds exchanged over the TCP control channel, not the transport
 };
 
 // The counters behind RuntimeStats: bumped by the driver and read from any thread, as relaxed
@@ -55,6 +57,7 @@ struct LiveStats {
   std::atomic<uint64_t> failed_tensors{0};
   std::atomic<uint64_t> inline_tensors{0};
   std::atomic<uint64_t> cached_names{0};
+  std::atomic<uint64_t> control_channel_rounds{0};
 
   RuntimeStats snapshot() const;
 };
@@ -264,6 +267,7 @@ class Runtime {
   const double exchange_timeout_s_;
   const std::shared_ptr<Doorbell> doorbell_ = std::make_shared<Doorbell>();
   Logger logger_;
+  ControlPath control_;  // where agreement reports travel; bootstrapped before the core's thread starts
   Timeline timeline_;
   Agreement agreement_;
   Scheduler scheduler_;

@@ -225,7 +225,7 @@ bool Runtime::run_round() {
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
     if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, exchange_start_us);
-    const std::vector<std::string> reports = transport_->exchange(agreement_.build_report(status), exchange_timeout_s_);
+    const std::vector<std::string> reports = control_.exchange(agreement_.build_report(status), exchange_timeout_s_);
     after_exchange = Clock::now();
     agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
     if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
@@ -233,7 +233,13 @@ bool Runtime::run_round() {
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
     }
     stats_.cycles.fetch_add(1, std::memory_order_relaxed);
+    if (control_.over_channel()) stats_.control_channel_rounds.fetch_add(1, std::memory_order_relaxed);
     stats_.cached_names.store(agreement_.cached_names(), std::memory_order_relaxed);
+  } catch (const control::PeerLost& lost) {
+    // The control channel knows which rank it lost: handles then name it (RankFailure.rank).
+    stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + lost.what(),
+                    lost.rank());
+    return false;
   } catch (const std::exception& error) {
     // The control path itself failed: nobody can be told, so stop here.
     stop_everything("rank " + std::to_string(rank_) + " lost contact with the other ranks: " + error.what());

@@ -33,6 +33,11 @@ inline constexpr uint64_t kInlineRoundBudgetBytes = 64 * 1024;
 // messages per rank then cost more. The simulator charges the exchange the same way.
 inline constexpr int kDirectExchangeMaxRanks = 8;
 
+// Where agreement reports travel: kTransport through the transport's exchange(); kTcp over a
+// mesh of TCP connections of their own, which never queue behind data; kAuto picks kTcp when the
+// ranks do not all share one network stack (on one host the transport's path, shared memory, wins).
+enum class ControlChannel : uint8_t { kAuto = 0, kTcp, kTransport };
+
 struct RuntimeSettings {
   SchedulingSettings scheduling;
   // Tensors up to this size ride in the agreement report and are reduced there (host memory only).
@@ -41,6 +46,8 @@ struct RuntimeSettings {
   double stall_timeout_s = 60.0;
   double stall_shutdown_s = 300.0;  // 0 disables failing stalled tensors
   std::string timeline_path;
+  ControlChannel control_channel = ControlChannel::kAuto;
+  std::string control_address;  // COMMSCHED_CONTROL_ADDRESS: an IPv4 address or interface name; empty: all
   LogLevel log_level = LogLevel::kWarning;
 };
 

@@ -178,6 +178,10 @@ class Transport {
   // Drops what prepare() recorded, for a tensor the core then refused. Any thread.
   virtual void forget(void* data) { (void)data; }
 
+  // Told when the core's own control channel (not this transport) found `rank` gone (-1: unknown),
+  // so the transport stops waiting for it where it would otherwise block (MPI_Finalize). Driver only.
+  virtual void peer_lost(const std::string& why, int rank) { (void)why, (void)rank; }
+
   // Fusion buffers live in the transport's memory: host memory unless it says otherwise.
   virtual std::unique_ptr<FusionBuffer> allocate_fusion_buffer(size_t bytes) {
     return std::make_unique<HostFusionBuffer>(bytes);

@@ -34,6 +34,7 @@ class MpiTransport : public Transport {
   // A process set runs on a communicator of its members (MPI_Comm_create_group, collective over them only).
   void add_process_set(int32_t id, const std::vector<int>& ranks) override;
   void remove_process_set(int32_t id) override;
+  void peer_lost(const std::string& why, int rank) override { lose_peer(why, rank); }
 
  private:
   class Op;

@@ -1,0 +1,78 @@
+// A full mesh of TCP connections between the ranks that carries only agreement reports, so a round
+// never queues behind data in a transport's own connection. Its sockets are marked low-delay
+// (IP_TOS 0x10, SO_PRIORITY 6): a host's priority or fair queueing serves them ahead of bulk data.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport/control/control_wire.h"
+
+namespace commsched::control {
+
+class TcpControlChannel {
+ public:
+  // Listens on an ephemeral port of every address (or of the one COMMSCHED_CONTROL_ADDRESS names).
+  TcpControlChannel(int rank, int size, const std::string& address_override);
+  TcpControlChannel(const TcpControlChannel&) = delete;
+  TcpControlChannel& operator=(const TcpControlChannel&) = delete;
+
+  // This rank's bootstrap entry ("token port ip,ip,..."), for every other rank's connect().
+  std::string bootstrap_entry() const;
+
+  // Builds the mesh from every rank's bootstrap_entry() (indexed by rank): this rank dials every lower
+  // rank, trying its addresses in order, and accepts every higher one. Throws CommError naming the
+  // ranks it could not reach within `timeout`.
+  void connect(const std::vector<std::string>& entries, Clock::duration timeout);
+
+  // Sends `mine` to every peer and returns every rank's report, indexed by rank. Throws PeerLost
+  // naming the peer that closed, reset or sent a bad frame, or the ranks silent for `timeout_s`
+  // (negative: no limit). After a failure every call throws the same error.
+  std::vector<std::string> exchange(const std::string& mine, double timeout_s);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+
+ private:
+  struct PeerEntry {
+    uint64_t token = 0;
+    uint16_t port = 0;
+    std::vector<std::string> addresses;
+  };
+  // One peer's part of a round.
+  struct PeerState {
+    size_t sent = 0;      // bytes of frame_ written
+    size_t header_got = 0;
+    char header[kFrameHeaderBytes] = {};
+    bool body_known = false;
+    size_t body_got = 0;
+  };
+
+  static PeerEntry parse_entry(const std::string& entry, int peer);
+  // Dials `peer` (a lower rank) at its addresses in order until `deadline`; an invalid fd and
+  // `error` filled when none answered.
+  UniqueFd dial(int peer, const PeerEntry& entry, Clock::time_point deadline, std::string& error) const;
+  // Accepts the higher ranks' connections into peers_ until `deadline` or `stop`.
+  void accept_peers(Clock::time_point deadline, const std::atomic<bool>& stop_requested, std::string& error);
+  // Reads what `peer` has sent of this round; true when its frame is complete.
+  bool receive_from(int peer, std::vector<std::string>& reports);
+  [[noreturn]] void fail(const std::string& why, int peer);
+
+  const int rank_;
+  const int size_;
+  const uint64_t token_;
+  UniqueFd listener_;
+  uint16_t port_ = 0;
+  std::vector<std::string> addresses_;
+  std::vector<UniqueFd> peers_;  // by rank; this rank's own slot stays empty
+  uint32_t round_ = 0;
+  std::string frame_;  // this round's outgoing frame, kept for its capacity
+  std::vector<PeerState> states_;
+  std::string broken_;  // why the channel failed; empty while it works
+  int broken_rank_ = -1;
+};
+
+}  // namespace commsched::control
