@@ -109,6 +109,28 @@ def test_auto_on_one_host_keeps_the_transport_exchange() -> None:
     _ok_lines(result.stdout, 2, "transport")
 
 
+@needs_grpc
+def test_auto_on_one_host_takes_the_channel_for_a_python_transport() -> None:
+    """gRPC exchanges through Python (hundreds of microseconds a round): auto takes the channel even
+    on one host, and the results stay exact."""
+    env = {
+        **clean_rank_env(ROOT),
+        **SIZES,
+        "COMMSCHED_TRANSPORT": "grpc",
+        "COMMSCHED_CONTROL_CHANNEL": "auto",
+    }
+    result = subprocess.run(
+        local_launch(2, str(PROGRAM), "--expect", "tcp"),
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    _ok_lines(result.stdout, 2, "tcp")
+
+
 def test_a_bad_channel_value_names_the_variable_and_the_choices() -> None:
     """COMMSCHED_CONTROL_CHANNEL=udp is refused at init with the variable and the accepted values."""
     with pytest.raises(SettingError, match=r"COMMSCHED_CONTROL_CHANNEL.*'udp'.*one of auto, tcp, transport"):

@@ -178,6 +178,11 @@ class Transport {
   // Drops what prepare() recorded, for a tensor the core then refused. Any thread.
   virtual void forget(void* data) { (void)data; }
 
+  // True when exchange() runs through Python (gRPC, the Python Gloo path): a round there costs
+  // hundreds of microseconds, against tens over the TCP control channel even on one host, so
+  // COMMSCHED_CONTROL_CHANNEL=auto takes the channel for it wherever the ranks run.
+  virtual bool exchange_in_python() const { return false; }
+
   // Told when the core's own control channel (not this transport) found `rank` gone (-1: unknown),
   // so the transport stops waiting for it where it would otherwise block (MPI_Finalize). Driver only.
   virtual void peer_lost(const std::string& why, int rank) { (void)why, (void)rank; }
