@@ -37,6 +37,18 @@ def _ok_lines(output: str, ranks: int, channel: str) -> None:
         assert f"rank {rank}: OK" in output and f"rounds over {channel}" in output, output
 
 
+def _launch(ranks: int, env: dict[str, str], expect: str) -> subprocess.CompletedProcess[str]:
+    """The rank program under commsched's own launcher, expecting `expect`."""
+    return subprocess.run(
+        local_launch(ranks, str(PROGRAM), "--expect", expect),
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @needs_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_mpi_collectives_are_exact_with_every_round_over_the_tcp_channel(ranks: int) -> None:
@@ -69,14 +81,7 @@ def test_launcher_collectives_are_exact_with_every_round_over_the_tcp_channel(
         "COMMSCHED_TRANSPORT": transport,
         "COMMSCHED_CONTROL_CHANNEL": "tcp",
     }
-    result = subprocess.run(
-        local_launch(ranks, str(PROGRAM), "--expect", "tcp"),
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _launch(ranks, env, "tcp")
     assert result.returncode == 0, result.stdout + result.stderr
     _ok_lines(result.stdout, ranks, "tcp")
     assert f"over {transport}" in result.stdout
@@ -86,14 +91,7 @@ def test_launcher_collectives_are_exact_with_every_round_over_the_tcp_channel(
 def test_a_departed_peer_is_named_by_every_other_rank() -> None:
     """Rank 1 of 3 exits mid-job: ranks 0 and 2 fail with RankFailure.rank == 1 from the channel, no hang."""
     env = {**clean_rank_env(ROOT), "COMMSCHED_TRANSPORT": "gloo", "COMMSCHED_CONTROL_CHANNEL": "tcp"}
-    result = subprocess.run(
-        local_launch(3, str(PROGRAM), "--expect", "peer-exits"),
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _launch(3, env, "peer-exits")
     output = unglue(result.stdout + result.stderr, "PEER-EXIT-OK")
     for rank in (0, 2):
         assert f"PEER-EXIT-OK on rank {rank}," in output, output
@@ -119,14 +117,7 @@ def test_auto_on_one_host_takes_the_channel_for_a_python_transport() -> None:
         "COMMSCHED_TRANSPORT": "grpc",
         "COMMSCHED_CONTROL_CHANNEL": "auto",
     }
-    result = subprocess.run(
-        local_launch(2, str(PROGRAM), "--expect", "tcp"),
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _launch(2, env, "tcp")
     assert result.returncode == 0, result.stdout + result.stderr
     _ok_lines(result.stdout, 2, "tcp")
 
