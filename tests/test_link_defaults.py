@@ -155,3 +155,28 @@ def test_the_simulator_scales_the_link_defaults_with_the_model() -> None:
         given[0]["credit_bytes"]
         == default_sizes(4, 1.25e8, 48e-6, partition_bytes=65536 * 16)["credit_bytes"] // 16
     )
+
+
+def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """commsched-bench schedule: unset sizes are the full model's link defaults / --scale; a partition
+    given by flag or variable is kept and the credit counts whole ones of it."""
+    import argparse
+
+    from commsched.bench.schedule import _replay_sizes
+
+    monkeypatch.delenv("COMMSCHED_PARTITION_BYTES", raising=False)
+    args = argparse.Namespace(partition_bytes=None, credit_bytes=None, fusion_bytes=None, scale=16.0)
+    full = default_sizes(4, 1.2e8, 40e-6)
+    assert _replay_sizes(args, 4, 1.2e8, 40e-6) == {name: full[name] // 16 for name in full}
+    monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "64KiB")
+    sizes = _replay_sizes(args, 4, 1.2e8, 40e-6)
+    assert sizes["partition_bytes"] is None  # init() reads the variable
+    assert (
+        sizes["credit_bytes"]
+        == default_sizes(4, 1.2e8, 40e-6, partition_bytes=16 * 65536)["credit_bytes"] // 16
+    )
+    assert sizes["credit_bytes"] % 65536 == 0
+    args.partition_bytes, args.credit_bytes = "32KiB", "96KiB"
+    assert _replay_sizes(args, 4, 1.2e8, 40e-6)["credit_bytes"] == "96KiB"

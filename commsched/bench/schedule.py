@@ -239,7 +239,9 @@ def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latenc
     chunks each tensor has, so the replay would no longer stand for the full-size model.
     """
     given = {name: getattr(args, name) for name in _SCALED_SETTINGS}
-    full_partition = parse_size(given["partition_bytes"]) * args.scale if given["partition_bytes"] else None
+    # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
+    partition = given["partition_bytes"] or os.environ.get("COMMSCHED_PARTITION_BYTES")
+    full_partition = parse_size(partition) * args.scale if partition else None
     fitted = default_sizes(ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None)
     sizes: dict[str, Any] = {}
     for name in _SCALED_SETTINGS:
