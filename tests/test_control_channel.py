@@ -1,5 +1,6 @@
 """The TCP control channel at 2 and 3 ranks over MPI, native Gloo and gRPC: collectives stay exact while every
-agreement round travels over it; `auto` on one host keeps the transport's own exchange; bad settings
+agreement round travels over it; `auto` on one host keeps MPI's shared-memory exchange and takes the
+channel for the others; bad settings
 are refused with the variable named. (The channel's own protocol is tested in tests/cpp.)"""
 
 from __future__ import annotations
@@ -107,14 +108,16 @@ def test_auto_on_one_host_keeps_the_transport_exchange() -> None:
     _ok_lines(result.stdout, 2, "transport")
 
 
-@needs_grpc
-def test_auto_on_one_host_takes_the_channel_for_a_python_transport() -> None:
-    """gRPC exchanges through Python (hundreds of microseconds a round): auto takes the channel even
-    on one host, and the results stay exact."""
+@pytest.mark.parametrize(
+    "transport", [pytest.param("grpc", marks=needs_grpc), pytest.param("gloo", marks=needs_gloo)]
+)
+def test_auto_on_one_host_takes_the_channel_outside_mpi(transport: str) -> None:
+    """gRPC (exchange through Python) and native Gloo (pair sockets and worker threads) spend hundreds
+    of microseconds a round on one host: auto takes the channel there too, and results stay exact."""
     env = {
         **clean_rank_env(ROOT),
         **SIZES,
-        "COMMSCHED_TRANSPORT": "grpc",
+        "COMMSCHED_TRANSPORT": transport,
         "COMMSCHED_CONTROL_CHANNEL": "auto",
     }
     result = _launch(2, env, "tcp")

@@ -55,7 +55,7 @@ ControlPath::ControlPath(ControlChannel mode, const std::string& address_overrid
   }
   const bool one_stack = std::all_of(identities.begin(), identities.end(),
                                      [&](const std::string& identity) { return identity == identities.front(); });
-  if (mode == ControlChannel::kAuto && one_stack && !transport.exchange_in_python()) {
+  if (mode == ControlChannel::kAuto && one_stack && transport.exchange_in_shared_memory()) {
     logger.debug("agreement over the " + transport.name() + " transport: every rank shares one network stack");
     return;
   }

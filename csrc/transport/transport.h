@@ -178,10 +178,12 @@ class Transport {
   // Drops what prepare() recorded, for a tensor the core then refused. Any thread.
   virtual void forget(void* data) { (void)data; }
 
-  // True when exchange() runs through Python (gRPC, the Python Gloo path): a round there costs
-  // hundreds of microseconds, against tens over the TCP control channel even on one host, so
-  // COMMSCHED_CONTROL_CHANNEL=auto takes the channel for it wherever the ranks run.
-  virtual bool exchange_in_python() const { return false; }
+  // True when exchange() between ranks of one host goes through shared memory (MPI: a few
+  // microseconds a round), so COMMSCHED_CONTROL_CHANNEL=auto keeps it there. Every other exchange
+  // (Gloo's pair sockets and worker threads, gRPC and the Python Gloo path) costs hundreds of
+  // microseconds a round on one host, against tens over the TCP control channel, so auto takes the
+  // channel for it wherever the ranks run.
+  virtual bool exchange_in_shared_memory() const { return false; }
 
   // Told when the core's own control channel (not this transport) found `rank` gone (-1: unknown),
   // so the transport stops waiting for it where it would otherwise block (MPI_Finalize). Driver only.

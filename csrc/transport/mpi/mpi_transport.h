@@ -29,6 +29,8 @@ class MpiTransport : public Transport {
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return true; }
+  // MPI's exchange between ranks of one host runs over its shared memory.
+  bool exchange_in_shared_memory() const override { return true; }
   // MPI has every collective and op (min, max and product of half types through user ops).
   std::string unsupported(const TensorSpec& spec) const override { return {}; }
   // A process set runs on a communicator of its members (MPI_Comm_create_group, collective over them only).

@@ -43,7 +43,6 @@ class PythonTransport : public Transport {
   std::string name() const override { return name_; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
-  bool exchange_in_python() const override { return true; }
   // Every poll takes the GIL from the training thread, so poll sparingly.
   std::chrono::microseconds poll_interval() const override { return poll_interval_; }
   void set_doorbell(std::shared_ptr<Doorbell> doorbell) override { doorbell_ = std::move(doorbell); }
