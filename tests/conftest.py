@@ -3,6 +3,7 @@
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,35 @@ def nccl_env(fake_nccl: tuple[Path, ctypes.CDLL], monkeypatch: pytest.MonkeyPatc
     handle.fake_reset()
     handle.fake_set_main_thread()
     return handle
+
+
+@pytest.fixture
+def fake(fake_nccl: tuple[Path, ctypes.CDLL]) -> Iterator[ctypes.CDLL]:
+    """The session's fake library with prototypes declared, an empty log and no per-operation delay; later
+    tests find this thread back on device 0."""
+    import fake_cuda
+
+    handle = fake_cuda.declare(fake_nccl[1])
+    handle.fake_reset()
+    handle.fake_set_main_thread()
+    fake_cuda.set_delay_us(handle, 0)
+    yield handle
+    fake_cuda.set_delay_us(handle, 0)
+    handle.cudaSetDevice(0)
+
+
+@pytest.fixture
+def new_stream(fake: ctypes.CDLL) -> Iterator[Callable[[], int]]:
+    """Makes streams with cudaStreamCreateWithFlags and destroys them after the test (other tests expect
+    their first stream to be logged as "own")."""
+    made: list[int] = []
+
+    def make() -> int:
+        stream = ctypes.c_void_p()
+        assert fake.cudaStreamCreateWithFlags(ctypes.byref(stream), 1) == 0
+        made.append(stream.value)
+        return stream.value
+
+    yield make
+    for stream in made:
+        assert fake.cudaStreamDestroy(stream) == 0

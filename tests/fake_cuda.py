@@ -20,6 +20,7 @@ import ctypes
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,35 @@ class FakeCudaArray:
         }
         if device_id is not None:
             self.device = type("Device", (), {"id": device_id})()
+
+
+def new_event(fake: ctypes.CDLL) -> int:
+    """A cudaEvent made with cudaEventCreateWithFlags (disable timing)."""
+    event = ctypes.c_void_p()
+    assert fake.cudaEventCreateWithFlags(ctypes.byref(event), 2) == 0
+    return event.value
+
+
+def communicators(fake: ctypes.CDLL, nranks: int) -> list[int]:
+    """One communicator per rank, all in this process (each init blocks until all joined, so threads)."""
+    raw = unique_id(fake)
+    comms = [ctypes.c_void_p() for _ in range(nranks)]
+    results = [-1] * nranks
+
+    def init(rank: int) -> None:
+        results[rank] = fake.ncclCommInitRank(ctypes.byref(comms[rank]), nranks, unique_id_from(raw), rank)
+
+    threads = [threading.Thread(target=init, args=(rank,)) for rank in range(nranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [0] * nranks
+    return [comm.value for comm in comms]
+
+
+def async_error(fake: ctypes.CDLL, comm: int) -> int:
+    """ncclCommGetAsyncError's answer for `comm`."""
+    error = ctypes.c_int(-1)
+    assert fake.ncclCommGetAsyncError(comm, ctypes.byref(error)) == 0
+    return error.value
