@@ -312,9 +312,40 @@ def default_sizes(
         chosen = collective_model.resolve(
             algorithm, sizes["partition_bytes"], max(2, ranks), bandwidth_bytes_per_s, latency_s
         )
+        if chosen == concrete and algorithm == "nccl":
+            return _ring_sized_under_nccl(
+                sizes, ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes
+            )
         if chosen == concrete:
             return sizes
     return fitted[0]
+
+
+def _ring_sized_under_nccl(
+    sizes: dict[str, int],
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule,
+    partition_bytes: int | None,
+) -> dict[str, int]:
+    """Under NCCL's choice, partitions just below the size where NCCL turns from its tree to its ring
+    move twice their bytes (the tree's) where one partition more would move 2(n-1)/n: the partition
+    grows to the ring's smallest size when the rule allows one that large (a partition the user set
+    stays), and the credit then covers the ring's delay."""
+    n = max(2, ranks)
+    partition = sizes["partition_bytes"]
+    if (
+        partition_bytes
+        or collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) != "tree"
+    ):
+        return sizes
+    while partition < rule.max_partition_bytes:
+        partition *= 2
+        if collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) == "ring":
+            delay = link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, "ring")
+            return _sizes_for_delay(delay, rule, partition)
+    return sizes
 
 
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"

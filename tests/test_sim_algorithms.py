@@ -238,14 +238,31 @@ def test_defaults_fit_the_delay_of_the_algorithm_the_transport_runs(
     assert default_sizes(ranks, rate, latency, algorithm="mpich") == expected
     assert default_sizes(ranks, rate, latency, algorithm="halving-doubling") == expected
     nccl = default_sizes(ranks, rate, latency, algorithm="nccl")
-    # Under NCCL's choice: the tree's delay where the tree is faster for a message of that partition.
+    # Under NCCL's choice: the tree's delay where the tree is faster for a message of that partition,
+    # and then the next power of two the ring is faster for, up to 64 MiB, with the ring's credit.
     tree_steps, _ = by_hand("tree", 1, ranks)
+
+    def tree_faster(nbytes: int) -> bool:
+        return (
+            tree_steps * latency + 2 * nbytes / rate
+            < ring_steps * latency + 2 * (ranks - 1) / ranks * nbytes / rate
+        )
+
     tree = default_sizes(ranks, rate, latency * tree_steps / ring_steps)
-    tree_faster = (
-        tree_steps * latency + 2 * tree["partition_bytes"] / rate
-        < ring_steps * latency + 2 * (ranks - 1) / ranks * tree["partition_bytes"] / rate
+    if not tree_faster(tree["partition_bytes"]):
+        assert nccl == default_sizes(ranks, rate, latency)
+        return
+    ring_from = next(
+        (
+            p
+            for p in (tree["partition_bytes"] << k for k in range(1, 12))
+            if p <= 64 << 20 and not tree_faster(p)
+        ),
+        None,
     )
-    assert nccl == (tree if tree_faster else default_sizes(ranks, rate, latency))
+    assert nccl == (
+        tree if ring_from is None else default_sizes(ranks, rate, latency, partition_bytes=ring_from)
+    )
 
 
 def test_two_ranks_keep_the_same_defaults_under_every_transport() -> None:
