@@ -4,9 +4,10 @@ For every network of a grid (rank count x bandwidth x per-message latency) and e
 profile, in two regimes (compute at the profile's device speed, and compute scaled to equal the
 communication, where the schedule matters most), runs the real scheduler on the virtual clock
 (priority policy, overlap mode) for every setting of a size grid, and scores each against the
-best schedule possible (commsched._core.simulate_ideal with the same latency). Then searches the
-constants of config.DefaultRule, whose sizes depend on the link only through its ring delay
-(bandwidth x 2(n-1) x latency), for the rule with the smallest worst-case slowdown against each
+best schedule possible (commsched._core.simulate_ideal with the same latency and allreduce
+algorithm, --algorithm). Then searches the constants of config.DefaultRule, whose sizes depend on
+the link only through its delay (bandwidth x the algorithm's message latencies; the ring's
+2(n-1) x latency by default), for the rule with the smallest worst-case slowdown against each
 case's best grid setting. Prints the rule and its table and writes them as JSON (the rule's
 constants go into commsched/config.py).
 
@@ -29,14 +30,15 @@ from typing import Any
 import numpy as np
 from commsched._core import simulate, simulate_ideal
 
+from commsched import collective_model
 from commsched.bench import schedule
 from commsched.config import (
     DEFAULT_RULE,
     DefaultRule,
     default_sizes,
+    link_delay_bytes,
     parse_duration,
     parse_rate,
-    ring_delay_bytes,
 )
 
 MIB = 1024**2
@@ -77,7 +79,18 @@ def case_layers(model: Any, network: Network, regime: str) -> list:
     return schedule.sim_layers(model)
 
 
-def simulate_setting(layers: list, network: Network, setting: Setting, iterations: int, warmup: int) -> float:
+def case_delay_bytes(network: Network, algorithm: str = "ring") -> float:
+    """The link's delay default_sizes fits to: under a library's choice, that of the algorithm it
+    runs for the partition the current rule picks."""
+    ranks, rate, latency = network
+    partition = default_sizes(*network, algorithm=algorithm)["partition_bytes"]
+    concrete = collective_model.resolve(algorithm, partition, max(2, ranks), rate, latency)
+    return link_delay_bytes(ranks, rate, latency, concrete)
+
+
+def simulate_setting(
+    layers: list, network: Network, setting: Setting, iterations: int, warmup: int, algorithm: str = "ring"
+) -> float:
     """Iteration seconds of one setting under priority + overlap."""
     ranks, rate, latency = network
     partition, credit, fusion = setting
@@ -95,6 +108,7 @@ def simulate_setting(layers: list, network: Network, setting: Setting, iteration
         -1.0,
         iterations,
         warmup,
+        algorithm=algorithm,
     )
     return float(result["iteration_s"])
 
@@ -106,6 +120,7 @@ def sweep(
     iterations: int,
     warmup: int,
     threads: int,
+    algorithm: str = "ring",
 ) -> dict[Case, dict[str, Any]]:
     """For each (network, model, regime): the best schedule's time and every grid setting's time."""
     grid = settings_grid()
@@ -117,8 +132,8 @@ def sweep(
         network, model, regime = case
         ranks, rate, latency = network
         layers = case_layers(timed[model], network, regime)
-        best = simulate_ideal(layers, ranks, rate, iterations, warmup, latency)["iteration_s"]
-        times = {s: simulate_setting(layers, network, s, iterations, warmup) for s in grid}
+        best = simulate_ideal(layers, ranks, rate, iterations, warmup, latency, algorithm)["iteration_s"]
+        times = {s: simulate_setting(layers, network, s, iterations, warmup, algorithm) for s in grid}
         return {"best_s": float(best), "times": times}
 
     cases = list(itertools.product(networks, models, regimes))
@@ -133,7 +148,9 @@ def _power_of_two_index(values: np.ndarray, low: int, high: int, grid: Sequence[
     return (exponents - math.log2(grid[0])).astype(int)
 
 
-def fit(table: dict[Case, dict[str, Any]]) -> tuple[DefaultRule, tuple[float, float]]:
+def fit(
+    table: dict[Case, dict[str, Any]], algorithm: str = "ring"
+) -> tuple[DefaultRule, tuple[float, float]]:
     """The rule with the smallest worst case (then geometric mean) over the sweep, searched with numpy."""
     cases = list(table)
     grid = settings_grid()
@@ -150,7 +167,7 @@ def fit(table: dict[Case, dict[str, Any]]) -> tuple[DefaultRule, tuple[float, fl
                 FUSIONS.index(fusion),
             )
             logs[(c, *index)] = math.log(times[(partition, credit, fusion)] / floor)
-    delays = np.array([ring_delay_bytes(*case[0]) for case in cases])
+    delays = np.array([case_delay_bytes(case[0], algorithm) for case in cases])
     rows = np.arange(len(cases))
     best: tuple[tuple[float, float], DefaultRule] | None = None
     for p_scale, p_exp, p_min, p_max in itertools.product(
@@ -181,11 +198,13 @@ def fit(table: dict[Case, dict[str, Any]]) -> tuple[DefaultRule, tuple[float, fl
     return best[1], best[0]
 
 
-def score_rule(rule: DefaultRule, table: dict[Case, dict[str, Any]]) -> tuple[float, float]:
+def score_rule(
+    rule: DefaultRule, table: dict[Case, dict[str, Any]], algorithm: str = "ring"
+) -> tuple[float, float]:
     """(worst, geometric mean) over the cases of the rule's time over the case's best grid setting."""
     logs = []
     for (network, _, _), entry in table.items():
-        setting = tuple(default_sizes(*network, rule=rule).values())
+        setting = tuple(default_sizes(*network, rule=rule, algorithm=algorithm).values())
         time_s = entry["times"].get(setting)
         if time_s is None:
             return math.inf, math.inf
@@ -198,14 +217,16 @@ def old_defaults(ranks: int) -> Setting:
     return 4 * MIB, 4 * MIB * min(16, max(2, ranks)), MIB
 
 
-def summary(table: dict[Case, dict[str, Any]], rule: DefaultRule) -> list[dict[str, Any]]:
+def summary(
+    table: dict[Case, dict[str, Any]], rule: DefaultRule, algorithm: str = "ring"
+) -> list[dict[str, Any]]:
     """One row per case: the rule's, the old defaults' and the grid's best against the best schedule."""
     rows = []
     for (network, model, regime), entry in sorted(table.items(), key=lambda item: (item[0][0], item[0][2])):
         ranks, rate, latency = network
         times = entry["times"]
         best_setting = min(times, key=times.get)
-        chosen = tuple(default_sizes(*network, rule=rule).values())
+        chosen = tuple(default_sizes(*network, rule=rule, algorithm=algorithm).values())
         old = old_defaults(ranks)
         rows.append(
             {
@@ -240,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--algorithm",
+        default="ring",
+        choices=collective_model.ALGORITHMS,
+        help="the allreduce the transport runs (default ring)",
+    )
     parser.add_argument("--json", type=Path, help="write the rule and its table here")
     args = parser.parse_args(argv)
     networks = list(
@@ -250,14 +277,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     table = sweep(
-        networks, args.models.split(","), args.regimes.split(","), args.iterations, args.warmup, args.threads
+        networks,
+        args.models.split(","),
+        args.regimes.split(","),
+        args.iterations,
+        args.warmup,
+        args.threads,
+        args.algorithm,
     )
-    rule, (worst, geomean) = fit(table)
-    current_worst, current_geomean = score_rule(DEFAULT_RULE, table)
+    rule, (worst, geomean) = fit(table, args.algorithm)
+    current_worst, current_geomean = score_rule(DEFAULT_RULE, table, args.algorithm)
     print(f"# fitted rule: {rule}")
     print(f"# against each model's best grid setting: worst {worst:.3f}, geomean {geomean:.4f}")
     print(f"# config.DEFAULT_RULE now: worst {current_worst:.3f}, geomean {current_geomean:.4f}")
-    rows = summary(table, rule)
+    rows = summary(table, rule, args.algorithm)
     print(
         "| ranks | Gbit/s | us | model | defaults p/c/f | defaults / best | old defaults / best | grid best / best |"
     )
@@ -274,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         document = {
             "command": "python benchmarks/choose_defaults.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
+            "algorithm": args.algorithm,
             "rule": dataclasses.asdict(rule),
             "worst_vs_grid_best": worst,
             "geomean_vs_grid_best": geomean,

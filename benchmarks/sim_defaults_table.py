@@ -5,13 +5,15 @@ defaults config.default_sizes picks for that link (priority, overlap), the defau
 rule (4 MiB partitions, one per rank as credit, 2 to 16; 1 MiB fusion) and a Horovod-like FIFO
 (whole tensors in ready order, 64 MiB fusion, no credit cap, the next iteration after every
 reduction), each as its iteration time over the best schedule possible (simulate_ideal: a
-preemptive, overhead-free link; each reduction pays one ring latency). The best setting of
+preemptive, overhead-free link; each reduction pays one latency of the same allreduce algorithm,
+--algorithm: ring by default, mpich or nccl for those libraries' choices by size). The best setting of
 choose_defaults.py's grid shows how close any partition, credit and fusion can come on that
 link (the link serves collectives in start order, so hiding latency behind credit delays an
 urgent chunk: at 1024 ranks and 100 Gbit/s no setting reaches the preemptive ideal). Prints a
 markdown table and writes JSON.
 
     python benchmarks/sim_defaults_table.py --json docs/data/sim_defaults.json
+    python benchmarks/sim_defaults_table.py --algorithm mpich --json docs/data/sim_defaults_mpich.json
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from commsched._core import simulate, simulate_ideal
 
 from commsched.bench import schedule
+from commsched.collective_model import ALGORITHMS
 from commsched.config import default_sizes, parse_duration, parse_rate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +59,7 @@ def row(
     iterations: int,
     warmup: int,
     grid: bool,
+    algorithm: str = "ring",
 ) -> dict:
     """One table row: each schedule's iteration time over the best schedule's."""
 
@@ -74,11 +78,12 @@ def row(
             -1.0,
             iterations,
             warmup,
+            algorithm=algorithm,
         )
         return float(result["iteration_s"])
 
-    best = float(simulate_ideal(layers, ranks, rate, iterations, warmup, latency)["iteration_s"])
-    defaults = default_sizes(ranks, rate, latency)
+    best = float(simulate_ideal(layers, ranks, rate, iterations, warmup, latency, algorithm)["iteration_s"])
+    defaults = default_sizes(ranks, rate, latency, algorithm=algorithm)
     fifo = {"partition_bytes": 0, "credit_bytes": UNCAPPED, "fusion_bytes": HOROVOD_FUSION_BYTES}
     times = {
         "defaults": run("priority", defaults, "overlap"),
@@ -93,6 +98,7 @@ def row(
         "ranks": ranks,
         "bandwidth_bytes_per_s": rate,
         "latency_s": latency,
+        "algorithm": algorithm,
         "defaults": defaults,
         "best_s": best,
         **{f"{name}_s": t for name, t in times.items()},
@@ -109,6 +115,7 @@ def table(
     warmup: int = 2,
     threads: int = 2,
     grid: bool = True,
+    algorithm: str = "ring",
 ) -> list[dict[str, Any]]:
     """Every row of the grid, in (ranks, bandwidth, latency, model) order."""
     layers = {
@@ -120,7 +127,9 @@ def table(
     keys = list(itertools.product(ranks, rates, latencies, models))
     with ThreadPoolExecutor(max(1, threads)) as pool:  # the simulator releases the GIL
         return list(
-            pool.map(lambda k: row(k[3], layers[k[3]], k[0], k[1], k[2], iterations, warmup, grid), keys)
+            pool.map(
+                lambda k: row(k[3], layers[k[3]], k[0], k[1], k[2], iterations, warmup, grid, algorithm), keys
+            )
         )
 
 
@@ -158,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-grid", action="store_true", help="skip the grid's best setting (faster)")
+    parser.add_argument(
+        "--algorithm",
+        default="ring",
+        choices=ALGORITHMS,
+        help="the allreduce the transport runs (default ring)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = table(
@@ -169,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.warmup,
         args.threads,
         not args.no_grid,
+        args.algorithm,
     )
     print(markdown(rows))
     worst = max(rows, key=lambda r: r["defaults_vs_best"])
@@ -186,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "python benchmarks/sim_defaults_table.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+        document = {"command": command, "algorithm": args.algorithm, "rows": rows}
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import Any
 
+from commsched import collective_model
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -239,6 +241,14 @@ def ring_delay_bytes(ranks: int, bandwidth_bytes_per_s: float, latency_s: float)
     return bandwidth_bytes_per_s * 2 * max(1, ranks - 1) * latency_s
 
 
+def link_delay_bytes(
+    ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
+) -> float:
+    """Bytes the link could move while one allreduce under a concrete `algorithm` pays its message
+    latencies (collective_model.steps): ring_delay_bytes for the ring."""
+    return bandwidth_bytes_per_s * collective_model.steps(algorithm, max(2, ranks)) * latency_s
+
+
 def _power_of_two(value: float, low: int, high: int) -> int:
     """`value` rounded to the nearest power of two (in log scale), within [low, high]."""
     if not value > 0:
@@ -253,22 +263,8 @@ def _scaled(scale_bytes: float, exponent: float, delay_bytes: float) -> float:
     return scale_bytes * (max(delay_bytes, 0.0) / _DELAY_UNIT_BYTES) ** exponent
 
 
-def default_sizes(
-    ranks: int,
-    bandwidth_bytes_per_s: float,
-    latency_s: float,
-    rule: DefaultRule = DEFAULT_RULE,
-    partition_bytes: int | None = None,
-) -> dict[str, int]:
-    """The default partition, credit and fusion sizes for a link (the fitted rule).
-
-    Credit keeps the link busy while collectives in flight wait out their latency: it grows
-    with the ring delay, the bytes the link moves during one allreduce's 2(n-1) latencies,
-    which at 1024 ranks dwarfs what a 2-rank job needs. Partitions grow more slowly, so an
-    urgent tensor still finds a chunk boundary soon. A given `partition_bytes` (not 0) is kept,
-    and the credit counted in it.
-    """
-    delay = ring_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s)
+def _sizes_for_delay(delay: float, rule: DefaultRule, partition_bytes: int | None) -> dict[str, int]:
+    """The rule's partition, credit and fusion for a link whose collectives wait `delay` bytes' time."""
     partition = _power_of_two(
         _scaled(rule.partition_scale_bytes, rule.partition_exponent, delay),
         rule.min_partition_bytes,
@@ -286,6 +282,70 @@ def default_sizes(
         "credit_bytes": partition * partitions,
         "fusion_bytes": rule.fusion_bytes,
     }
+
+
+def default_sizes(
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule = DEFAULT_RULE,
+    partition_bytes: int | None = None,
+    algorithm: str = "ring",
+) -> dict[str, int]:
+    """The default partition, credit and fusion sizes for a link (the fitted rule).
+
+    Credit keeps the link busy while collectives in flight wait out their latency: it grows
+    with the link's delay, the bytes the link moves during the message latencies of one
+    allreduce under the transport's `algorithm` (collective_model; the ring's 2(n-1) at 1024
+    ranks dwarf what a 2-rank job needs, halving-doubling's 2 log2 n do not). Partitions grow
+    more slowly, so an urgent tensor still finds a chunk boundary soon. A given `partition_bytes`
+    (not 0) is kept, and the credit counted in it. For a library's choice by size (mpich, nccl)
+    the delay is that of the algorithm the library runs for a message of the partition picked
+    under it: commsched's collectives are mostly whole partitions.
+    """
+    choices = collective_model.LIBRARY_CHOICES.get(collective_model.check_algorithm(algorithm), (algorithm,))
+    fitted = [
+        _sizes_for_delay(link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, c), rule, partition_bytes)
+        for c in choices
+    ]
+    for concrete, sizes in zip(choices, fitted):
+        chosen = collective_model.resolve(
+            algorithm, sizes["partition_bytes"], max(2, ranks), bandwidth_bytes_per_s, latency_s
+        )
+        if chosen == concrete and algorithm == "nccl":
+            return _ring_sized_under_nccl(
+                sizes, ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes
+            )
+        if chosen == concrete:
+            return sizes
+    return fitted[0]
+
+
+def _ring_sized_under_nccl(
+    sizes: dict[str, int],
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule,
+    partition_bytes: int | None,
+) -> dict[str, int]:
+    """Under NCCL's choice, partitions just below the size where NCCL turns from its tree to its ring
+    move twice their bytes (the tree's) where one partition more would move 2(n-1)/n: the partition
+    grows to the ring's smallest size when the rule allows one that large (a partition the user set
+    stays), and the credit then covers the ring's delay."""
+    n = max(2, ranks)
+    partition = sizes["partition_bytes"]
+    if (
+        partition_bytes
+        or collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) != "tree"
+    ):
+        return sizes
+    while partition < rule.max_partition_bytes:
+        partition *= 2
+        if collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) == "ring":
+            delay = link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, "ring")
+            return _sizes_for_delay(delay, rule, partition)
+    return sizes
 
 
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"

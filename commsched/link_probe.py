@@ -4,6 +4,14 @@ The default partition, credit and fusion sizes follow the link (config.default_s
 needs its bandwidth and per-message latency: from COMMSCHED_LINK_BANDWIDTH / _LATENCY, or timed
 before the core starts (MPI or Gloo). A tiny allreduce times the latency, a larger one the
 bandwidth; every rank then takes rank 0's figures, so every rank derives the same defaults.
+
+The latency the credit has to cover is that of the allreduce algorithm the transport runs
+(collective_model), so each transport names its algorithm (transport_algorithm): MPI runs
+MPICH's choice unless an MPIR_CVAR forces one (the rig forces the ring), Gloo and commsched's
+gRPC run a ring, NCCL its choice of ring or tree. The probe divides the tiny allreduce by the
+latencies of the algorithm run for it, and default_sizes multiplies back by those of the
+algorithm run for a partition: under MPICH's choice 2 log2 n (halving-doubling) rather than a
+ring's 2(n-1). Other MPI libraries keep the ring model: their tuned choices are not modelled.
 """
 
 from __future__ import annotations
@@ -11,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from commsched import collective_model
 from commsched.config import Settings, default_sizes
 
 log = logging.getLogger("commsched")
@@ -25,6 +35,40 @@ log = logging.getLogger("commsched")
 _BANDWIDTH_PROBE_BYTES = 1 << 20
 _LATENCY_REPEATS = 5
 _BANDWIDTH_REPEATS = 2
+_TINY_PROBE_BYTES = 4
+# MPICH's algorithm variables (MPIR_CVAR_*ALLREDUCE_INTRA_ALGORITHM) by the model that stands for them.
+_MPICH_FORCED = (
+    ("ring", "ring"),
+    ("recursive_doubling", "recursive-doubling"),
+    ("scatter_allgather", "halving-doubling"),
+)
+
+
+def mpich_algorithm(variable: str, environ: dict[str, str] | None = None, library: str = "MPICH") -> str:
+    """The model of the allreduce MPICH runs under `variable` (an MPIR_CVAR_*_INTRA_ALGORITHM name):
+    the algorithm it forces, MPICH's own choice by size when unset (or auto), the ring for a
+    library that is not MPICH (`library`: MPI_Get_library_version's text)."""
+    if not library.startswith("MPICH"):
+        return "ring"
+    forced = (os.environ if environ is None else environ).get(variable, "").strip().lower()
+    return next((model for key, model in _MPICH_FORCED if key in forced), "mpich")
+
+
+def _mpi_library() -> str:
+    """MPI_Get_library_version's text (empty without mpi4py)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return ""
+    return str(MPI.Get_library_version())
+
+
+def transport_algorithm(kind: str, environ: dict[str, str] | None = None, library: str | None = None) -> str:
+    """The allreduce algorithm (collective_model) the transport `kind` runs for commsched's collectives."""
+    if kind == "mpi":  # the transport's collectives are nonblocking
+        library = _mpi_library() if library is None else library
+        return mpich_algorithm("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", environ, library)
+    return "nccl" if kind == "nccl" else "ring"
 
 
 def _fastest_mpi_allreduce_s(communicator: Any, nbytes: int, repeats: int) -> float:
@@ -49,7 +93,11 @@ def measure_mpi(comm: Any = None) -> tuple[float, float]:
     # A duplicate keeps the probe's messages apart from anything the caller has in flight.
     communicator = (MPI.COMM_WORLD if comm is None else comm).Dup()
     try:
-        link = _measure(communicator.Get_size(), lambda n, r: _fastest_mpi_allreduce_s(communicator, n, r))
+        # The probe's allreduces are blocking: their own variable says what MPICH runs for them.
+        algorithm = mpich_algorithm("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM", library=_mpi_library())
+        link = _measure(
+            communicator.Get_size(), lambda n, r: _fastest_mpi_allreduce_s(communicator, n, r), algorithm
+        )
         agreed = np.array(link, np.float64)
         communicator.Bcast(agreed, root=0)
         return float(agreed[0]), float(agreed[1])
@@ -77,29 +125,41 @@ def measure_torch(group: Any = None) -> tuple[float, float] | None:
             best = min(best, time.perf_counter() - start)
         return best
 
-    link = _measure(dist.get_world_size(group), fastest)
+    link = _measure(dist.get_world_size(group), fastest, transport_algorithm("gloo"))
     agreed = torch.tensor(link, dtype=torch.float64)
     dist.broadcast(agreed, src=dist.get_process_group_ranks(group)[0], group=group)
     return float(agreed[0]), float(agreed[1])
 
 
-def _measure(ranks: int, fastest_allreduce_s: Callable[[int, int], float]) -> tuple[float, float]:
+def _measure(
+    ranks: int, fastest_allreduce_s: Callable[[int, int], float], algorithm: str = "ring"
+) -> tuple[float, float]:
     """This rank's view of the link from a tiny and a bigger allreduce."""
-    tiny_s = fastest_allreduce_s(4, _LATENCY_REPEATS)
+    tiny_s = fastest_allreduce_s(_TINY_PROBE_BYTES, _LATENCY_REPEATS)
     big_s = fastest_allreduce_s(_BANDWIDTH_PROBE_BYTES, _BANDWIDTH_REPEATS)
-    return link_from_timings(ranks, tiny_s, big_s, _BANDWIDTH_PROBE_BYTES)
+    return link_from_timings(ranks, tiny_s, big_s, _BANDWIDTH_PROBE_BYTES, algorithm, _TINY_PROBE_BYTES)
 
 
-def link_from_timings(ranks: int, tiny_s: float, big_s: float, big_bytes: int) -> tuple[float, float]:
-    """Bandwidth and latency of the simulator's ring model from a tiny and a big allreduce's times.
+def link_from_timings(
+    ranks: int, tiny_s: float, big_s: float, big_bytes: int, algorithm: str = "ring", tiny_bytes: int = 4
+) -> tuple[float, float]:
+    """Bandwidth and per-message latency of the simulator's model of `algorithm` from a tiny and a
+    big allreduce's times.
 
-    The model charges a ring allreduce 2(n-1) message latencies plus 2(n-1)/n of its bytes at
-    the link rate, so the tiny one gives the latency and the difference the rate.
+    The model charges an allreduce its algorithm's message latencies plus its wire bytes at the
+    link rate (collective_model): the tiny one, whose bytes are negligible, gives the latency, and
+    the big one less its latencies the rate. For the ring: tiny / 2(n-1), and the rate from
+    2(n-1)/n of the big one's bytes over the difference of the two.
     """
-    steps = 2 * (max(2, ranks) - 1)
-    latency = max(tiny_s, 0.0) / steps
-    wire_bytes = 2.0 * (max(2, ranks) - 1) / max(2, ranks) * big_bytes
-    bandwidth = wire_bytes / max(big_s - tiny_s, 1e-7)
+    n = max(2, ranks)
+    # A tiny message is latency-bound: a library's choice takes its algorithm with the fewest latencies.
+    tiny = collective_model.resolve(algorithm, tiny_bytes, n, math.inf, 1.0)
+    latency = max(tiny_s, 0.0) / collective_model.steps(tiny, n)
+    # Under NCCL's choice the big one's algorithm depends on the rate; the ring's estimate picks it.
+    rough = collective_model.wire_bytes("ring", big_bytes, n) / max(big_s - 2 * (n - 1) * latency, 1e-7)
+    big = collective_model.resolve(algorithm, big_bytes, n, rough, latency)
+    wire_bytes = collective_model.wire_bytes(big, big_bytes, n)
+    bandwidth = wire_bytes / max(big_s - collective_model.steps(big, n) * latency, 1e-7)
     return bandwidth, latency
 
 
@@ -109,7 +169,8 @@ _SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
 def fit_to_link(
     settings: Settings, user_given: frozenset[str], kind: str, comm: Any, process_group: Any, size: int
 ) -> Settings:
-    """`settings` with the sizes the user left unset taken from the link (default_sizes).
+    """`settings` with the sizes the user left unset taken from the link (default_sizes) and the
+    allreduce algorithm the transport `kind` runs (transport_algorithm).
 
     Without link settings and without a transport to time (gRPC, NCCL), the static defaults stay.
     """
@@ -125,12 +186,14 @@ def fit_to_link(
     if bandwidth is None or latency is None:
         return settings
     given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
-    sizes = default_sizes(size, bandwidth, latency, partition_bytes=given_partition)
+    algorithm = transport_algorithm(kind)
+    sizes = default_sizes(size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm)
     log.info(
-        "link %.3g Gbit/s, %.3g us per message at %d ranks: %s",
+        "link %.3g Gbit/s, %.3g us per message at %d ranks, %s allreduce: %s",
         bandwidth * 8e-9,
         latency * 1e6,
         size,
+        algorithm,
         ", ".join(f"{name}={sizes[name]}" for name in unset),
     )
     return dataclasses.replace(

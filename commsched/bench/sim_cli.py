@@ -1,7 +1,7 @@
 """`commsched-sim`: predicts iteration times with the real scheduling core on a virtual clock.
 
 The C++ Scheduler that runs in training is driven by a modelled network (per-message
-latency, bandwidth, ring allreduce for N ranks, collectives in flight sharing the
+latency, bandwidth, the allreduce algorithm for N ranks, collectives in flight sharing the
 link) and by a replayed model profile, for any number of ranks and any bandwidth.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from commsched._core import simulate, simulate_ideal
 from commsched.bench import report, schedule
+from commsched.collective_model import ALGORITHMS
 from commsched.config import default_sizes, parse_duration, parse_size
 
 DEFAULT_RANKS = "2,4,8,16,64,256,1024"
@@ -75,12 +76,15 @@ def predict(
     link: str = "fifo",
     size_costs: Sequence[tuple[int, float]] = (),
     scale: float = 1.0,
+    algorithm: str = "ring",
 ) -> list[dict[str, Any]]:
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
     the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
     (config.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
+    `algorithm` is the allreduce the transport runs (collective_model.ALGORITHMS); the defaults and
+    the best schedule use the same one.
     """
     given_partition = settings.get("partition_bytes")
     link_defaults = default_sizes(
@@ -88,6 +92,7 @@ def predict(
         bandwidth_bytes_per_s,
         latency_s,
         partition_bytes=int(given_partition * scale) if given_partition else None,
+        algorithm=algorithm,
     )
     settings = {
         **settings,
@@ -95,9 +100,9 @@ def predict(
     }
     credit = int(settings["credit_bytes"])
     # The best schedule moves every byte at the best rate the link showed at any message size, and
-    # pays one ring latency per reduction.
+    # pays the algorithm's latency once per reduction.
     best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
-    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s)
+    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s, algorithm)
     rows = []
     for policy in policies:
         for mode in modes:
@@ -117,6 +122,7 @@ def predict(
                 warmup,
                 link,
                 list(size_costs),
+                algorithm,
             )
             result.pop("iteration_starts_s")
             comm = result["communication_s"]
@@ -131,6 +137,7 @@ def predict(
                     credit_bytes=credit,
                     fusion_bytes=int(settings["fusion_bytes"]),
                     bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                    algorithm=algorithm,
                     best_s=best["iteration_s"],
                     hidden=min(1.0, max(0.0, hidden)),
                 )
@@ -182,6 +189,13 @@ def _parser() -> argparse.ArgumentParser:
         help="how collectives in flight share a link: in start order (one TCP stream, MPI) or equally",
     )
     parser.add_argument(
+        "--algorithm",
+        default="ring",
+        help="the allreduce the transport runs: ring (Gloo, gRPC), halving-doubling (Rabenseifner), "
+        "recursive-doubling, tree (NCCL's double binary tree), or a library's choice by size: "
+        "mpich (recursive doubling up to 2 KiB, halving-doubling above) or nccl (the faster of ring and tree)",
+    )
+    parser.add_argument(
         "--size-costs",
         default="",
         help="measured cost per byte by collective size, relative to --bandwidth, e.g. 64KiB:0.6,4MiB:0.9 "
@@ -224,8 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency = parse_duration(args.latency)
         exchange = parse_duration(args.exchange) if args.exchange else -1.0
         rank_counts = [int(n) for n in args.ranks.split(",")]
+        if min(rank_counts) < 2:
+            raise ValueError(f"--ranks {args.ranks!r}: the simulator needs 2 or more ranks in each count")
         rates = [parse_rate(r) for r in args.bandwidth.split(",")]
         size_costs = parse_size_costs(args.size_costs)
+        if args.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm {args.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"commsched-sim: {error}", file=sys.stderr)
         return 2
@@ -256,11 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.link,
                 size_costs,
                 args.scale,
+                args.algorithm,
             )
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
-        f"latency {latency * 1e6:g} us; simulated with the real scheduler"
+        f"latency {latency * 1e6:g} us, {args.algorithm} allreduce; simulated with the real scheduler"
     )
     sizes = {
         (row["ranks"], row["bandwidth_bytes_per_s"]): "/".join(
@@ -286,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "compute_s": compute,
                 "gradient_bytes": total,
                 "latency_s": latency,
+                "algorithm": args.algorithm,
                 "size_costs": size_costs,
                 "settings": settings,
                 "results": rows,

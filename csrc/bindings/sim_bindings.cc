@@ -29,11 +29,44 @@ std::vector<sim::LayerSpec> to_layers(const std::vector<LayerTuple>& tuples) {
 
 using SizeCostTuple = std::pair<uint64_t, double>;
 
+constexpr const char* kAlgorithms = "ring, recursive-doubling, halving-doubling, tree, mpich or nccl";
+
+sim::Algorithm to_algorithm(const std::string& name) {
+  if (name == "ring") return sim::Algorithm::kRing;
+  if (name == "recursive-doubling") return sim::Algorithm::kRecursiveDoubling;
+  if (name == "halving-doubling") return sim::Algorithm::kHalvingDoubling;
+  if (name == "tree") return sim::Algorithm::kTree;
+  if (name == "mpich") return sim::Algorithm::kMpich;
+  if (name == "nccl") return sim::Algorithm::kNccl;
+  throw UsageError("algorithm '" + name + "' is not one of " + kAlgorithms);
+}
+
+const char* algorithm_name(sim::Algorithm algorithm) {
+  switch (algorithm) {
+    case sim::Algorithm::kRecursiveDoubling:
+      return "recursive-doubling";
+    case sim::Algorithm::kHalvingDoubling:
+      return "halving-doubling";
+    case sim::Algorithm::kTree:
+      return "tree";
+    case sim::Algorithm::kMpich:
+      return "mpich";
+    case sim::Algorithm::kNccl:
+      return "nccl";
+    case sim::Algorithm::kRing:
+    default:
+      return "ring";
+  }
+}
+
 sim::NetworkSpec to_network(int ranks, double bandwidth_bytes_per_s, double latency_s,
-                           const std::string& link = "fifo", const std::vector<SizeCostTuple>& size_costs = {}) {
+                           const std::string& link = "fifo", const std::vector<SizeCostTuple>& size_costs = {},
+                           const std::string& algorithm = "ring") {
   if (link != "fifo" && link != "fair") throw UsageError("link must be 'fifo' or 'fair'");
+  if (ranks < 2) throw UsageError("the network model needs at least 2 ranks, got " + std::to_string(ranks));
   sim::NetworkSpec network{ranks, bandwidth_bytes_per_s, latency_s,
-                           link == "fair" ? sim::LinkSharing::kFair : sim::LinkSharing::kFifo, {}};
+                           link == "fair" ? sim::LinkSharing::kFair : sim::LinkSharing::kFifo, {},
+                           to_algorithm(algorithm)};
   for (const auto& [bytes, factor] : size_costs) network.size_costs.push_back(sim::SizeCost{bytes, factor});
   return network;
 }
@@ -61,7 +94,7 @@ void register_simulator(py::module_& module) {
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, double latency_s,
          const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          const std::string& mode, double cycle_time_s, double exchange_s, int iterations, int warmup,
-         const std::string& link, const std::vector<SizeCostTuple>& size_costs) {
+         const std::string& link, const std::vector<SizeCostTuple>& size_costs, const std::string& algorithm) {
         if (policy != "priority" && policy != "fifo") throw UsageError("policy must be 'priority' or 'fifo'");
         if (mode != "barrier" && mode != "overlap") throw UsageError("mode must be 'barrier' or 'overlap'");
         sim::SimSettings settings;
@@ -76,7 +109,8 @@ void register_simulator(py::module_& module) {
         sim::SimResult result;
         {
           py::gil_scoped_release release;
-          result = sim::simulate(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s, link, size_costs), settings);
+          result = sim::simulate(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s, link, size_costs, algorithm),
+                                 settings);
         }
         return to_dict(result);
       },
@@ -84,24 +118,43 @@ void register_simulator(py::module_& module) {
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("mode"), py::arg("cycle_time_s") = 0.001, py::arg("exchange_s") = -1.0, py::arg("iterations") = 6,
       py::arg("warmup") = 2, py::arg("link") = "fifo", py::arg("size_costs") = std::vector<SizeCostTuple>{},
+      py::arg("algorithm") = "ring",
       "Predicts the iteration time of a profile under the real Scheduler and a network model.");
 
   module.def(
       "simulate_ideal",
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, int iterations,
-         int warmup, double latency_s) {
+         int warmup, double latency_s, const std::string& algorithm) {
         const auto spec = to_layers(layers);
+        const auto network = to_network(ranks, bandwidth_bytes_per_s, latency_s, "fifo", {}, algorithm);
         sim::SimResult result;
         {
           py::gil_scoped_release release;
-          result = sim::simulate_ideal(spec, to_network(ranks, bandwidth_bytes_per_s, latency_s), iterations, warmup);
+          result = sim::simulate_ideal(spec, network, iterations, warmup);
         }
         return to_dict(result);
       },
       py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("iterations") = 6,
-      py::arg("warmup") = 2, py::arg("latency_s") = 0.0,
+      py::arg("warmup") = 2, py::arg("latency_s") = 0.0, py::arg("algorithm") = "ring",
       "The best schedule possible: overlap with an infinitely preemptive, zero-overhead link; each reduction "
-      "pays one ring latency (2(n-1) * latency_s) after its last byte.");
+      "moves the algorithm's wire bytes and pays its latency once (ring: 2(n-1) * latency_s) after its last byte.");
+
+  module.def(
+      "allreduce_cost",
+      [](uint64_t bytes, int ranks, const std::string& algorithm, double bandwidth_bytes_per_s, double latency_s) {
+        const auto network = to_network(ranks, bandwidth_bytes_per_s, latency_s, "fifo", {}, algorithm);
+        const sim::CollectiveCost cost = sim::collective_cost(bytes, network);
+        py::dict out;
+        out["algorithm"] = algorithm_name(sim::resolve_algorithm(bytes, network));
+        out["steps"] = cost.steps;
+        out["wire_bytes"] = cost.wire_bytes;
+        out["seconds"] = sim::allreduce_s(bytes, network);
+        return out;
+      },
+      py::arg("bytes"), py::arg("ranks"), py::arg("algorithm") = "ring", py::arg("bandwidth_bytes_per_s") = 1.25e9,
+      py::arg("latency_s") = 0.0,
+      "The simulator's model of one allreduce of `bytes` alone on the link: the algorithm run (a library's "
+      "choice resolved for this size), its message latencies (steps), wire bytes per rank and seconds.");
 
   module.def(
       "ring_allreduce_s",

@@ -27,14 +27,84 @@ double size_cost_factor(uint64_t bytes, const std::vector<SizeCost>& size_costs)
   return low.factor + along * (above->factor - low.factor);
 }
 
+namespace {
+
+// The largest power of two <= ranks, and its log2.
+int lower_power_of_two_log2(int ranks) {
+  int log2 = 0;
+  while ((2LL << log2) <= ranks) ++log2;
+  return log2;
+}
+
+CollectiveCost cost_of(Algorithm algorithm, uint64_t bytes, int ranks) {
+  const double m = static_cast<double>(bytes);
+  const int log2 = lower_power_of_two_log2(ranks);
+  const double power = static_cast<double>(1LL << log2);
+  // Ranks beyond the power of two hand their whole message to a partner and get the result back.
+  const bool folds = (1LL << log2) != ranks;
+  const double fold_steps = folds ? 2.0 : 0.0;
+  const double fold_bytes = folds ? 2.0 * m : 0.0;
+  switch (algorithm) {
+    case Algorithm::kRecursiveDoubling:
+      return {log2 + fold_steps, log2 * m + fold_bytes};
+    case Algorithm::kHalvingDoubling:
+      return {2.0 * log2 + fold_steps, 2.0 * (power - 1) / power * m + fold_bytes};
+    case Algorithm::kTree:
+      // NCCL's tuning model: up and down a tree of depth floor(log2 n), each rank moving twice the message.
+      return {2.0 * log2, 2.0 * m};
+    case Algorithm::kRing:
+    default:
+      return {2.0 * (ranks - 1), ring_wire_bytes(bytes, ranks)};
+  }
+}
+
+double alone_s(const CollectiveCost& cost, const NetworkSpec& network) {
+  return cost.steps * network.latency_s + cost.wire_bytes / network.bandwidth_bytes_per_s;
+}
+
+}  // namespace
+
+Algorithm resolve_algorithm(uint64_t bytes, const NetworkSpec& network) {
+  switch (network.algorithm) {
+    case Algorithm::kMpich: {
+      // MPICH reduces short messages, and ones with fewer (float32) elements than the power of two,
+      // by recursive doubling.
+      const uint64_t power = uint64_t{1} << lower_power_of_two_log2(network.ranks);
+      const bool short_message = bytes <= kMpichShortMessageBytes || bytes / 4 < power;
+      return short_message ? Algorithm::kRecursiveDoubling : Algorithm::kHalvingDoubling;
+    }
+    case Algorithm::kNccl: {
+      const double ring = alone_s(cost_of(Algorithm::kRing, bytes, network.ranks), network);
+      const double tree = alone_s(cost_of(Algorithm::kTree, bytes, network.ranks), network);
+      return tree < ring ? Algorithm::kTree : Algorithm::kRing;
+    }
+    default:
+      return network.algorithm;
+  }
+}
+
+CollectiveCost collective_cost(uint64_t bytes, const NetworkSpec& network) {
+  return cost_of(resolve_algorithm(bytes, network), bytes, network.ranks);
+}
+
+double collective_latency_s(uint64_t bytes, const NetworkSpec& network) {
+  return collective_cost(bytes, network).steps * network.latency_s;
+}
+
 double collective_wire_bytes(uint64_t bytes, const NetworkSpec& network) {
-  return ring_wire_bytes(bytes, network.ranks) * size_cost_factor(bytes, network.size_costs);
+  return collective_cost(bytes, network).wire_bytes * size_cost_factor(bytes, network.size_costs);
+}
+
+double allreduce_s(uint64_t bytes, const NetworkSpec& network) {
+  return collective_wire_bytes(bytes, network) / network.bandwidth_bytes_per_s + collective_latency_s(bytes, network);
 }
 
 double ring_latency_s(const NetworkSpec& network) { return 2.0 * (network.ranks - 1) * network.latency_s; }
 
 double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network) {
-  return collective_wire_bytes(bytes, network) / network.bandwidth_bytes_per_s + ring_latency_s(network);
+  return ring_wire_bytes(bytes, network.ranks) * size_cost_factor(bytes, network.size_costs) /
+             network.bandwidth_bytes_per_s +
+         ring_latency_s(network);
 }
 
 SharedLink::SharedLink(double bytes_per_s, LinkSharing sharing) : rate_(bytes_per_s), sharing_(sharing) {

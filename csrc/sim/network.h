@@ -1,7 +1,8 @@
 // Network model of the simulator: collectives in flight share one link fairly.
 //
 // A collective first waits out its latency (per-message latency times the number
-// of sequential steps of its algorithm) and then moves its wire bytes over the link,
+// of sequential steps of its allreduce algorithm) and then moves that algorithm's wire
+// bytes over the link,
 // which the collectives in that phase share in one of two ways: in start order
 // (kFifo: one TCP stream per peer, as MPI over TCP sends queued messages in order)
 // or in equal shares (kFair: processor sharing, as separate streams or channels do).
@@ -17,6 +18,20 @@ namespace commsched::sim {
 
 enum class LinkSharing : uint8_t { kFifo = 0, kFair };
 
+// The allreduce algorithm the library runs. Per message of m bytes on n ranks (p: the largest power of
+// two <= n; a fold costs the ranks beyond p one full message in and one out, as MPICH runs it):
+//   kRing                2(n-1) steps, 2(n-1)/n m bytes (Gloo, torch's Gloo group, commsched's gRPC ring)
+//   kRecursiveDoubling   log2 p steps of the whole message (+2 steps and 2m when folding)
+//   kHalvingDoubling     Rabenseifner: 2 log2 p steps, 2(p-1)/p m bytes (+2 steps and 2m when folding)
+//   kTree                NCCL's double binary tree: 2 floor(log2 n) steps, 2m bytes (its tuning model)
+//   kMpich               MPICH's choice: recursive doubling up to 2048 bytes or fewer elements than p,
+//                        halving-doubling above
+//   kNccl                NCCL's choice: whichever of ring and tree takes less time for the message
+enum class Algorithm : uint8_t { kRing = 0, kRecursiveDoubling, kHalvingDoubling, kTree, kMpich, kNccl };
+
+// Up to this many bytes MPICH reduces with recursive doubling (MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE).
+constexpr uint64_t kMpichShortMessageBytes = 2048;
+
 // A measured cost per byte of collectives of `bytes`, relative to the link bandwidth: 0.6 means
 // such messages move 1/0.6 times as fast per byte (an MPI library may pick another algorithm,
 // or pipeline better, at some sizes).
@@ -31,18 +46,34 @@ struct NetworkSpec {
   double latency_s = 50e-6;              // one message, one hop
   LinkSharing sharing = LinkSharing::kFifo;
   std::vector<SizeCost> size_costs;      // by size; empty: every size costs the same per byte
+  Algorithm algorithm = Algorithm::kRing;
+};
+
+// One allreduce's cost under an algorithm: sequential message latencies and bytes on the busiest link.
+struct CollectiveCost {
+  double steps = 0;
+  double wire_bytes = 0;
 };
 
 // Bytes each rank puts on its link for a ring allreduce of `bytes`: 2(n-1)/n of them.
 double ring_wire_bytes(uint64_t bytes, int ranks);
+// The algorithm `algorithm` runs for a message of `bytes` (itself unless it is a library's choice).
+Algorithm resolve_algorithm(uint64_t bytes, const NetworkSpec& network);
+// Steps and wire bytes (at the nominal rate, before size costs) of one allreduce of `bytes`.
+CollectiveCost collective_cost(uint64_t bytes, const NetworkSpec& network);
+// Sequential message latency of one allreduce of `bytes` under the network's algorithm.
+double collective_latency_s(uint64_t bytes, const NetworkSpec& network);
 // The cost factor for a collective of `bytes`: linear in log(size) between the measured sizes,
 // the nearest one's outside them, 1 when none were measured.
 double size_cost_factor(uint64_t bytes, const std::vector<SizeCost>& size_costs);
-// Link time of one collective of `bytes` in bytes at the nominal rate: ring wire bytes times its size's factor.
+// Link time of one collective of `bytes` in bytes at the nominal rate: the algorithm's wire bytes times
+// its size's factor.
 double collective_wire_bytes(uint64_t bytes, const NetworkSpec& network);
+// Time of one allreduce alone on the link under the network's algorithm.
+double allreduce_s(uint64_t bytes, const NetworkSpec& network);
 // Sequential message latency of a ring allreduce: 2(n-1) steps.
 double ring_latency_s(const NetworkSpec& network);
-// Time of one ring allreduce alone on the link.
+// Time of one ring allreduce alone on the link, whatever the network's algorithm.
 double ring_allreduce_s(uint64_t bytes, const NetworkSpec& network);
 
 constexpr double kNever = std::numeric_limits<double>::infinity();

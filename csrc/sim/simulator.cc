@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -230,7 +229,8 @@ class RuntimeComm : public Comm {
     for (Launch& launch : scheduler_.next_launches()) {
       ++launches_;
       fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
-      link_.start(launch.seq, now_s, ring_latency_s(network_), collective_wire_bytes(launch.bytes, network_));
+      link_.start(launch.seq, now_s, collective_latency_s(launch.bytes, network_),
+                  collective_wire_bytes(launch.bytes, network_));
       in_flight_.emplace(launch.seq, std::move(launch));
     }
     max_bytes_in_flight_ = std::max(max_bytes_in_flight_, scheduler_.bytes_in_flight());
@@ -280,35 +280,38 @@ class RuntimeComm : public Comm {
 };
 
 // A fluid link that always serves the ready tensor the next forward needs first. A reduction
-// becomes visible one ring latency after its last byte: no schedule avoids paying it once.
+// becomes visible one latency of the network's algorithm (for a message of that tensor) after its
+// last byte: no schedule avoids paying it once.
 class IdealComm : public Comm {
  public:
   IdealComm(const std::vector<Param>& params, const NetworkSpec& network)
-      : params_(params), ranks_(network.ranks), rate_(network.bandwidth_bytes_per_s), delay_s_(ring_latency_s(network)) {}
+      : params_(params), network_(network), rate_(network.bandwidth_bytes_per_s) {}
 
   void submit(double now_s, uint64_t tensor_id) override {
     serve(now_s);
     const Param& param = params_[tensor_id % params_.size()];
-    ready_.emplace(Key{param.priority, next_seq_++}, Ready{tensor_id, ring_wire_bytes(param.bytes, ranks_)});
+    ready_.emplace(Key{param.priority, next_seq_++},
+                   Ready{tensor_id, collective_cost(param.bytes, network_).wire_bytes});
   }
 
   double next_event_s() const override {
     const double served = ready_.empty() ? kNever : now_s_ + ready_.begin()->second.remaining / rate_;
-    return std::min(served, delayed_.empty() ? kNever : delayed_.front().first);
+    return std::min(served, delayed_.empty() ? kNever : delayed_.begin()->first);
   }
 
   std::vector<uint64_t> advance(double now_s) override {
     while (!ready_.empty() && served_next_s() <= now_s) {
       now_s_ = served_next_s();
-      // The delay is the same for every tensor, so visibility keeps the order of service.
-      delayed_.emplace_back(now_s_ + delay_s_, ready_.begin()->second.tensor_id);
+      // Under a library's choice of algorithm the delay depends on the size: visibility is kept by time.
+      const uint64_t tensor_id = ready_.begin()->second.tensor_id;
+      delayed_.emplace(now_s_ + collective_latency_s(params_[tensor_id % params_.size()].bytes, network_), tensor_id);
       ready_.erase(ready_.begin());
     }
     serve(now_s);
     std::vector<uint64_t> done;
-    while (!delayed_.empty() && delayed_.front().first <= now_s) {
-      done.push_back(delayed_.front().second);
-      delayed_.pop_front();
+    while (!delayed_.empty() && delayed_.begin()->first <= now_s) {
+      done.push_back(delayed_.begin()->second);
+      delayed_.erase(delayed_.begin());
     }
     return done;
   }
@@ -330,13 +333,12 @@ class IdealComm : public Comm {
   }
 
   const std::vector<Param>& params_;
-  const int ranks_;
+  const NetworkSpec network_;
   const double rate_;
-  const double delay_s_;
   double now_s_ = 0;
   uint64_t next_seq_ = 0;
   std::map<Key, Ready> ready_;
-  std::deque<std::pair<double, uint64_t>> delayed_;  // (visible at, tensor), in service order
+  std::multimap<double, uint64_t> delayed_;  // visible at -> tensor; equal times keep the order of service
 };
 
 void check_inputs(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations, int warmup) {
@@ -375,7 +377,7 @@ SimResult run(const std::vector<LayerSpec>& layers, const std::vector<Param>& pa
   uint64_t total_bytes = 0;
   for (const Param& param : params) total_bytes += param.bytes;
   for (const LayerSpec& layer : layers) result.compute_s += layer.forward_s + layer.backward_s;
-  result.communication_s = total_bytes ? ring_allreduce_s(total_bytes, network) : 0.0;
+  result.communication_s = total_bytes ? allreduce_s(total_bytes, network) : 0.0;
   result.bound_s = std::max(result.compute_s, result.communication_s);
   result.sum_s = result.compute_s + result.communication_s;
   return result;

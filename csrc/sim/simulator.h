@@ -42,7 +42,7 @@ struct SimSettings {
 struct SimResult {
   double iteration_s = 0;      // steady-state period between starts of the first forward
   double compute_s = 0;        // forward + backward of one iteration
-  double communication_s = 0;  // every gradient in one ring allreduce
+  double communication_s = 0;  // every gradient in one allreduce of the network's algorithm
   double bound_s = 0;          // max(compute, communication)
   double sum_s = 0;            // compute + communication
   uint64_t launches = 0;
@@ -57,7 +57,8 @@ SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& netw
 
 // The best schedule possible for the profile: overlap, zero overhead, and a link that
 // always serves the most urgent ready byte (infinitely preemptive priority); each reduction
-// pays the network's ring latency once, after its last byte (none when latency_s is 0).
+// moves the wire bytes of the network's algorithm and pays that algorithm's latency once,
+// after its last byte (none when latency_s is 0), both for a message of that tensor.
 SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
                          int warmup);
 
