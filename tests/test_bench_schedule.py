@@ -69,6 +69,10 @@ def test_schedule_replay_on_two_ranks(tmp_path):
         assert row["iteration_s"] >= run["compute_s"] * 0.99
         assert row["median_iteration_s"] <= row["slowest_iteration_s"]
         assert row["iteration_s"] <= row["slowest_iteration_s"] * 1.000001
+        assert max(row["iterations_s"]) == pytest.approx(row["slowest_iteration_s"])
+        # Per iteration the slowest rank: never faster on average than the slowest rank's mean.
+        assert len(row["iterations_s"]) == run["iterations"]
+        assert sum(row["iterations_s"]) / run["iterations"] >= row["iteration_s"] * 0.999999
         assert row["bound_s"] == pytest.approx(max(run["compute_s"], run["communication_s"]))
         assert row["sum_s"] == pytest.approx(run["compute_s"] + run["communication_s"])
         assert row["speedup"] == pytest.approx(baseline / row["iteration_s"])

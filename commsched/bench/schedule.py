@@ -154,6 +154,16 @@ def replay(
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
+def _slowest_per_iteration(comm: Any, periods: list[float]) -> list[float]:
+    """Each iteration's period on the rank where it took longest."""
+    import numpy as np
+    from mpi4py import MPI
+
+    slowest = np.empty(len(periods))
+    comm.Allreduce(np.asarray(periods, dtype=np.float64), slowest, op=MPI.MAX)
+    return slowest.tolist()
+
+
 def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
     """Median over repeats of the slowest rank's time for one raw in-place MPI allreduce."""
     import numpy as np
@@ -328,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
                     "iteration_s": comm.allreduce(statistics.fmean(periods), op=MPI.MAX),
                     "median_iteration_s": comm.allreduce(statistics.median(periods), op=MPI.MAX),
                     "slowest_iteration_s": comm.allreduce(max(periods), op=MPI.MAX),
+                    # Each measured iteration on its slowest rank, so a stall can be placed.
+                    "iterations_s": _slowest_per_iteration(comm, periods),
                 }
             )
             used.append(commsched.config())  # what the tuner chose, for the simulator's column
