@@ -348,6 +348,31 @@ def _ring_sized_under_nccl(
     return sizes
 
 
+# The fitted inline limit stays within these: the fixed default before it, and what the core accepts.
+MIN_FITTED_INLINE_BYTES = 4 * 1024
+MAX_INLINE_BYTES = 64 * 1024
+
+
+def default_inline_bytes(
+    ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
+) -> int:
+    """The largest power of two (4 KiB to 64 KiB) a tensor may have to ride in the agreement round.
+
+    Inline, every rank receives the tensor from every other rank: (ranks - 1) times its bytes.
+    Alone in a collective it would pay the transport's algorithm's message latencies instead. A
+    tensor goes inline while receiving those copies takes no longer than the latencies it saves.
+    The core further caps the limit at 64 KiB / ranks.
+    """
+    n = max(2, ranks)
+    size = MAX_INLINE_BYTES
+    while size > MIN_FITTED_INLINE_BYTES:
+        concrete = collective_model.resolve(algorithm, size, n, bandwidth_bytes_per_s, latency_s)
+        if (n - 1) * size <= link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete):
+            break
+        size //= 2
+    return size
+
+
 _SIZE_FORM = "a byte count with an optional unit, e.g. 4MiB, 512KB or 1048576"
 _DURATION_FORM = "seconds with an optional unit, e.g. 60, 30s or 500ms"
 # field -> (environment variable, parser, accepted form)
@@ -473,7 +498,7 @@ def _check_consistency(settings: Settings) -> None:
     _check_grpc_tls(settings)
     if settings.credit_bytes == 0:
         raise SettingError("COMMSCHED_CREDIT_BYTES must be above 0; use a size such as 8MiB")
-    if settings.inline_bytes > 64 * 1024:
+    if settings.inline_bytes > MAX_INLINE_BYTES:
         raise SettingError(
             f"COMMSCHED_INLINE_BYTES must be at most 64KiB, not {settings.inline_bytes}: every rank receives "
             "every rank's inline bytes; bigger tensors belong in a collective"

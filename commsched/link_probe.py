@@ -1,7 +1,8 @@
 """Fits the scheduling defaults to the link at init, measured with a few timed allreduces.
 
-The default partition, credit and fusion sizes follow the link (config.default_sizes), so init()
-needs its bandwidth and per-message latency: from COMMSCHED_LINK_BANDWIDTH / _LATENCY, or timed
+The default partition, credit, fusion and inline sizes follow the link (config.default_sizes and
+default_inline_bytes), so init() needs its bandwidth and per-message latency: from
+COMMSCHED_LINK_BANDWIDTH / _LATENCY, or timed
 before the core starts (MPI or Gloo). A tiny allreduce times the latency, a larger one the
 bandwidth; every rank then takes rank 0's figures, so every rank derives the same defaults.
 
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from commsched import collective_model
-from commsched.config import Settings, default_sizes
+from commsched.config import Settings, default_inline_bytes, default_sizes
 
 log = logging.getLogger("commsched")
 
@@ -163,7 +164,7 @@ def link_from_timings(
     return bandwidth, latency
 
 
-_SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
+_SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
 def fit_to_link(
@@ -187,7 +188,10 @@ def fit_to_link(
         return settings
     given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
     algorithm = transport_algorithm(kind)
-    sizes = default_sizes(size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm)
+    sizes = {
+        **default_sizes(size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm),
+        "inline_bytes": default_inline_bytes(size, bandwidth, latency, algorithm),
+    }
     log.info(
         "link %.3g Gbit/s, %.3g us per message at %d ranks, %s allreduce: %s",
         bandwidth * 8e-9,

@@ -14,6 +14,7 @@ from commsched.config import (
     DefaultRule,
     SettingError,
     Settings,
+    default_inline_bytes,
     default_sizes,
     parse_rate,
     resolve,
@@ -167,8 +168,10 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
     from commsched.bench.schedule import _replay_sizes
 
     monkeypatch.delenv("COMMSCHED_PARTITION_BYTES", raising=False)
-    args = argparse.Namespace(partition_bytes=None, credit_bytes=None, fusion_bytes=None, scale=16.0)
-    full = default_sizes(4, 1.2e8, 40e-6)
+    args = argparse.Namespace(
+        partition_bytes=None, credit_bytes=None, fusion_bytes=None, inline_bytes=None, scale=16.0
+    )
+    full = {**default_sizes(4, 1.2e8, 40e-6), "inline_bytes": default_inline_bytes(4, 1.2e8, 40e-6)}
     assert _replay_sizes(args, 4, 1.2e8, 40e-6) == {name: full[name] // 16 for name in full}
     monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "64KiB")
     sizes = _replay_sizes(args, 4, 1.2e8, 40e-6)
@@ -180,3 +183,33 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
     assert sizes["credit_bytes"] % 65536 == 0
     args.partition_bytes, args.credit_bytes = "32KiB", "96KiB"
     assert _replay_sizes(args, 4, 1.2e8, 40e-6)["credit_bytes"] == "96KiB"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "rate", "latency", "algorithm"),
+    [
+        (2, 1.2e8, 45e-6, "ring"),  # the rig: 10.8 KB of latency per copy
+        (4, 1.2e8, 45e-6, "ring"),
+        (3, 1.2e8, 30e-6, "ring"),
+        (2, 1.5e9, 80e-6, "ring"),  # Gloo on one host: slow messages, fast bytes
+        (2, 2.6e9, 2.7e-6, "mpich"),  # MPI's shared memory
+        (2, 1.25e8, 1e-6, "ring"),  # latency too small to matter: the floor
+        (1024, 1.25e10, 5e-6, "mpich"),
+        (8, 1.25e10, 20e-6, "nccl"),
+    ],
+)
+def test_the_inline_limit_is_the_largest_power_of_two_whose_copies_cost_no_more_than_the_latency(
+    ranks: int, rate: float, latency: float, algorithm: str
+) -> None:
+    """Inline, (ranks - 1) copies of a tensor arrive at every rank; the limit is the largest power of two
+    from 4 KiB to 64 KiB whose copies take no longer than the latencies of the collective it avoids."""
+    from commsched import collective_model
+
+    def fits(size: int) -> bool:
+        concrete = collective_model.resolve(algorithm, size, ranks, rate, latency)
+        return (ranks - 1) * size / rate <= collective_model.steps(concrete, ranks) * latency
+
+    fitting = [1 << k for k in range(12, 17) if fits(1 << k)]
+    expected = max(fitting) if fitting else 4096
+    assert default_inline_bytes(ranks, rate, latency, algorithm) == expected
+    assert 4096 <= expected <= 65536

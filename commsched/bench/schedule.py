@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from commsched.bench import report
-from commsched.config import default_sizes, parse_size, resolve
+from commsched.config import default_inline_bytes, default_sizes, parse_size, resolve
 
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
@@ -238,7 +238,7 @@ def measure_size_costs(
 
 
 _PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
-_SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes")
+_SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
 def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float) -> dict[str, Any]:
@@ -252,7 +252,10 @@ def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latenc
     # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
     partition = given["partition_bytes"] or os.environ.get("COMMSCHED_PARTITION_BYTES")
     full_partition = parse_size(partition) * args.scale if partition else None
-    fitted = default_sizes(ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None)
+    fitted = {
+        **default_sizes(ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None),
+        "inline_bytes": default_inline_bytes(ranks, bandwidth, latency_s),
+    }
     sizes: dict[str, Any] = {}
     for name in _SCALED_SETTINGS:
         if given[name] is not None or os.environ.get(f"COMMSCHED_{name.upper()}"):
@@ -315,7 +318,11 @@ def run(args: argparse.Namespace) -> int:
     settings: dict[str, Any] = {}
     # The sizes scaled from commsched's defaults stand for the defaults: with --autotune the
     # search starts there and may change them, as it would change the defaults themselves.
-    starting = [name for name in _SCALED_SETTINGS if getattr(args, name) is None and sizes[name] is not None]
+    starting = [
+        name
+        for name in _SCALED_SETTINGS
+        if name in autotune.FIELDS and getattr(args, name) is None and sizes[name] is not None
+    ]
     for policy, modes, tuned in runs:
         commsched.init(
             policy=None if tuned else policy,
@@ -374,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         row["sim_error"] = (sim["iteration_s"] - row["median_iteration_s"]) / row["median_iteration_s"]
         row["sim_error_vs_mean"] = (sim["iteration_s"] - row["iteration_s"]) / row["iteration_s"]
         if row["policy"] == "autotune":
-            row["settings"] = {name: settings_used[name] for name in ("policy", *_SCALED_SETTINGS)}
+            row["settings"] = {name: settings_used[name] for name in autotune.FIELDS}
     header = {
         "model": profile.name,
         "ranks": ranks,
@@ -490,6 +497,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition-bytes", default=None, help="e.g. 4MiB (default: commsched's)")
     parser.add_argument("--credit-bytes", default=None, help="e.g. 8MiB")
     parser.add_argument("--fusion-bytes", default=None, help="e.g. 1MiB")
+    parser.add_argument("--inline-bytes", default=None, help="e.g. 512 (tensors up to it ride in the round)")
     parser.add_argument("--cycle-time", default=None, help="core cycle time, e.g. 1ms")
     parser.add_argument(
         "--autotune",

@@ -13,14 +13,15 @@ import numpy as np
 from mpi4py import MPI
 
 import commsched
-from commsched.config import default_sizes
+from commsched.config import default_inline_bytes, default_sizes
+from commsched.link_probe import transport_algorithm
 
 scenario = sys.argv[1]
 comm = MPI.COMM_WORLD
 arguments = {"fusion_bytes": 12345} if scenario == "explicit" else {}
 commsched.init(**arguments)
 settings = commsched.config()
-sizes = {name: settings[name] for name in ("partition_bytes", "credit_bytes", "fusion_bytes")}
+sizes = {name: settings[name] for name in ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")}
 link = (settings["link_bandwidth"], settings["link_latency"])
 assert link[0] > 0 and link[1] >= 0, link
 # Every rank holds the same link figures and the same sizes.
@@ -32,6 +33,8 @@ if scenario == "explicit":
     expected = default_sizes(comm.Get_size(), *link, partition_bytes=128 * 1024)
     expected["fusion_bytes"] = 12345
     assert sizes["partition_bytes"] == 128 * 1024, sizes
+# The inline limit follows the link and the algorithm MPI runs for a small message.
+expected["inline_bytes"] = default_inline_bytes(comm.Get_size(), *link, transport_algorithm("mpi"))
 assert sizes == expected, (sizes, expected)
 # The sizes in effect schedule real reductions correctly.
 array = np.full(300000, comm.Get_rank() + 1, np.float32)
