@@ -7,7 +7,8 @@ right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream c
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
 protobuf's copies), checked for size, dtype and sequence on arrival; the global ring's large pieces
 take a TCP (or TLS) socket instead (grpc_bulk). A process set runs on a ring of its members with a
-data stream of its own to its right-hand member (grpc_lanes).
+data stream of its own to its right-hand member (grpc_lanes). Agreement reports are allgathered
+over the control streams by grpc_reports.
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
@@ -33,6 +34,7 @@ from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ops import GrpcError, PendingOp
+from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
@@ -82,8 +84,7 @@ class _Node:
         self.control_departed: set[int] = set()
         self._lock = threading.Condition()
         self._joined: dict[int, str] = {}
-        self._reports: dict[int, dict[int, bytes]] = {}
-        self._exchange_seq = 0
+        self._board = ReportBoard(self, self._lock)
         # The global ring, and each process set's ring of its members by set id and by stream kind.
         self._global = Lane(self, range(self.size), self.rank, piece_bytes, DIRECT_BYTES, "the global ring")
         self._sets: dict[int, Lane] = {}
@@ -290,7 +291,7 @@ class _Node:
                     reason = bytes(frame.payload).decode(errors="replace")
                     self.fail(f"rank {peer} failed: {reason}", tell_peers=False)
                 elif frame.channel == wire.CONTROL:
-                    self._take_report(frame)
+                    self._board.take(frame)
                 else:
                     self._lane_of(kind, peer).apply(frame)
         except FrameError as error:
@@ -331,52 +332,15 @@ class _Node:
 
     # ---------------------------------------------------------------- agreement
 
-    def _take_report(self, frame: Any) -> None:
-        with self._lock:
-            # A peer runs at most one exchange ahead: it needs our report to finish the current one.
-            if not self._exchange_seq <= frame.seq <= self._exchange_seq + 1:
-                raise FrameError(f"report #{frame.seq} while exchange #{self._exchange_seq} runs")
-            slot = self._reports.setdefault(frame.seq, {})
-            if frame.src in slot:
-                raise FrameError(f"report #{frame.seq} arrived twice")
-            slot[frame.src] = bytes(frame.payload)
-            self._lock.notify_all()
-
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Allgathers one report per rank over the control streams."""
-        with self._lock:
-            seq = self._exchange_seq
-            if self.failure:
-                raise GrpcError(self.failure)
+        return self._board.exchange(report, timeout_s, self._send_report, self._address_of)
+
+    def _send_report(self, seq: int, report: bytes) -> None:
         frame = encode_frame(wire.CONTROL, self.rank, seq, report)
         for (_, kind), outbox in self._outboxes.items():
             if kind == "control":
                 outbox.put(frame)
-        with self._lock:
-            slot = self._reports.setdefault(seq, {})
-            ready = self._lock.wait_for(
-                lambda: (
-                    len(slot) == self.size - 1
-                    or bool(self.failure)
-                    or bool(self.control_departed - set(slot))
-                ),
-                timeout_s,
-            )
-            if self.failure:
-                raise GrpcError(self.failure)
-            gone = sorted(self.control_departed - set(slot))
-            if gone and len(slot) < self.size - 1:
-                raise GrpcError(f"rank {self.rank}: ranks {gone} shut down while this rank still exchanges")
-            if not ready:
-                missing = sorted(set(range(self.size)) - set(slot) - {self.rank})
-                raise GrpcError(
-                    f"rank {self.rank}: no agreement report from ranks {missing} "
-                    f"({', '.join(self._address_of(p) for p in missing)}) within {timeout_s:.0f}s"
-                )
-            del self._reports[seq]
-            self._exchange_seq = seq + 1
-        slot[self.rank] = report
-        return [slot[r] for r in range(self.size)]
 
     # ---------------------------------------------------------------- data
 
