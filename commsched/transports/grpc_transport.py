@@ -29,7 +29,7 @@ import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog, join_rendezvous
-from commsched.transports.grpc_bulk import BULK_BYTES, BulkLink, link_stats, start_link
+from commsched.transports.grpc_bulk import BULK_BYTES, BULK_PIECE_BYTES, BulkLink, link_stats, start_link
 from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
@@ -47,6 +47,8 @@ __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
 # previous write, bound a stream.
 DATA_STREAMS = 1
 DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
+# Ring pieces on gRPC streams: gRPC Python copies each message, so smaller ones pipeline better there.
+PIECE_BYTES = 1024**2
 
 
 class _Node:
@@ -63,6 +65,7 @@ class _Node:
         join_timeout_s: float | None = None,
         streams: int = 1,
         bulk_bytes: int = BULK_BYTES,
+        bulk_piece_bytes: int | None = None,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
         self.data_kinds = stream_kinds(streams)
@@ -75,6 +78,8 @@ class _Node:
         self.token = token
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
+        # The global ring's pieces once its bulk sockets are up (every rank agrees they are).
+        self.bulk_piece_bytes = piece_bytes if bulk_piece_bytes is None else bulk_piece_bytes
         self.addresses: list[str] = []
         self.failure = ""
         self.closing = False
@@ -157,6 +162,8 @@ class _Node:
                 self._global.outboxes.append(self._outboxes[(self.right, kind)])
         if self.size > 1:  # every rank, so ranks with different thresholds hear of it
             self.bulk = self._global.bulk = start_link(self, self._global)
+            if self.bulk is not None:
+                self._global.piece_bytes = self.bulk_piece_bytes
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -484,7 +491,7 @@ class GrpcTransport:
         endpoint: Endpoint,
         token: str,
         timeout_s: float = 60.0,
-        piece_bytes: int = 1024**2,
+        piece_bytes: int | None = None,
         max_frame_bytes: int = 64 * 1024**2,
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
@@ -495,13 +502,25 @@ class GrpcTransport:
         # and gRPC itself refuses anything above it.
         if not token:
             raise ValueError("the gRPC transport needs a job token")
+        # Unset: PIECE_BYTES on gRPC streams, BULK_PIECE_BYTES on the bulk sockets; set: both.
+        bulk_piece_bytes = BULK_PIECE_BYTES if piece_bytes is None else piece_bytes
+        piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
         if streams <= 0:
             raise ValueError("streams (data streams to the ring neighbour) must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
         self._node = _Node(
-            endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s, streams, bulk_bytes
+            endpoint,
+            token,
+            timeout_s,
+            piece_bytes,
+            max_frame_bytes,
+            tls,
+            join_timeout_s,
+            streams,
+            bulk_bytes,
+            bulk_piece_bytes,
         )
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
