@@ -45,6 +45,12 @@ log = logging.getLogger("commsched")
 # 16 KiB piece took 170 us over the socket and 390 us over gRPC, a 64 KiB one 160 us and 330 us;
 # smaller pieces stay on gRPC with the agreement traffic they are about as fast as.
 BULK_BYTES = 16 * 1024
+# Ring pieces on the sockets (the global ring's, unless a piece size is set): as large as the default
+# partition, so a 2-rank allreduce of one partition sends each segment as one piece. Each piece costs
+# a wake-up of the receiving thread and a send on the forwarding one; on a loaded 2-core host 1 MiB
+# pieces were slower than one piece per segment at 4 and 16 MiB (the overlap they buy did not pay
+# for those), as in the plain TCP ring.
+BULK_PIECE_BYTES = 4 * 1024**2
 # Socket buffers: a few pieces in flight each way (the kernel caps them at net.core.[rw]mem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024**2
 
@@ -451,7 +457,7 @@ def start_link(owner: Any, lane: Lane) -> BulkLink | None:
             owner.token,
             owner.tls,
             owner.join_timeout_s,
-            max(owner.piece_bytes, 16),
+            max(owner.bulk_piece_bytes, 16),
             owner.bulk_bytes,
         )
 

@@ -7,7 +7,8 @@ right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream c
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
 protobuf's copies), checked for size, dtype and sequence on arrival; the global ring's large pieces
 take a TCP (or TLS) socket instead (grpc_bulk). A process set runs on a ring of its members with a
-data stream of its own to its right-hand member (grpc_lanes).
+data stream of its own to its right-hand member (grpc_lanes). Agreement reports are allgathered
+over the control streams by grpc_reports.
 
 Threads: gRPC's sender threads encode frames (grpc_stream); the server thread of each incoming data
 stream applies its frames to the buffers itself and queues the pieces they release, so a frame
@@ -28,11 +29,12 @@ import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog, join_rendezvous
-from commsched.transports.grpc_bulk import BULK_BYTES, BulkLink, link_stats, start_link
+from commsched.transports.grpc_bulk import BULK_BYTES, BULK_PIECE_BYTES, BulkLink, link_stats, start_link
 from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ops import GrpcError, PendingOp
+from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles
@@ -45,6 +47,8 @@ __all__ = ["JOIN_METHOD", "STREAM_METHOD", "GrpcError", "GrpcTransport"]
 # previous write, bound a stream.
 DATA_STREAMS = 1
 DIRECT_BYTES = 256 * 1024  # a 2-rank allreduce up to this size goes in one hop (grpc_ring's direct mode)
+# Ring pieces on gRPC streams: gRPC Python copies each message, so smaller ones pipeline better there.
+PIECE_BYTES = 1024**2
 
 
 class _Node:
@@ -61,6 +65,7 @@ class _Node:
         join_timeout_s: float | None = None,
         streams: int = 1,
         bulk_bytes: int = BULK_BYTES,
+        bulk_piece_bytes: int | None = None,
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
         self.data_kinds = stream_kinds(streams)
@@ -73,6 +78,8 @@ class _Node:
         self.token = token
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
+        # The global ring's pieces once its bulk sockets are up (every rank agrees they are).
+        self.bulk_piece_bytes = piece_bytes if bulk_piece_bytes is None else bulk_piece_bytes
         self.addresses: list[str] = []
         self.failure = ""
         self.closing = False
@@ -82,8 +89,7 @@ class _Node:
         self.control_departed: set[int] = set()
         self._lock = threading.Condition()
         self._joined: dict[int, str] = {}
-        self._reports: dict[int, dict[int, bytes]] = {}
-        self._exchange_seq = 0
+        self._board = ReportBoard(self, self._lock)
         # The global ring, and each process set's ring of its members by set id and by stream kind.
         self._global = Lane(self, range(self.size), self.rank, piece_bytes, DIRECT_BYTES, "the global ring")
         self._sets: dict[int, Lane] = {}
@@ -156,6 +162,8 @@ class _Node:
                 self._global.outboxes.append(self._outboxes[(self.right, kind)])
         if self.size > 1:  # every rank, so ranks with different thresholds hear of it
             self.bulk = self._global.bulk = start_link(self, self._global)
+            if self.bulk is not None:
+                self._global.piece_bytes = self.bulk_piece_bytes
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
 
     @property
@@ -290,7 +298,7 @@ class _Node:
                     reason = bytes(frame.payload).decode(errors="replace")
                     self.fail(f"rank {peer} failed: {reason}", tell_peers=False)
                 elif frame.channel == wire.CONTROL:
-                    self._take_report(frame)
+                    self._board.take(frame)
                 else:
                     self._lane_of(kind, peer).apply(frame)
         except FrameError as error:
@@ -331,52 +339,15 @@ class _Node:
 
     # ---------------------------------------------------------------- agreement
 
-    def _take_report(self, frame: Any) -> None:
-        with self._lock:
-            # A peer runs at most one exchange ahead: it needs our report to finish the current one.
-            if not self._exchange_seq <= frame.seq <= self._exchange_seq + 1:
-                raise FrameError(f"report #{frame.seq} while exchange #{self._exchange_seq} runs")
-            slot = self._reports.setdefault(frame.seq, {})
-            if frame.src in slot:
-                raise FrameError(f"report #{frame.seq} arrived twice")
-            slot[frame.src] = bytes(frame.payload)
-            self._lock.notify_all()
-
     def exchange(self, report: bytes, timeout_s: float) -> list[bytes]:
         """Allgathers one report per rank over the control streams."""
-        with self._lock:
-            seq = self._exchange_seq
-            if self.failure:
-                raise GrpcError(self.failure)
+        return self._board.exchange(report, timeout_s, self._send_report, self._address_of)
+
+    def _send_report(self, seq: int, report: bytes) -> None:
         frame = encode_frame(wire.CONTROL, self.rank, seq, report)
         for (_, kind), outbox in self._outboxes.items():
             if kind == "control":
                 outbox.put(frame)
-        with self._lock:
-            slot = self._reports.setdefault(seq, {})
-            ready = self._lock.wait_for(
-                lambda: (
-                    len(slot) == self.size - 1
-                    or bool(self.failure)
-                    or bool(self.control_departed - set(slot))
-                ),
-                timeout_s,
-            )
-            if self.failure:
-                raise GrpcError(self.failure)
-            gone = sorted(self.control_departed - set(slot))
-            if gone and len(slot) < self.size - 1:
-                raise GrpcError(f"rank {self.rank}: ranks {gone} shut down while this rank still exchanges")
-            if not ready:
-                missing = sorted(set(range(self.size)) - set(slot) - {self.rank})
-                raise GrpcError(
-                    f"rank {self.rank}: no agreement report from ranks {missing} "
-                    f"({', '.join(self._address_of(p) for p in missing)}) within {timeout_s:.0f}s"
-                )
-            del self._reports[seq]
-            self._exchange_seq = seq + 1
-        slot[self.rank] = report
-        return [slot[r] for r in range(self.size)]
 
     # ---------------------------------------------------------------- data
 
@@ -520,7 +491,7 @@ class GrpcTransport:
         endpoint: Endpoint,
         token: str,
         timeout_s: float = 60.0,
-        piece_bytes: int = 1024**2,
+        piece_bytes: int | None = None,
         max_frame_bytes: int = 64 * 1024**2,
         tls: TlsFiles | None = None,
         join_timeout_s: float | None = None,
@@ -531,13 +502,25 @@ class GrpcTransport:
         # and gRPC itself refuses anything above it.
         if not token:
             raise ValueError("the gRPC transport needs a job token")
+        # Unset: PIECE_BYTES on gRPC streams, BULK_PIECE_BYTES on the bulk sockets; set: both.
+        bulk_piece_bytes = BULK_PIECE_BYTES if piece_bytes is None else piece_bytes
+        piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         if piece_bytes <= 0:
             raise ValueError("piece_bytes must be positive")
         if streams <= 0:
             raise ValueError("streams (data streams to the ring neighbour) must be positive")
         self.rank, self.size = endpoint.rank, endpoint.size
         self._node = _Node(
-            endpoint, token, timeout_s, piece_bytes, max_frame_bytes, tls, join_timeout_s, streams, bulk_bytes
+            endpoint,
+            token,
+            timeout_s,
+            piece_bytes,
+            max_frame_bytes,
+            tls,
+            join_timeout_s,
+            streams,
+            bulk_bytes,
+            bulk_piece_bytes,
         )
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
