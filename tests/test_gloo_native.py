@@ -47,8 +47,8 @@ def test_native_path_is_used_and_exact_for_every_dtype(ranks: int) -> None:
 
 
 @needs_native
-def test_a_departed_peer_fails_the_collective_with_gloo_named() -> None:
-    """A rank that exits mid-job makes the other's next collective raise CommschedError naming the Gloo op."""
+def test_a_departed_peer_fails_the_collective_with_a_named_error() -> None:
+    """A rank that exits mid-job makes the other's next collective raise naming the Gloo op or the control channel."""
     done = run(2, "--peer-exits")
     output = done.stdout + done.stderr
     assert "rank 0: failed as expected" in output, output
