@@ -348,26 +348,34 @@ def _ring_sized_under_nccl(
     return sizes
 
 
-# The fitted inline limit stays within these: the fixed default before it, and what the core accepts.
+# The fitted inline limit starts from the fixed default before it, and the core accepts at most
+# MAX_INLINE_BYTES / ranks (every rank receives every rank's inline bytes in one round).
 MIN_FITTED_INLINE_BYTES = 4 * 1024
 MAX_INLINE_BYTES = 64 * 1024
+
+
+def inline_cap_bytes(ranks: int) -> int:
+    """The largest power of two the core accepts as the inline limit at `ranks` ranks."""
+    return 1 << ((MAX_INLINE_BYTES // max(2, ranks)).bit_length() - 1)
 
 
 def default_inline_bytes(
     ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
 ) -> int:
-    """The largest power of two (4 KiB to 64 KiB) a tensor may have to ride in the agreement round.
+    """The largest power of two a tensor may have to ride in the agreement round, from 4 KiB (or the
+    core's cap, when lower) to the core's cap (inline_cap_bytes).
 
-    Inline, every rank receives the tensor from every other rank: (ranks - 1) times its bytes.
-    Alone in a collective it would pay the transport's algorithm's message latencies instead. A
-    tensor goes inline while receiving those copies takes no longer than the latencies it saves.
-    The core further caps the limit at 64 KiB / ranks.
+    Inline, every rank receives the tensor from every other rank: (ranks - 1) times its bytes, in a
+    round that runs anyway. Alone in a collective it would move the algorithm's own bytes and pay its
+    message latencies. A tensor goes inline while the bytes it adds over the collective's take no
+    longer than those latencies: at 2 ranks a ring moves as many bytes as the round, so always.
     """
     n = max(2, ranks)
-    size = MAX_INLINE_BYTES
+    size = inline_cap_bytes(n)
     while size > MIN_FITTED_INLINE_BYTES:
         concrete = collective_model.resolve(algorithm, size, n, bandwidth_bytes_per_s, latency_s)
-        if (n - 1) * size <= link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete):
+        added = (n - 1) * size - collective_model.wire_bytes(concrete, size, n)
+        if added <= link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete):
             break
         size //= 2
     return size

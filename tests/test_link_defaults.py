@@ -186,30 +186,31 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
 
 
 @pytest.mark.parametrize(
-    ("ranks", "rate", "latency", "algorithm"),
+    ("ranks", "rate", "latency", "algorithm", "expected"),
     [
-        (2, 1.2e8, 45e-6, "ring"),  # the rig: 10.8 KB of latency per copy
-        (4, 1.2e8, 45e-6, "ring"),
-        (3, 1.2e8, 30e-6, "ring"),
-        (2, 1.5e9, 80e-6, "ring"),  # Gloo on one host: slow messages, fast bytes
-        (2, 2.6e9, 2.7e-6, "mpich"),  # MPI's shared memory
-        (2, 1.25e8, 1e-6, "ring"),  # latency too small to matter: the floor
-        (1024, 1.25e10, 5e-6, "mpich"),
-        (8, 1.25e10, 20e-6, "nccl"),
+        (2, 1.2e8, 45e-6, "ring", 32768),  # a ring moves as many bytes as the round: the core's cap
+        (2, 1.5e9, 80e-6, "ring", 32768),  # Gloo on one host
+        (2, 2.6e9, 2.7e-6, "mpich", 32768),  # MPI's shared memory
+        (3, 1.2e8, 30e-6, "ring", 16384),  # 0.67 x 16 KiB added <= 14.4 KB of latency; cap 21.8 KB
+        (4, 1.2e8, 45e-6, "ring", 16384),  # the rig: 1.5 x 16 KiB added <= 32.4 KB of latency
+        (4, 1.2e8, 10e-6, "ring", 4096),  # 1.5 x 8 KiB added > 7.2 KB of latency >= 1.5 x 4 KiB
+        (4, 1.2e8, 6e-6, "ring", 4096),  # even 4 KiB adds more than 4.3 KB: the floor
+        (8, 1.25e10, 20e-6, "nccl", 8192),  # the core's cap at 8 ranks
+        (64, 1.25e9, 2e-6, "ring", 1024),  # the cap is below the floor
+        (1024, 1.25e10, 5e-6, "mpich", 64),
     ],
 )
-def test_the_inline_limit_is_the_largest_power_of_two_whose_copies_cost_no_more_than_the_latency(
-    ranks: int, rate: float, latency: float, algorithm: str
+def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_more_than_the_latency(
+    ranks: int, rate: float, latency: float, algorithm: str, expected: int
 ) -> None:
-    """Inline, (ranks - 1) copies of a tensor arrive at every rank; the limit is the largest power of two
-    from 4 KiB to 64 KiB whose copies take no longer than the latencies of the collective it avoids."""
+    """Inline, (ranks - 1) copies of a tensor arrive at every rank in a round that runs anyway; the limit
+    is the largest power of two within the core's cap whose bytes beyond the collective's own take no
+    longer than the latencies of the collective it avoids, and at least 4 KiB where the cap allows."""
     from commsched import collective_model
+    from commsched.config import inline_cap_bytes
 
-    def fits(size: int) -> bool:
-        concrete = collective_model.resolve(algorithm, size, ranks, rate, latency)
-        return (ranks - 1) * size / rate <= collective_model.steps(concrete, ranks) * latency
-
-    fitting = [1 << k for k in range(12, 17) if fits(1 << k)]
-    expected = max(fitting) if fitting else 4096
     assert default_inline_bytes(ranks, rate, latency, algorithm) == expected
-    assert 4096 <= expected <= 65536
+    assert expected <= inline_cap_bytes(ranks) <= 65536 // ranks
+    concrete = collective_model.resolve(algorithm, expected, ranks, rate, latency)
+    added = (ranks - 1) * expected - collective_model.wire_bytes(concrete, expected, ranks)
+    assert added <= collective_model.steps(concrete, ranks) * latency * rate or expected == 4096
