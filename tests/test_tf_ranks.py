@@ -53,8 +53,18 @@ def test_three_ranks_match_one_process(policy: str) -> None:
 
 
 def test_reduction_starts_before_backward_ends(tmp_path: Path) -> None:
-    """From the commsched timeline: in tf.function, the first gradient is on the wire before the last is computed."""
-    result = launch(2, "overlap.py", str(tmp_path))
-    passes, failures = verdicts(result)
-    assert result.returncode == 0, result.stdout[-4000:]
+    """From the commsched timeline: in tf.function, the first gradient is on the wire before the last is computed.
+
+    On a loaded host TensorFlow's executor now and then runs a whole job's reductions after its
+    backward ops, so a job that shows no overlap gets one more try; a scheduler that holds
+    reductions until backward ends fails both.
+    """
+    for attempt in range(2):
+        traces = tmp_path / f"attempt{attempt}"
+        traces.mkdir()
+        result = launch(2, "overlap.py", str(traces))
+        passes, failures = verdicts(result)
+        assert result.returncode == 0, result.stdout[-4000:]
+        if not failures:
+            break
     assert not failures and sorted(passes) == ["fit", "fit", "tape", "tape"], result.stdout[-4000:]

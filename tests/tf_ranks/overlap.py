@@ -7,8 +7,10 @@ clock, so ranks on one host compare): per step, the backward pass ends when the 
 rank's last gradient reaches the core (the latest "negotiate" begin); the first
 gradient's reduction starts when the last rank puts it "on the wire". Ranks meet at a
 barrier before each step so that one rank's head start does not count as overlap.
-Prints `PASS <config>` when that start comes over 5 ms before that end in most steps
-(gradients reduced only after the whole backward pass measure 0-5 ms).
+Prints `PASS <config>` when that start comes over 10 ms before that end in at least three of
+the eight measured steps (gradients reduced only after the whole backward pass measure 0-5 ms;
+on a loaded host TensorFlow's executor sometimes issues the first reduction late, so not every
+step shows the overlap the scheduler allows).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import tf_common as common
 import commsched
 
 BATCH, WIDTH, DEPTH, STEPS = 256, 1024, 5, 9
-MARGIN_US = 5000
+MARGIN_US = 10_000
+MIN_OVERLAPPED_STEPS = 3
 
 
 def model() -> keras.Model:
@@ -85,12 +88,12 @@ class Barrier(keras.callbacks.Callback):
 
 
 def report(label: str, rank: int, measured: list[tuple[float, float]]) -> None:
-    """PASS when, in most steps after the first (tracing), the first reduction began before backward ended."""
+    """PASS when, in enough steps after the first (tracing), the first reduction began well before backward ended."""
     later = measured[1:]
     early = [last - start for start, last in later]
     # A margin: ops submitted one after another once backward is over still lead by a few ms.
     overlapped = sum(1 for lead in early if lead > MARGIN_US)
-    verdict = "PASS" if len(later) >= 3 and overlapped * 2 > len(later) else "FAIL"
+    verdict = "PASS" if overlapped >= MIN_OVERLAPPED_STEPS else "FAIL"
     leads = ", ".join(f"{lead / 1000:.1f}" for lead in early)
     print(
         f"{verdict} {label} rank={rank} overlapped {overlapped}/{len(later)} steps; "
