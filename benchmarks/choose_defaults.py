@@ -36,6 +36,7 @@ from commsched import collective_model
 from commsched.bench import schedule
 from commsched.config import (
     DEFAULT_RULE,
+    ROUNDS_ON_DATA_RULE,
     DefaultRule,
     default_sizes,
     link_delay_bytes,
@@ -158,18 +159,27 @@ def _power_of_two_index(values: np.ndarray, low: int, high: int, grid: Sequence[
     return (exponents - math.log2(grid[0])).astype(int)
 
 
+def rule_for(rounds: str) -> DefaultRule:
+    """The rule config.default_sizes applies when agreement rounds travel on `rounds`."""
+    return DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
+
+
 def fit(
-    table: dict[Case, dict[str, Any]], algorithm: str = "ring", credit_only: bool = False
+    table: dict[Case, dict[str, Any]],
+    algorithm: str = "ring",
+    credit_only: bool = False,
+    rounds: str = "channel",
 ) -> tuple[DefaultRule, tuple[float, float]]:
     """The rule with the smallest worst case (to 0.1%, then geometric mean) over the sweep, searched
     with numpy; `credit_only` searches the credit's scale and exponent and keeps the rest of
-    config.DEFAULT_RULE (partition, fusion, least credit), so small links keep their defaults."""
+    the rule config.default_sizes takes for these `rounds` (partition, fusion, least credit), so small
+    links keep their defaults."""
     partition_space = list(
         itertools.product(PARTITION_SCALES, PARTITION_EXPONENTS, MIN_PARTITIONS, MAX_PARTITIONS)
     )
     min_credits, fusions = MIN_CREDIT_PARTITIONS, FUSIONS
     if credit_only:
-        kept = DEFAULT_RULE
+        kept = rule_for(rounds)
         partition_space = [
             (
                 kept.partition_scale_bytes,
@@ -302,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--credit-only",
         action="store_true",
-        help="fit the credit's scale and exponent only, keeping config.DEFAULT_RULE's partition and fusion",
+        help="fit the credit's scale and exponent only, keeping the partition and fusion of config's rule",
     )
     parser.add_argument("--json", type=Path, help="write the rule and its table here")
     args = parser.parse_args(argv)
@@ -323,11 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.algorithm,
         args.rounds,
     )
-    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only)
-    current_worst, current_geomean = score_rule(DEFAULT_RULE, table, args.algorithm)
+    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only, args.rounds)
+    current_worst, current_geomean = score_rule(rule_for(args.rounds), table, args.algorithm)
     print(f"# fitted rule: {rule}")
     print(f"# against each model's best grid setting: worst {worst:.3f}, geomean {geomean:.4f}")
-    print(f"# config.DEFAULT_RULE now: worst {current_worst:.3f}, geomean {current_geomean:.4f}")
+    print(
+        f"# config's rule for rounds on the {args.rounds} now: worst {current_worst:.3f}, geomean {current_geomean:.4f}"
+    )
     rows = summary(table, rule, args.algorithm)
     print(
         "| ranks | Gbit/s | us | model | defaults p/c/f | defaults / best | old defaults / best | grid best / best |"

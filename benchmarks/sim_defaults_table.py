@@ -11,10 +11,10 @@ choose_defaults.py's grid shows how close any partition, credit and fusion can c
 link (the link serves collectives in start order, so hiding latency behind credit delays an
 urgent chunk). Agreement rounds travel on the TCP control channel (--rounds channel, the default:
 what Gloo and gRPC always use and MPI uses across hosts, and NCCL's rounds never share its data
-path), so they do not queue behind the collectives' bytes; each row also gives the defaults with
-rounds queued behind the data on the link (--rounds data for the rest of the table: rounds in the
-transport's own connection, the model checked on the 2-4-rank rig). Prints a markdown table and
-writes JSON.
+path), so they do not queue behind the collectives' bytes; each row also gives the defaults for
+rounds queued behind the data on the link (COMMSCHED_CONTROL_CHANNEL=transport, the model checked on
+the 2-4-rank rig) under that model (--rounds data for the rest of the table). Prints a markdown table
+and writes JSON.
 
     python benchmarks/sim_defaults_table.py --json docs/data/sim_defaults.json
     python benchmarks/sim_defaults_table.py --algorithm mpich --json docs/data/sim_defaults_mpich.json
@@ -89,14 +89,15 @@ def row(
         return float(result["iteration_s"])
 
     best = float(simulate_ideal(layers, ranks, rate, iterations, warmup, latency, algorithm)["iteration_s"])
-    defaults = default_sizes(ranks, rate, latency, algorithm=algorithm)
+    defaults = default_sizes(ranks, rate, latency, algorithm=algorithm, rounds=rounds)
+    on_data = default_sizes(ranks, rate, latency, algorithm=algorithm, rounds="data")
     fifo = {"partition_bytes": 0, "credit_bytes": UNCAPPED, "fusion_bytes": HOROVOD_FUSION_BYTES}
     times = {
         "defaults": run("priority", defaults, "overlap"),
         "old_defaults": run("priority", old_defaults(ranks), "overlap"),
         "fifo": run("fifo", fifo, "barrier"),
-        # The same defaults with every round queued behind the bytes on the link, for comparison.
-        "defaults_rounds_on_data": run("priority", defaults, "overlap", "data"),
+        # Rounds queued behind the bytes on the link, with the defaults for that (the rule before).
+        "defaults_rounds_on_data": run("priority", on_data, "overlap", "data"),
     }
     if grid:
         sizes = ("partition_bytes", "credit_bytes", "fusion_bytes")
@@ -109,6 +110,7 @@ def row(
         "algorithm": algorithm,
         "rounds": rounds,
         "defaults": defaults,
+        "defaults_rounds_on_data": on_data,
         "best_s": best,
         **{f"{name}_s": t for name, t in times.items()},
         **{f"{name}_vs_best": t / best for name, t in times.items()},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -220,12 +221,10 @@ class DefaultRule:
     fusion_bytes: int
 
 
-# Partition and fusion fitted by `python benchmarks/choose_defaults.py --rounds data` (rounds queued
-# behind the data, which made the credit 8 x the delay: returned credit waited behind it). The credit
-# refitted with rounds on the control channel, as they run across hosts, keeping the rest (so 2-4-rank
-# links keep their sizes): `python benchmarks/choose_defaults.py --credit-only --json
-# docs/data/default_rule.json`: about the link's delay bytes, within 1.24x (1.02x geometric mean) of
-# each case's best grid setting over 2-1024 ranks, 1-100 Gbit/s, 2-50 us (8 x the delay: 1.31x, 1.04x).
+# Fitted by `python benchmarks/choose_defaults.py --credit-only --json docs/data/default_rule.json`
+# with agreement rounds on the control channel, as they run across hosts: the credit is about the
+# link's delay bytes, within 1.24x (1.02x geometric mean) of each case's best grid setting over
+# 2-1024 ranks, 1-100 Gbit/s, 2-50 us; the partition and fusion are ROUNDS_ON_DATA_RULE's.
 DEFAULT_RULE = DefaultRule(
     partition_scale_bytes=4 * 1024**2,
     partition_exponent=0.25,
@@ -237,6 +236,12 @@ DEFAULT_RULE = DefaultRule(
     max_credit_partitions=64,
     fusion_bytes=4 * 1024**2,
 )
+# Fitted by `python benchmarks/choose_defaults.py --rounds data` (at most 1.17x, 1.03x on geometric
+# mean) for rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round
+# queues behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
+# Links with under ~2.5 MiB of delay (the 2-4-rank rig's) get the same sizes from both rules.
+ROUNDS_ON_DATA_RULE = dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * 1024**2)
+ROUNDS = ("channel", "data")
 _DELAY_UNIT_BYTES = 1024**2
 
 
@@ -292,9 +297,10 @@ def default_sizes(
     ranks: int,
     bandwidth_bytes_per_s: float,
     latency_s: float,
-    rule: DefaultRule = DEFAULT_RULE,
+    rule: DefaultRule | None = None,
     partition_bytes: int | None = None,
     algorithm: str = "ring",
+    rounds: str = "channel",
 ) -> dict[str, int]:
     """The default partition, credit and fusion sizes for a link (the fitted rule).
 
@@ -305,8 +311,13 @@ def default_sizes(
     more slowly, so an urgent tensor still finds a chunk boundary soon. A given `partition_bytes`
     (not 0) is kept, and the credit counted in it. For a library's choice by size (mpich, nccl)
     the delay is that of the algorithm the library runs for a message of the partition picked
-    under it: commsched's collectives are mostly whole partitions.
+    under it: commsched's collectives are mostly whole partitions. Without a `rule`, the one for
+    where agreement rounds travel: `rounds` "channel" (DEFAULT_RULE) or "data" (ROUNDS_ON_DATA_RULE).
     """
+    if rule is None:
+        if rounds not in ROUNDS:
+            raise ValueError(f"rounds must be one of {', '.join(ROUNDS)}, got {rounds!r}")
+        rule = DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
     choices = collective_model.LIBRARY_CHOICES.get(collective_model.check_algorithm(algorithm), (algorithm,))
     fitted = [
         _sizes_for_delay(link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, c), rule, partition_bytes)

@@ -75,6 +75,7 @@ def test_the_table_compares_the_defaults_old_defaults_and_fifo(tmp_path: Path) -
     assert len(rows) == 4 and proc.stdout.count("\n| ") == 4  # one line per row after the header
     for row in rows:
         assert row["defaults"] == default_sizes(row["ranks"], 12.5e9, 20e-6)
+        assert row["defaults_rounds_on_data"] == default_sizes(row["ranks"], 12.5e9, 20e-6, rounds="data")
         # Rounds travel on the control channel unless --rounds data; the defaults with rounds queued
         # behind the data stand alongside.
         assert row["rounds"] == "channel"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from mpirun import run_ranks
 
 from commsched.config import (
     DEFAULT_RULE,
+    ROUNDS_ON_DATA_RULE,
     DefaultRule,
     SettingError,
     Settings,
@@ -19,7 +21,7 @@ from commsched.config import (
     parse_rate,
     resolve,
 )
-from commsched.link_probe import link_from_timings
+from commsched.link_probe import link_from_timings, rounds_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = [2, 3, 8, 64, 1024, 4096]
@@ -115,6 +117,27 @@ def test_credit_covers_about_the_links_delay_bytes() -> None:
     for ranks, rate, latency in itertools.product((2, 3, 4), (1.2e8, 5e8), (20e-6, 45e-6, 100e-6)):
         sizes = default_sizes(ranks, rate, latency)
         assert sizes["credit_bytes"] == 4 * sizes["partition_bytes"]
+
+
+def test_rounds_behind_the_data_keep_eight_times_the_delay_as_credit() -> None:
+    """COMMSCHED_CONTROL_CHANNEL=transport: each round queues behind the bytes in flight, so the credit
+    that comes back through it is late; the rule fitted that way (--rounds data) keeps 8 x the delay."""
+    mib = 1024**2
+    # 48.8 MiB of delay at 1024 ranks, 100 Gbit/s, 2 us: 8 x 48.8 / 8 MiB = 48.8 -> 64 partitions.
+    assert default_sizes(1024, 12.5e9, 2e-6, rounds="data")["credit_bytes"] == 512 * mib
+    assert ROUNDS_ON_DATA_RULE == dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * mib)
+    # Under 2.5 MiB of delay both rules sit on the floor of 4 partitions.
+    assert default_sizes(4, 5e8, 100e-6, rounds="data") == default_sizes(4, 5e8, 100e-6)
+    assert rounds_path("transport", "mpi") == rounds_path("transport", "gloo") == "data"
+    # NCCL's bytes move on the device; its rounds go over the host transport, never behind them.
+    assert (
+        rounds_path("transport", "nccl")
+        == rounds_path("auto", "mpi")
+        == rounds_path("tcp", "gloo")
+        == "channel"
+    )
+    with pytest.raises(ValueError, match="rounds must be one of channel, data"):
+        default_sizes(8, 1e9, 1e-5, rounds="tcp")
 
 
 def test_link_settings_parse_and_name_the_variable_when_wrong() -> None:
