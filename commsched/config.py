@@ -236,9 +236,10 @@ DEFAULT_RULE = DefaultRule(
     max_credit_partitions=64,
     fusion_bytes=4 * 1024**2,
 )
-# Fitted by `python benchmarks/choose_defaults.py --rounds data` (at most 1.17x, 1.03x on geometric
-# mean) for rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round
-# queues behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
+# The rule fitted before rounds could leave the data's path in the simulator (choose_defaults.py with
+# rounds queued behind the data, as --rounds data runs; at most 1.17x, 1.03x on geometric mean), for
+# rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round queues
+# behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
 # Links with under ~2.5 MiB of delay (the 2-4-rank rig's) get the same sizes from both rules.
 ROUNDS_ON_DATA_RULE = dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * 1024**2)
 ROUNDS = ("channel", "data")
