@@ -9,8 +9,12 @@ preemptive, overhead-free link; each reduction pays one latency of the same allr
 --algorithm: ring by default, mpich or nccl for those libraries' choices by size). The best setting of
 choose_defaults.py's grid shows how close any partition, credit and fusion can come on that
 link (the link serves collectives in start order, so hiding latency behind credit delays an
-urgent chunk: at 1024 ranks and 100 Gbit/s no setting reaches the preemptive ideal). Prints a
-markdown table and writes JSON.
+urgent chunk). Agreement rounds travel on the TCP control channel (--rounds channel, the default:
+what Gloo and gRPC always use and MPI uses across hosts, and NCCL's rounds never share its data
+path), so they do not queue behind the collectives' bytes; each row also gives the defaults for
+rounds queued behind the data on the link (COMMSCHED_CONTROL_CHANNEL=transport, the model checked on
+the 2-4-rank rig) under that model (--rounds data for the rest of the table). Prints a markdown table
+and writes JSON.
 
     python benchmarks/sim_defaults_table.py --json docs/data/sim_defaults.json
     python benchmarks/sim_defaults_table.py --algorithm mpich --json docs/data/sim_defaults_mpich.json
@@ -60,10 +64,11 @@ def row(
     warmup: int,
     grid: bool,
     algorithm: str = "ring",
+    rounds: str = "channel",
 ) -> dict:
     """One table row: each schedule's iteration time over the best schedule's."""
 
-    def run(policy: str, sizes: dict[str, int], mode: str) -> float:
+    def run(policy: str, sizes: dict[str, int], mode: str, where: str = rounds) -> float:
         result = simulate(
             layers,
             ranks,
@@ -79,16 +84,20 @@ def row(
             iterations,
             warmup,
             algorithm=algorithm,
+            rounds=where,
         )
         return float(result["iteration_s"])
 
     best = float(simulate_ideal(layers, ranks, rate, iterations, warmup, latency, algorithm)["iteration_s"])
-    defaults = default_sizes(ranks, rate, latency, algorithm=algorithm)
+    defaults = default_sizes(ranks, rate, latency, algorithm=algorithm, rounds=rounds)
+    on_data = default_sizes(ranks, rate, latency, algorithm=algorithm, rounds="data")
     fifo = {"partition_bytes": 0, "credit_bytes": UNCAPPED, "fusion_bytes": HOROVOD_FUSION_BYTES}
     times = {
         "defaults": run("priority", defaults, "overlap"),
         "old_defaults": run("priority", old_defaults(ranks), "overlap"),
         "fifo": run("fifo", fifo, "barrier"),
+        # Rounds queued behind the bytes on the link, with the defaults for that (the rule before).
+        "defaults_rounds_on_data": run("priority", on_data, "overlap", "data"),
     }
     if grid:
         sizes = ("partition_bytes", "credit_bytes", "fusion_bytes")
@@ -99,7 +108,9 @@ def row(
         "bandwidth_bytes_per_s": rate,
         "latency_s": latency,
         "algorithm": algorithm,
+        "rounds": rounds,
         "defaults": defaults,
+        "defaults_rounds_on_data": on_data,
         "best_s": best,
         **{f"{name}_s": t for name, t in times.items()},
         **{f"{name}_vs_best": t / best for name, t in times.items()},
@@ -116,6 +127,7 @@ def table(
     threads: int = 2,
     grid: bool = True,
     algorithm: str = "ring",
+    rounds: str = "channel",
 ) -> list[dict[str, Any]]:
     """Every row of the grid, in (ranks, bandwidth, latency, model) order."""
     layers = {
@@ -128,7 +140,10 @@ def table(
     with ThreadPoolExecutor(max(1, threads)) as pool:  # the simulator releases the GIL
         return list(
             pool.map(
-                lambda k: row(k[3], layers[k[3]], k[0], k[1], k[2], iterations, warmup, grid, algorithm), keys
+                lambda k: row(
+                    k[3], layers[k[3]], k[0], k[1], k[2], iterations, warmup, grid, algorithm, rounds
+                ),
+                keys,
             )
         )
 
@@ -138,9 +153,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         (
             "| ranks | Gbit/s | latency us | model | defaults partition / credit / fusion | defaults / best "
-            "| old defaults / best | fifo / best | grid best / best |"
+            "| old defaults / best | fifo / best | grid best / best | defaults, rounds behind data / best |"
         ),
-        "|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         sizes = " / ".join(
@@ -149,9 +164,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['ranks']} | {r['bandwidth_bytes_per_s'] * 8e-9:g} | {r['latency_s'] * 1e6:g} | {r['model']} | {sizes} "
             f"| {r['defaults_vs_best']:.3f} | {r['old_defaults_vs_best']:.3f} | {r['fifo_vs_best']:.3f} "
-            f"| {r['grid_best_vs_best']:.3f} |"
-            if "grid_best_vs_best" in r
-            else f"| {r['defaults_vs_best']:.3f} | {r['old_defaults_vs_best']:.3f} | {r['fifo_vs_best']:.3f} | - |"
+            + (f"| {r['grid_best_vs_best']:.3f} " if "grid_best_vs_best" in r else "| - ")
+            + f"| {r['defaults_rounds_on_data_vs_best']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -173,6 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=ALGORITHMS,
         help="the allreduce the transport runs (default ring)",
     )
+    parser.add_argument(
+        "--rounds",
+        default="channel",
+        choices=("channel", "data"),
+        help="agreement rounds on the control channel (default) or queued behind the data on the link",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = table(
@@ -185,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.threads,
         not args.no_grid,
         args.algorithm,
+        args.rounds,
     )
     print(markdown(rows))
     worst = max(rows, key=lambda r: r["defaults_vs_best"])
@@ -202,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "python benchmarks/sim_defaults_table.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        document = {"command": command, "algorithm": args.algorithm, "rows": rows}
+        document = {"command": command, "algorithm": args.algorithm, "rounds": args.rounds, "rows": rows}
         args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -220,19 +221,28 @@ class DefaultRule:
     fusion_bytes: int
 
 
-# Fitted by `python benchmarks/choose_defaults.py --json docs/data/default_rule.json`: at most 1.17x,
-# 1.03x on geometric mean, of each case's best grid setting over 2-1024 ranks, 1-100 Gbit/s, 2-50 us.
+# Fitted by `python benchmarks/choose_defaults.py --credit-only --json docs/data/default_rule.json`
+# with agreement rounds on the control channel, as they run across hosts: the credit is about the
+# link's delay bytes, within 1.24x (1.02x geometric mean) of each case's best grid setting over
+# 2-1024 ranks, 1-100 Gbit/s, 2-50 us; the partition and fusion are ROUNDS_ON_DATA_RULE's.
 DEFAULT_RULE = DefaultRule(
     partition_scale_bytes=4 * 1024**2,
     partition_exponent=0.25,
     min_partition_bytes=256 * 1024,
     max_partition_bytes=64 * 1024**2,
-    credit_scale_bytes=8 * 1024**2,
+    credit_scale_bytes=1024**2,
     credit_exponent=1.0,
     min_credit_partitions=4,
     max_credit_partitions=64,
     fusion_bytes=4 * 1024**2,
 )
+# The rule fitted before rounds could leave the data's path in the simulator (choose_defaults.py with
+# rounds queued behind the data, as --rounds data runs; at most 1.17x, 1.03x on geometric mean), for
+# rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round queues
+# behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
+# Links with under ~2.5 MiB of delay (the 2-4-rank rig's) get the same sizes from both rules.
+ROUNDS_ON_DATA_RULE = dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * 1024**2)
+ROUNDS = ("channel", "data")
 _DELAY_UNIT_BYTES = 1024**2
 
 
@@ -288,9 +298,10 @@ def default_sizes(
     ranks: int,
     bandwidth_bytes_per_s: float,
     latency_s: float,
-    rule: DefaultRule = DEFAULT_RULE,
+    rule: DefaultRule | None = None,
     partition_bytes: int | None = None,
     algorithm: str = "ring",
+    rounds: str = "channel",
 ) -> dict[str, int]:
     """The default partition, credit and fusion sizes for a link (the fitted rule).
 
@@ -301,8 +312,13 @@ def default_sizes(
     more slowly, so an urgent tensor still finds a chunk boundary soon. A given `partition_bytes`
     (not 0) is kept, and the credit counted in it. For a library's choice by size (mpich, nccl)
     the delay is that of the algorithm the library runs for a message of the partition picked
-    under it: commsched's collectives are mostly whole partitions.
+    under it: commsched's collectives are mostly whole partitions. Without a `rule`, the one for
+    where agreement rounds travel: `rounds` "channel" (DEFAULT_RULE) or "data" (ROUNDS_ON_DATA_RULE).
     """
+    if rule is None:
+        if rounds not in ROUNDS:
+            raise ValueError(f"rounds must be one of {', '.join(ROUNDS)}, got {rounds!r}")
+        rule = DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
     choices = collective_model.LIBRARY_CHOICES.get(collective_model.check_algorithm(algorithm), (algorithm,))
     fitted = [
         _sizes_for_delay(link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, c), rule, partition_bytes)

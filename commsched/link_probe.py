@@ -167,6 +167,13 @@ def link_from_timings(
 _SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
+def rounds_path(control_channel: str, kind: str) -> str:
+    """Where agreement rounds travel relative to the data (config.default_sizes' `rounds`): "data" when
+    COMMSCHED_CONTROL_CHANNEL=transport puts them in a host transport's own connection, behind its
+    bytes; "channel" otherwise (the TCP channel, one host's shared memory, or NCCL's data on the device)."""
+    return "data" if control_channel == "transport" and kind != "nccl" else "channel"
+
+
 def fit_to_link(
     settings: Settings, user_given: frozenset[str], kind: str, comm: Any, process_group: Any, size: int
 ) -> Settings:
@@ -188,8 +195,11 @@ def fit_to_link(
         return settings
     given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
     algorithm = transport_algorithm(kind)
+    rounds = rounds_path(settings.control_channel, kind)
     sizes = {
-        **default_sizes(size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm),
+        **default_sizes(
+            size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm, rounds=rounds
+        ),
         "inline_bytes": default_inline_bytes(size, bandwidth, latency, algorithm),
     }
     log.info(

@@ -55,6 +55,7 @@ def test_the_fit_picks_the_rule_with_the_smallest_worst_case(tmp_path: Path) -> 
     worst = max(r["defaults_vs_best"] / r["grid_best_vs_best"] for r in rows)
     assert document["worst_vs_grid_best"] == pytest.approx(worst)
     assert document["command"].startswith("python benchmarks/choose_defaults.py --ranks 2,64")
+    assert document["rounds"] == "channel"
 
 
 def test_the_table_compares_the_defaults_old_defaults_and_fifo(tmp_path: Path) -> None:
@@ -74,7 +75,11 @@ def test_the_table_compares_the_defaults_old_defaults_and_fifo(tmp_path: Path) -
     assert len(rows) == 4 and proc.stdout.count("\n| ") == 4  # one line per row after the header
     for row in rows:
         assert row["defaults"] == default_sizes(row["ranks"], 12.5e9, 20e-6)
-        for name in ("defaults", "old_defaults", "fifo"):
+        assert row["defaults_rounds_on_data"] == default_sizes(row["ranks"], 12.5e9, 20e-6, rounds="data")
+        # Rounds travel on the control channel unless --rounds data; the defaults with rounds queued
+        # behind the data stand alongside.
+        assert row["rounds"] == "channel"
+        for name in ("defaults", "old_defaults", "fifo", "defaults_rounds_on_data"):
             assert row[f"{name}_vs_best"] == pytest.approx(row[f"{name}_s"] / row["best_s"])
         # The defaults are a setting of the grid, so the grid's best is no slower.
         assert row["grid_best_s"] <= row["defaults_s"] * (1 + 1e-12)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from mpirun import run_ranks
 
 from commsched.config import (
     DEFAULT_RULE,
+    ROUNDS_ON_DATA_RULE,
     DefaultRule,
     SettingError,
     Settings,
@@ -19,7 +21,7 @@ from commsched.config import (
     parse_rate,
     resolve,
 )
-from commsched.link_probe import link_from_timings
+from commsched.link_probe import link_from_timings, rounds_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = [2, 3, 8, 64, 1024, 4096]
@@ -92,6 +94,50 @@ def test_the_code_holds_the_fitted_rule() -> None:
     assert DefaultRule(**fitted["rule"]) == DEFAULT_RULE
     for row in fitted["rows"]:
         assert default_sizes(row["ranks"], row["bandwidth_bytes_per_s"], row["latency_s"]) == row["defaults"]
+
+
+def test_credit_covers_about_the_links_delay_bytes() -> None:
+    """Credit is the delay (bandwidth x 2(n-1) x latency) counted in partitions, rounded to 2**k, at least 4."""
+    mib = 1024**2
+    # 1024 ranks, 100 Gbit/s, 2 us: a delay of 12.5e9 x 2046 x 2e-6 = 51.2 MB = 48.8 MiB; partition
+    # 4 MiB x 48.8 ** 0.25 = 10.6 MiB -> 8 MiB; credit 48.8 / 8 = 6.1 partitions -> 8, 64 MiB. With
+    # rounds off the data path the credit returns within a latency, so 8 x the delay (512 MiB) only
+    # queued more bytes ahead of the urgent chunk: 1.129 of the best schedule for ResNet-50, now 1.026.
+    assert default_sizes(1024, 12.5e9, 2e-6) == {
+        "partition_bytes": 8 * mib,
+        "credit_bytes": 64 * mib,
+        "fusion_bytes": 4 * mib,
+    }
+    # 64 ranks, 100 Gbit/s, 20 us: 12.5e9 x 126 x 20e-6 = 30.0 MiB -> 3.75 partitions of 8 MiB -> 4.
+    assert default_sizes(64, 12.5e9, 20e-6)["credit_bytes"] == 32 * mib
+    # 1024 ranks, 100 Gbit/s, 20 us: 487.8 MiB in 16 MiB partitions is 30.5 -> 32, 512 MiB.
+    assert default_sizes(1024, 12.5e9, 20e-6)["credit_bytes"] == 512 * mib
+    # The rig's links (2-4 ranks, up to 4 Gbit/s, 20-100 us) have delays under 0.3 MiB: the credit
+    # stays at its floor of 4 partitions, as before the refit.
+    for ranks, rate, latency in itertools.product((2, 3, 4), (1.2e8, 5e8), (20e-6, 45e-6, 100e-6)):
+        sizes = default_sizes(ranks, rate, latency)
+        assert sizes["credit_bytes"] == 4 * sizes["partition_bytes"]
+
+
+def test_rounds_behind_the_data_keep_eight_times_the_delay_as_credit() -> None:
+    """COMMSCHED_CONTROL_CHANNEL=transport: each round queues behind the bytes in flight, so the credit
+    that comes back through it is late; the rule fitted that way (--rounds data) keeps 8 x the delay."""
+    mib = 1024**2
+    # 48.8 MiB of delay at 1024 ranks, 100 Gbit/s, 2 us: 8 x 48.8 / 8 MiB = 48.8 -> 64 partitions.
+    assert default_sizes(1024, 12.5e9, 2e-6, rounds="data")["credit_bytes"] == 512 * mib
+    assert ROUNDS_ON_DATA_RULE == dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * mib)
+    # Under 2.5 MiB of delay both rules sit on the floor of 4 partitions.
+    assert default_sizes(4, 5e8, 100e-6, rounds="data") == default_sizes(4, 5e8, 100e-6)
+    assert rounds_path("transport", "mpi") == rounds_path("transport", "gloo") == "data"
+    # NCCL's bytes move on the device; its rounds go over the host transport, never behind them.
+    assert (
+        rounds_path("transport", "nccl")
+        == rounds_path("auto", "mpi")
+        == rounds_path("tcp", "gloo")
+        == "channel"
+    )
+    with pytest.raises(ValueError, match="rounds must be one of channel, data"):
+        default_sizes(8, 1e9, 1e-5, rounds="tcp")
 
 
 def test_link_settings_parse_and_name_the_variable_when_wrong() -> None:

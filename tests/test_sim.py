@@ -23,6 +23,7 @@ def sim(
     cycle=1.0,
     link="fifo",
     size_costs=(),
+    rounds="data",
 ):
     # A 1 s cycle keeps idle agreement rounds out of these short timelines unless a test asks for them.
     return _core.simulate(
@@ -41,6 +42,7 @@ def sim(
         2,
         link,
         list(size_costs),
+        rounds=rounds,
     )
 
 
@@ -160,6 +162,25 @@ def test_an_agreement_round_queues_behind_data_on_a_fifo_link():
     kwargs = {"bw": 1e6, "latency": 0.0, "exchange": 1e-3, "fusion": 0}
     assert sim(layers, **kwargs)["iteration_s"] == pytest.approx(0.6 + 1e-3 + 0.501 + 4e-6, rel=1e-9)
     assert sim(layers, link="fair", **kwargs)["iteration_s"] == pytest.approx(1.101 + 4e-6, rel=1e-9)
+
+
+def test_an_agreement_round_on_its_own_channel_waits_behind_no_data():
+    # As above, but the round travels on the control channel: it ends at 0.601 s, not behind the
+    # 0.501 MB still queued. l0's 4 bytes then queue behind l1's on the FIFO link (l1 ends at 1.101 s),
+    # so l0 is done at 1.101 s + 4 us, as on a fair link. With l1 already done when l0 is agreed
+    # (its backward 1.2 s), the channel's round costs just its exchange, as the data round then does.
+    layers = [("l0", 0.0, 0.5, [4]), ("l1", 0.0, 0.1, [1_000_000])]
+    kwargs = {"bw": 1e6, "latency": 0.0, "exchange": 1e-3, "fusion": 0}
+    assert sim(layers, rounds="channel", **kwargs)["iteration_s"] == pytest.approx(1.101 + 4e-6, rel=1e-9)
+    late = [("l0", 0.0, 1.2, [4]), ("l1", 0.0, 0.1, [1_000_000])]
+    expected = 1.3 + 1e-3 + 4e-6
+    assert sim(late, rounds="channel", **kwargs)["iteration_s"] == pytest.approx(expected, rel=1e-9)
+    assert sim(late, **kwargs)["iteration_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_rounds_must_name_where_they_travel():
+    with pytest.raises(ValueError, match="rounds must be 'data' or 'channel'"):
+        sim([("l0", 0.0, 0.1, [4])], rounds="tcp")
 
 
 def test_quiet_rounds_stretch_the_heartbeat():

@@ -94,10 +94,13 @@ void register_simulator(py::module_& module) {
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, double latency_s,
          const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          const std::string& mode, double cycle_time_s, double exchange_s, int iterations, int warmup,
-         const std::string& link, const std::vector<SizeCostTuple>& size_costs, const std::string& algorithm) {
+         const std::string& link, const std::vector<SizeCostTuple>& size_costs, const std::string& algorithm,
+         const std::string& rounds) {
         if (policy != "priority" && policy != "fifo") throw UsageError("policy must be 'priority' or 'fifo'");
         if (mode != "barrier" && mode != "overlap") throw UsageError("mode must be 'barrier' or 'overlap'");
+        if (rounds != "data" && rounds != "channel") throw UsageError("rounds must be 'data' or 'channel'");
         sim::SimSettings settings;
+        settings.rounds_behind_data = rounds == "data";
         settings.scheduling = SchedulingSettings{policy == "fifo" ? Policy::kFifo : Policy::kPriority,
                                                  partition_bytes, credit_bytes, fusion_bytes};
         settings.mode = mode == "barrier" ? sim::Mode::kBarrier : sim::Mode::kOverlap;
@@ -118,8 +121,10 @@ void register_simulator(py::module_& module) {
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("mode"), py::arg("cycle_time_s") = 0.001, py::arg("exchange_s") = -1.0, py::arg("iterations") = 6,
       py::arg("warmup") = 2, py::arg("link") = "fifo", py::arg("size_costs") = std::vector<SizeCostTuple>{},
-      py::arg("algorithm") = "ring",
-      "Predicts the iteration time of a profile under the real Scheduler and a network model.");
+      py::arg("algorithm") = "ring", py::arg("rounds") = "data",
+      "Predicts the iteration time of a profile under the real Scheduler and a network model; rounds='data' "
+      "queues agreement rounds behind the bytes on the link (rounds in the transport's own connection), "
+      "'channel' does not (the TCP control channel, low-delay marked, the default across hosts).");
 
   module.def(
       "simulate_ideal",

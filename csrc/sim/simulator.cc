@@ -148,6 +148,7 @@ class RuntimeComm : public Comm {
         network_(network),
         cycle_s_(settings.cycle_time_s),
         exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s : exchange_steps(network.ranks) * network.latency_s),
+        rounds_behind_data_(settings.rounds_behind_data),
         scheduler_(settings.scheduling),
         link_(network.bandwidth_bytes_per_s, network.sharing),
         deadline_s_(settings.cycle_time_s) {}
@@ -193,7 +194,8 @@ class RuntimeComm : public Comm {
     reported_bytes_ = completed_bytes_;
     exchanging_ = true;
     // Agreement messages share the link with the data: they wait behind what is queued on it.
-    exchange_end_s_ = now_s + exchange_s_ + link_.backlog_bytes(now_s) / network_.bandwidth_bytes_per_s;
+    const double queued_s = rounds_behind_data_ ? link_.backlog_bytes(now_s) / network_.bandwidth_bytes_per_s : 0.0;
+    exchange_end_s_ = now_s + exchange_s_ + queued_s;
     news_s_ = kNever;
     ++cycles_;
   }
@@ -258,6 +260,7 @@ class RuntimeComm : public Comm {
   const NetworkSpec network_;
   const double cycle_s_;
   const double exchange_s_;
+  const bool rounds_behind_data_;
   Scheduler scheduler_;
   SharedLink link_;
   bool exchanging_ = false;

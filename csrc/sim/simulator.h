@@ -35,6 +35,9 @@ struct SimSettings {
   Mode mode = Mode::kOverlap;
   double cycle_time_s = 0.001;
   double exchange_s = -1;  // one agreement exchange; below 0: latency, times ceil(log2 n) past 8 ranks
+  // Agreement rounds wait behind the bytes queued on the link (rounds in the transport's own
+  // connection); false: on a connection of their own (the TCP control channel), they do not.
+  bool rounds_behind_data = true;
   int iterations = 6;      // measured iterations
   int warmup = 2;          // iterations run before measuring
 };
