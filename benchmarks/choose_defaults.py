@@ -5,7 +5,7 @@ profile, in two regimes (compute at the profile's device speed, and compute scal
 communication, where the schedule matters most), runs the real scheduler on the virtual clock
 (priority policy, overlap mode) for every setting of a size grid, and scores each against the
 best schedule possible (commsched._core.simulate_ideal with the same latency and allreduce
-algorithm, --algorithm). Then searches the constants of config.DefaultRule, whose sizes depend on
+algorithm, --algorithm). Then searches the constants of link_defaults.DefaultRule, whose sizes depend on
 the link only through its delay (bandwidth x the algorithm's message latencies; the ring's
 2(n-1) x latency by default), for the rule with the smallest worst-case slowdown against each
 case's best grid setting. Agreement rounds travel on the control channel (--rounds channel), not
@@ -34,14 +34,13 @@ from commsched._core import simulate, simulate_ideal
 
 from commsched import collective_model
 from commsched.bench import schedule
-from commsched.config import (
+from commsched.config import parse_duration, parse_rate
+from commsched.link_defaults import (
     DEFAULT_RULE,
     ROUNDS_ON_DATA_RULE,
     DefaultRule,
     default_sizes,
     link_delay_bytes,
-    parse_duration,
-    parse_rate,
 )
 
 MIB = 1024**2
@@ -53,7 +52,7 @@ RANKS = "2,8,64,1024"
 BANDWIDTHS = "1gbit,10gbit,100gbit"
 LATENCIES = "2us,5us,20us,50us"
 REGIMES = ("device", "balanced")  # compute at the profile's device speed; compute = communication
-# The rule's search space (see config.DefaultRule).
+# The rule's search space (see link_defaults.DefaultRule).
 PARTITION_SCALES = [MIB * 2.0**k for k in range(-2, 4)]
 PARTITION_EXPONENTS = [0.0, 0.25, 0.5]
 MIN_PARTITIONS = [256 * 1024, 512 * 1024, MIB, 2 * MIB, 4 * MIB]
@@ -160,7 +159,7 @@ def _power_of_two_index(values: np.ndarray, low: int, high: int, grid: Sequence[
 
 
 def rule_for(rounds: str) -> DefaultRule:
-    """The rule config.default_sizes applies when agreement rounds travel on `rounds`."""
+    """The rule link_defaults.default_sizes applies when agreement rounds travel on `rounds`."""
     return DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
 
 
@@ -172,7 +171,7 @@ def fit(
 ) -> tuple[DefaultRule, tuple[float, float]]:
     """The rule with the smallest worst case (to 0.1%, then geometric mean) over the sweep, searched
     with numpy; `credit_only` searches the credit's scale and exponent and keeps the rest of
-    the rule config.default_sizes takes for these `rounds` (partition, fusion, least credit), so small
+    the rule link_defaults.default_sizes takes for these `rounds` (partition, fusion, least credit), so small
     links keep their defaults."""
     partition_space = list(
         itertools.product(PARTITION_SCALES, PARTITION_EXPONENTS, MIN_PARTITIONS, MAX_PARTITIONS)

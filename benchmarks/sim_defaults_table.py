@@ -1,7 +1,7 @@
 """The simulator's table of the link-fitted defaults against the best schedule possible.
 
 For each rank count, bandwidth, per-message latency and model profile: commsched with the
-defaults config.default_sizes picks for that link (priority, overlap), the defaults before the
+defaults link_defaults.default_sizes picks for that link (priority, overlap), the defaults before the
 rule (4 MiB partitions, one per rank as credit, 2 to 16; 1 MiB fusion) and a Horovod-like FIFO
 (whole tensors in ready order, 64 MiB fusion, no credit cap, the next iteration after every
 reduction), each as its iteration time over the best schedule possible (simulate_ideal: a
@@ -35,7 +35,8 @@ from commsched._core import simulate, simulate_ideal
 
 from commsched.bench import schedule
 from commsched.collective_model import ALGORITHMS
-from commsched.config import default_sizes, parse_duration, parse_rate
+from commsched.config import parse_duration, parse_rate
+from commsched.link_defaults import default_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from choose_defaults import settings_grid

@@ -1,6 +1,6 @@
 """Fits the scheduling defaults to the link at init, measured with a few timed allreduces.
 
-The default partition, credit, fusion and inline sizes follow the link (config.default_sizes and
+The default partition, credit, fusion and inline sizes follow the link (link_defaults.default_sizes and
 default_inline_bytes), so init() needs its bandwidth and per-message latency: from
 COMMSCHED_LINK_BANDWIDTH / _LATENCY, or timed
 before the core starts (MPI or Gloo). A tiny allreduce times the latency, a larger one the
@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from commsched import collective_model
-from commsched.config import Settings, default_inline_bytes, default_sizes
+from commsched.config import Settings
+from commsched.link_defaults import default_inline_bytes, default_sizes
 
 log = logging.getLogger("commsched")
 
@@ -168,7 +169,7 @@ _SIZE_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_byt
 
 
 def rounds_path(control_channel: str, kind: str) -> str:
-    """Where agreement rounds travel relative to the data (config.default_sizes' `rounds`): "data" when
+    """Where agreement rounds travel relative to the data (link_defaults.default_sizes' `rounds`): "data" when
     COMMSCHED_CONTROL_CHANNEL=transport puts them in a host transport's own connection, behind its
     bytes; "channel" otherwise (the TCP channel, one host's shared memory, or NCCL's data on the device)."""
     return "data" if control_channel == "transport" and kind != "nccl" else "channel"

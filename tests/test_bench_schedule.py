@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from commsched.config import DEFAULT_RULE, default_sizes
+from commsched.link_defaults import DEFAULT_RULE, default_sizes
 
 pytest.importorskip("mpi4py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

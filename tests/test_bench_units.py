@@ -11,7 +11,7 @@ import pytest
 
 from commsched.bench import allreduce, report, schedule, sim_cli
 from commsched.bench.report import human_size
-from commsched.config import default_sizes
+from commsched.link_defaults import default_sizes
 
 
 def test_sizes_double_from_4_bytes_to_256_mib():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from commsched.config import DefaultRule, default_sizes
+from commsched.link_defaults import DefaultRule, default_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 

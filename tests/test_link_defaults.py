@@ -1,4 +1,4 @@
-"""Defaults from the link: the fitted rule (config.default_sizes) and how init() applies it."""
+"""Defaults from the link: the fitted rule (link_defaults.default_sizes) and how init() applies it."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ from pathlib import Path
 import pytest
 from mpirun import run_ranks
 
-from commsched.config import (
+from commsched.config import SettingError, Settings, parse_rate, resolve
+from commsched.link_defaults import (
     DEFAULT_RULE,
     ROUNDS_ON_DATA_RULE,
     DefaultRule,
-    SettingError,
-    Settings,
     default_inline_bytes,
     default_sizes,
-    parse_rate,
-    resolve,
 )
 from commsched.link_probe import link_from_timings, rounds_path
 
@@ -89,7 +86,7 @@ def test_a_hand_made_rule_gives_its_formula() -> None:
 
 
 def test_the_code_holds_the_fitted_rule() -> None:
-    """config.DEFAULT_RULE is the rule benchmarks/choose_defaults.py wrote to docs/data/default_rule.json."""
+    """link_defaults.DEFAULT_RULE is the rule benchmarks/choose_defaults.py wrote to docs/data/default_rule.json."""
     fitted = json.loads((ROOT / "docs" / "data" / "default_rule.json").read_text())
     assert DefaultRule(**fitted["rule"]) == DEFAULT_RULE
     for row in fitted["rows"]:
@@ -253,7 +250,7 @@ def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_
     is the largest power of two within the core's cap whose bytes beyond the collective's own take no
     longer than the latencies of the collective it avoids, and at least 4 KiB where the cap allows."""
     from commsched import collective_model
-    from commsched.config import inline_cap_bytes
+    from commsched.link_defaults import inline_cap_bytes
 
     assert default_inline_bytes(ranks, rate, latency, algorithm) == expected
     assert expected <= inline_cap_bytes(ranks) <= 65536 // ranks

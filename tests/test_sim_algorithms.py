@@ -12,7 +12,7 @@ import pytest
 
 from commsched import _core, collective_model
 from commsched.bench import schedule, sim_cli
-from commsched.config import default_sizes
+from commsched.link_defaults import default_sizes
 from commsched.link_probe import link_from_timings, mpich_algorithm, transport_algorithm
 
 RANKS = [2, 3, 4, 5, 6, 7, 8, 12, 64, 100, 1000, 1024]

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from commsched.bench import report
-from commsched.config import default_inline_bytes, default_sizes, parse_size, resolve
+from commsched.config import parse_size, resolve
+from commsched.link_defaults import default_inline_bytes, default_sizes
 
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
@@ -243,7 +244,7 @@ _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_b
 
 def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float) -> dict[str, Any]:
     """Sizes for the replay: each flag as given; else, unless COMMSCHED_* sets it, the default
-    commsched fits to this link (config.default_sizes) divided by --scale.
+    commsched fits to this link (link_defaults.default_sizes) divided by --scale.
 
     Shrinking tensors by --scale without shrinking the chunk sizes would change how many
     chunks each tensor has, so the replay would no longer stand for the full-size model.

@@ -15,7 +15,8 @@ from typing import Any
 from commsched._core import simulate, simulate_ideal
 from commsched.bench import report, schedule
 from commsched.collective_model import ALGORITHMS
-from commsched.config import default_sizes, parse_duration, parse_size
+from commsched.config import parse_duration, parse_size
+from commsched.link_defaults import default_sizes
 
 DEFAULT_RANKS = "2,4,8,16,64,256,1024"
 
@@ -82,7 +83,7 @@ def predict(
 
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
     the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
-    (config.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
+    (link_defaults.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
     `algorithm` is the allreduce the transport runs (collective_model.ALGORITHMS); the defaults and
     the best schedule use the same one.
     """
@@ -213,7 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
     parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
-    link_default = "default: commsched's for each link (ranks, bandwidth, latency; config.default_sizes)"
+    link_default = (
+        "default: commsched's for each link (ranks, bandwidth, latency; link_defaults.default_sizes)"
+    )
     parser.add_argument("--partition-bytes", default=None, help=link_default)
     parser.add_argument("--credit-bytes", default=None, help=link_default)
     parser.add_argument("--fusion-bytes", default=None, help=link_default)

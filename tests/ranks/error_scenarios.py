@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import commsched
-from commsched.config import default_sizes
+from commsched.link_defaults import default_sizes
 
 
 def mismatch() -> None:

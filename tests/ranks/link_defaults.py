@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import commsched
-from commsched.config import default_inline_bytes, default_sizes
+from commsched.link_defaults import default_inline_bytes, default_sizes
 from commsched.link_probe import transport_algorithm
 
 scenario = sys.argv[1]

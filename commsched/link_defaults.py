@@ -1,0 +1,206 @@
+"""Default partition, credit, fusion and inline sizes fitted to a link's bandwidth, per-message
+latency and allreduce algorithm (the rules the simulator chose; see benchmarks/choose_defaults.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from commsched import collective_model
+
+
+@dataclass(frozen=True)
+class DefaultRule:
+    """Partition, credit and fusion sizes as a function of the link's ring delay (see default_sizes).
+
+    Partition and credit are each `scale x (delay / 1 MiB) ** exponent`, rounded to a power of two;
+    the constants are fitted by benchmarks/choose_defaults.py with the simulator over rank counts,
+    bandwidths and latencies (docs/data/default_rule.json holds the fit and its table).
+    """
+
+    partition_scale_bytes: float
+    partition_exponent: float
+    min_partition_bytes: int
+    max_partition_bytes: int
+    credit_scale_bytes: float
+    credit_exponent: float
+    min_credit_partitions: int
+    max_credit_partitions: int
+    fusion_bytes: int
+
+
+# Fitted by `python benchmarks/choose_defaults.py --credit-only --json docs/data/default_rule.json`
+# with agreement rounds on the control channel, as they run across hosts: the credit is about the
+# link's delay bytes, within 1.24x (1.02x geometric mean) of each case's best grid setting over
+# 2-1024 ranks, 1-100 Gbit/s, 2-50 us; the partition and fusion are ROUNDS_ON_DATA_RULE's.
+DEFAULT_RULE = DefaultRule(
+    partition_scale_bytes=4 * 1024**2,
+    partition_exponent=0.25,
+    min_partition_bytes=256 * 1024,
+    max_partition_bytes=64 * 1024**2,
+    credit_scale_bytes=1024**2,
+    credit_exponent=1.0,
+    min_credit_partitions=4,
+    max_credit_partitions=64,
+    fusion_bytes=4 * 1024**2,
+)
+# The rule fitted before rounds could leave the data's path in the simulator (choose_defaults.py with
+# rounds queued behind the data, as --rounds data runs; at most 1.17x, 1.03x on geometric mean), for
+# rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round queues
+# behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
+# Links with under ~2.5 MiB of delay (the 2-4-rank rig's) get the same sizes from both rules.
+ROUNDS_ON_DATA_RULE = dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * 1024**2)
+ROUNDS = ("channel", "data")
+_DELAY_UNIT_BYTES = 1024**2
+
+
+def ring_delay_bytes(ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Bytes the link could move while one ring allreduce pays its 2(n-1) message latencies."""
+    return bandwidth_bytes_per_s * 2 * max(1, ranks - 1) * latency_s
+
+
+def link_delay_bytes(
+    ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
+) -> float:
+    """Bytes the link could move while one allreduce under a concrete `algorithm` pays its message
+    latencies (collective_model.steps): ring_delay_bytes for the ring."""
+    return bandwidth_bytes_per_s * collective_model.steps(algorithm, max(2, ranks)) * latency_s
+
+
+def _power_of_two(value: float, low: int, high: int) -> int:
+    """`value` rounded to the nearest power of two (in log scale), within [low, high]."""
+    if not value > 0:
+        return low
+    return int(min(high, max(low, 2 ** round(math.log2(value)))))
+
+
+def _scaled(scale_bytes: float, exponent: float, delay_bytes: float) -> float:
+    """scale x (delay / 1 MiB) ** exponent: a constant at exponent 0, 0 for no delay otherwise."""
+    if exponent == 0:
+        return scale_bytes
+    return scale_bytes * (max(delay_bytes, 0.0) / _DELAY_UNIT_BYTES) ** exponent
+
+
+def _sizes_for_delay(delay: float, rule: DefaultRule, partition_bytes: int | None) -> dict[str, int]:
+    """The rule's partition, credit and fusion for a link whose collectives wait `delay` bytes' time."""
+    partition = _power_of_two(
+        _scaled(rule.partition_scale_bytes, rule.partition_exponent, delay),
+        rule.min_partition_bytes,
+        rule.max_partition_bytes,
+    )
+    if partition_bytes:  # the user's partition: credit still counts whole partitions of it
+        partition = partition_bytes
+    partitions = _power_of_two(
+        _scaled(rule.credit_scale_bytes, rule.credit_exponent, delay) / partition,
+        rule.min_credit_partitions,
+        rule.max_credit_partitions,
+    )
+    return {
+        "partition_bytes": partition,
+        "credit_bytes": partition * partitions,
+        "fusion_bytes": rule.fusion_bytes,
+    }
+
+
+def default_sizes(
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule | None = None,
+    partition_bytes: int | None = None,
+    algorithm: str = "ring",
+    rounds: str = "channel",
+) -> dict[str, int]:
+    """The default partition, credit and fusion sizes for a link (the fitted rule).
+
+    Credit keeps the link busy while collectives in flight wait out their latency: it grows
+    with the link's delay, the bytes the link moves during the message latencies of one
+    allreduce under the transport's `algorithm` (collective_model; the ring's 2(n-1) at 1024
+    ranks dwarf what a 2-rank job needs, halving-doubling's 2 log2 n do not). Partitions grow
+    more slowly, so an urgent tensor still finds a chunk boundary soon. A given `partition_bytes`
+    (not 0) is kept, and the credit counted in it. For a library's choice by size (mpich, nccl)
+    the delay is that of the algorithm the library runs for a message of the partition picked
+    under it: commsched's collectives are mostly whole partitions. Without a `rule`, the one for
+    where agreement rounds travel: `rounds` "channel" (DEFAULT_RULE) or "data" (ROUNDS_ON_DATA_RULE).
+    """
+    if rule is None:
+        if rounds not in ROUNDS:
+            raise ValueError(f"rounds must be one of {', '.join(ROUNDS)}, got {rounds!r}")
+        rule = DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
+    choices = collective_model.LIBRARY_CHOICES.get(collective_model.check_algorithm(algorithm), (algorithm,))
+    fitted = [
+        _sizes_for_delay(link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, c), rule, partition_bytes)
+        for c in choices
+    ]
+    for concrete, sizes in zip(choices, fitted):
+        chosen = collective_model.resolve(
+            algorithm, sizes["partition_bytes"], max(2, ranks), bandwidth_bytes_per_s, latency_s
+        )
+        if chosen == concrete and algorithm == "nccl":
+            return _ring_sized_under_nccl(
+                sizes, ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes
+            )
+        if chosen == concrete:
+            return sizes
+    return fitted[0]
+
+
+def _ring_sized_under_nccl(
+    sizes: dict[str, int],
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    rule: DefaultRule,
+    partition_bytes: int | None,
+) -> dict[str, int]:
+    """Under NCCL's choice, partitions just below the size where NCCL turns from its tree to its ring
+    move twice their bytes (the tree's) where one partition more would move 2(n-1)/n: the partition
+    grows to the ring's smallest size when the rule allows one that large (a partition the user set
+    stays), and the credit then covers the ring's delay."""
+    n = max(2, ranks)
+    partition = sizes["partition_bytes"]
+    if (
+        partition_bytes
+        or collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) != "tree"
+    ):
+        return sizes
+    while partition < rule.max_partition_bytes:
+        partition *= 2
+        if collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) == "ring":
+            delay = link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, "ring")
+            return _sizes_for_delay(delay, rule, partition)
+    return sizes
+
+
+# The fitted inline limit starts from the fixed default before it, and the core accepts at most
+# MAX_INLINE_BYTES / ranks (every rank receives every rank's inline bytes in one round).
+MIN_FITTED_INLINE_BYTES = 4 * 1024
+MAX_INLINE_BYTES = 64 * 1024
+
+
+def inline_cap_bytes(ranks: int) -> int:
+    """The largest power of two the core accepts as the inline limit at `ranks` ranks."""
+    return 1 << ((MAX_INLINE_BYTES // max(2, ranks)).bit_length() - 1)
+
+
+def default_inline_bytes(
+    ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
+) -> int:
+    """The largest power of two a tensor may have to ride in the agreement round, from 4 KiB (or the
+    core's cap, when lower) to the core's cap (inline_cap_bytes).
+
+    Inline, every rank receives the tensor from every other rank: (ranks - 1) times its bytes, in a
+    round that runs anyway. Alone in a collective it would move the algorithm's own bytes and pay its
+    message latencies. A tensor goes inline while the bytes it adds over the collective's take no
+    longer than those latencies: at 2 ranks a ring moves as many bytes as the round, so always.
+    """
+    n = max(2, ranks)
+    size = inline_cap_bytes(n)
+    while size > MIN_FITTED_INLINE_BYTES:
+        concrete = collective_model.resolve(algorithm, size, n, bandwidth_bytes_per_s, latency_s)
+        added = (n - 1) * size - collective_model.wire_bytes(concrete, size, n)
+        if added <= link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete):
+            break
+        size //= 2
+    return size
