@@ -222,6 +222,40 @@ def test_sim_cli_uses_the_algorithm_for_defaults_and_communication(tmp_path, mon
         assert {name: row[name] for name in expected} == expected
 
 
+def test_sim_cli_rounds_choose_the_model_and_the_defaults(tmp_path, monkeypatch) -> None:
+    """--rounds channel (the default) keeps rounds off the data's queue and fits the credit to it;
+    --rounds data queues them behind the bytes in flight, with the rule for that."""
+    results = {}
+    for rounds in ("channel", "data"):
+        out = tmp_path / f"{rounds}.json"
+        argv = ["--model", "resnet50", "--ranks", "1024", "--bandwidth", "100gbit", "--latency", "20us"]
+        assert (
+            sim_cli.main(
+                [
+                    *argv,
+                    "--rounds",
+                    rounds,
+                    "--policies",
+                    "priority",
+                    "--modes",
+                    "overlap",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        data = json.loads(out.read_text())
+        assert data["rounds"] == rounds
+        results[rounds] = data["results"][0]
+        expected = default_sizes(1024, 12.5e9, 20e-6, rounds=rounds)
+        assert {name: results[rounds][name] for name in expected} == expected
+    assert results["channel"]["credit_bytes"] < results["data"]["credit_bytes"]
+    # A round behind a whole iteration's queued bytes holds back every launch after it.
+    assert results["channel"]["iteration_s"] < results["data"]["iteration_s"]
+    assert results["channel"]["best_s"] == results["data"]["best_s"]
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4, 8, 64, 1000, 1024])
 @pytest.mark.parametrize(
     ("rate", "latency"), [(1.25e8, 50e-6), (1.25e9, 20e-6), (1.25e10, 5e-6), (1.25e10, 20e-6)]

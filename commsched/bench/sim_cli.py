@@ -16,7 +16,7 @@ from commsched._core import simulate, simulate_ideal
 from commsched.bench import report, schedule
 from commsched.collective_model import ALGORITHMS
 from commsched.config import parse_duration, parse_size
-from commsched.link_defaults import default_sizes
+from commsched.link_defaults import ROUNDS, default_sizes
 
 DEFAULT_RANKS = "2,4,8,16,64,256,1024"
 
@@ -78,6 +78,7 @@ def predict(
     size_costs: Sequence[tuple[int, float]] = (),
     scale: float = 1.0,
     algorithm: str = "ring",
+    rounds: str = "channel",
 ) -> list[dict[str, Any]]:
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
@@ -85,7 +86,9 @@ def predict(
     the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
     (link_defaults.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
     `algorithm` is the allreduce the transport runs (collective_model.ALGORITHMS); the defaults and
-    the best schedule use the same one.
+    the best schedule use the same one. `rounds` is where agreement rounds travel: "channel" (their
+    own connection, the default across hosts) or "data" (behind the collectives' bytes); the
+    defaults follow it as init() does.
     """
     given_partition = settings.get("partition_bytes")
     link_defaults = default_sizes(
@@ -94,6 +97,7 @@ def predict(
         latency_s,
         partition_bytes=int(given_partition * scale) if given_partition else None,
         algorithm=algorithm,
+        rounds=rounds,
     )
     settings = {
         **settings,
@@ -124,6 +128,7 @@ def predict(
                 link,
                 list(size_costs),
                 algorithm,
+                rounds,
             )
             result.pop("iteration_starts_s")
             comm = result["communication_s"]
@@ -195,6 +200,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the allreduce the transport runs: ring (Gloo, gRPC), halving-doubling (Rabenseifner), "
         "recursive-doubling, tree (NCCL's double binary tree), or a library's choice by size: "
         "mpich (recursive doubling up to 2 KiB, halving-doubling above) or nccl (the faster of ring and tree)",
+    )
+    parser.add_argument(
+        "--rounds",
+        choices=ROUNDS,
+        default="channel",
+        help="where agreement rounds travel: channel (their own connection: the control channel across "
+        "hosts, the default) or data (queued behind the collectives' bytes, COMMSCHED_CONTROL_CHANNEL=transport); "
+        "the default sizes follow it",
     )
     parser.add_argument(
         "--size-costs",
@@ -278,11 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 size_costs,
                 args.scale,
                 args.algorithm,
+                args.rounds,
             )
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
-        f"latency {latency * 1e6:g} us, {args.algorithm} allreduce; simulated with the real scheduler"
+        f"latency {latency * 1e6:g} us, {args.algorithm} allreduce, agreement rounds "
+        f"{'on their own channel' if args.rounds == 'channel' else 'behind the data'}; simulated with the real scheduler"
     )
     sizes = {
         (row["ranks"], row["bandwidth_bytes_per_s"]): "/".join(
@@ -309,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "gradient_bytes": total,
                 "latency_s": latency,
                 "algorithm": args.algorithm,
+                "rounds": args.rounds,
                 "size_costs": size_costs,
                 "settings": settings,
                 "results": rows,
