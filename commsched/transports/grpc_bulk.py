@@ -220,7 +220,10 @@ class BulkLink:
             self._writing = False
             if item.parts:
                 self._waiting.appendleft(item)
-            self._ready.notify()
+            # Only queued frames need the sender thread: waking it after every inline send cost a
+            # context switch and a turn of the GIL per piece, for nothing.
+            if self._waiting or self._stopping:
+                self._ready.notify()
         if not item.parts:
             self._sent(item)
 
