@@ -180,8 +180,9 @@ MAX_INLINE_BYTES = 64 * 1024
 
 
 def inline_cap_bytes(ranks: int) -> int:
-    """The largest power of two the core accepts as the inline limit at `ranks` ranks."""
-    return 1 << ((MAX_INLINE_BYTES // max(2, ranks)).bit_length() - 1)
+    """The largest power of two the core accepts as the inline limit at `ranks` ranks (0 past 64 Ki ranks)."""
+    share = MAX_INLINE_BYTES // max(2, ranks)
+    return 1 << (share.bit_length() - 1) if share else 0
 
 
 def default_inline_bytes(

@@ -241,6 +241,7 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
         (8, 1.25e10, 20e-6, "nccl", 8192),  # the core's cap at 8 ranks
         (64, 1.25e9, 2e-6, "ring", 1024),  # the cap is below the floor
         (1024, 1.25e10, 5e-6, "mpich", 64),
+        (100_000, 1.25e10, 5e-6, "ring", 0),  # under one byte each: nothing rides inline
     ],
 )
 def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_more_than_the_latency(
@@ -254,6 +255,8 @@ def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_
 
     assert default_inline_bytes(ranks, rate, latency, algorithm) == expected
     assert expected <= inline_cap_bytes(ranks) <= 65536 // ranks
+    if expected == 0:
+        return
     concrete = collective_model.resolve(algorithm, expected, ranks, rate, latency)
     added = (ranks - 1) * expected - collective_model.wire_bytes(concrete, expected, ranks)
     assert added <= collective_model.steps(concrete, ranks) * latency * rate or expected == 4096
