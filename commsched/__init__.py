@@ -264,6 +264,8 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         transport_argument=argument,
         control_channel=resolved.control_channel,
         control_address=resolved.control_address,
+        link_latency_s=resolved.link_latency or 0.0,
+        poll_interval_s=-1.0 if resolved.poll_interval is None else resolved.poll_interval,
     )
     _state.settings = resolved
     _state.transport = kind

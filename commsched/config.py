@@ -130,6 +130,9 @@ class Settings:
     # The link the defaults are fitted to (default_sizes); None: measured at init under MPI.
     link_bandwidth: float | None = None  # bytes per second of each rank's link
     link_latency: float | None = None  # seconds per message
+    # Pause between tests of collectives in flight; None: the transport's own, or on MPI half the link's
+    # per-message latency when that is over 8 us, else none (polling.h: poll_interval_for).
+    poll_interval: float | None = None
     # Where agreement rounds travel: tcp (connections of their own, marked low-delay, never behind data),
     # transport (the transport's own exchange), auto (tcp unless every rank shares one network stack).
     control_channel: str = "auto"
@@ -240,6 +243,12 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_duration,
         _DURATION_FORM + " per message, e.g. 20us (unset: measured at init under MPI)",
     ),
+    "poll_interval": (
+        "COMMSCHED_POLL_INTERVAL",
+        parse_duration,
+        "seconds with an optional unit, e.g. 20us, 0.1ms or 0"
+        + " (unset: on MPI half the link's per-message latency when over 8us, else 0)",
+    ),
     "control_channel": (
         "COMMSCHED_CONTROL_CHANNEL",
         _choice(CONTROL_CHANNELS),
@@ -333,6 +342,11 @@ def _check_consistency(settings: Settings) -> None:
         raise SettingError("COMMSCHED_STALL_TIMEOUT must be above 0; use seconds such as 60")
     if settings.cycle_time <= 0 or settings.cycle_time > 1.0:
         raise SettingError("COMMSCHED_CYCLE_TIME must be above 0 and at most 1s; use e.g. 1ms")
+    if settings.poll_interval is not None and settings.poll_interval > 0.01:
+        raise SettingError(
+            f"COMMSCHED_POLL_INTERVAL must be at most 10ms, not {settings.poll_interval}s: every collective is seen "
+            "finished up to that late; use e.g. 20us, or leave it unset"
+        )
     if settings.device.startswith("cuda") and settings.transport not in ("auto", "nccl", "mpi"):
         raise SettingError(
             f"COMMSCHED_DEVICE={settings.device} needs COMMSCHED_TRANSPORT=nccl, auto, or mpi (a CUDA-aware MPI), not "

@@ -173,35 +173,44 @@ def _ring_sized_under_nccl(
     return sizes
 
 
-# The fitted inline limit starts from the fixed default before it, and the core accepts at most
-# MAX_INLINE_BYTES / ranks (every rank receives every rank's inline bytes in one round).
+# The fitted inline limit starts from the fixed default before it; COMMSCHED_INLINE_BYTES goes up to
+# MAX_INLINE_BYTES, and the core takes at most INLINE_ROUND_BUDGET_BYTES / ranks (every rank receives
+# every rank's inline bytes in one round: kInlineRoundBudgetBytes in csrc/core/settings.h).
 MIN_FITTED_INLINE_BYTES = 4 * 1024
 MAX_INLINE_BYTES = 64 * 1024
+INLINE_ROUND_BUDGET_BYTES = 256 * 1024
 
 
 def inline_cap_bytes(ranks: int) -> int:
-    """The largest power of two the core accepts as the inline limit at `ranks` ranks (0 past 64 Ki ranks)."""
-    share = MAX_INLINE_BYTES // max(2, ranks)
+    """The largest power of two the core accepts as the inline limit at `ranks` ranks (0 past 256 Ki ranks)."""
+    share = min(MAX_INLINE_BYTES, INLINE_ROUND_BUDGET_BYTES // max(2, ranks))
     return 1 << (share.bit_length() - 1) if share else 0
 
 
 def default_inline_bytes(
-    ranks: int, bandwidth_bytes_per_s: float, latency_s: float, algorithm: str = "ring"
+    ranks: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+    credit_bytes: int,
+    algorithm: str = "ring",
 ) -> int:
     """The largest power of two a tensor may have to ride in the agreement round, from 4 KiB (or the
     core's cap, when lower) to the core's cap (inline_cap_bytes).
 
     Inline, every rank receives the tensor from every other rank: (ranks - 1) times its bytes, in a
-    round that runs anyway. Alone in a collective it would move the algorithm's own bytes and pay its
-    message latencies. A tensor goes inline while the bytes it adds over the collective's take no
-    longer than those latencies: at 2 ranks a ring moves as many bytes as the round, so always.
+    round that runs anyway and, across hosts, on the control channel ahead of the data. Alone in a
+    collective it would move the algorithm's own bytes, pay its message latencies, and first wait for
+    the collectives in flight, up to `credit_bytes` of them: the tensor the next forward needs first
+    (a CNN's first layer, small and ready last) waited that long on the rig. A tensor goes inline
+    while the bytes it adds over the collective's take no longer than those latencies and that wait.
     """
     n = max(2, ranks)
     size = inline_cap_bytes(n)
     while size > MIN_FITTED_INLINE_BYTES:
         concrete = collective_model.resolve(algorithm, size, n, bandwidth_bytes_per_s, latency_s)
         added = (n - 1) * size - collective_model.wire_bytes(concrete, size, n)
-        if added <= link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete):
+        saved = link_delay_bytes(n, bandwidth_bytes_per_s, latency_s, concrete) + credit_bytes
+        if added <= saved:
             break
         size //= 2
     return size

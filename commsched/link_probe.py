@@ -197,12 +197,12 @@ def fit_to_link(
     given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
     algorithm = transport_algorithm(kind)
     rounds = rounds_path(settings.control_channel, kind)
-    sizes = {
-        **default_sizes(
-            size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm, rounds=rounds
-        ),
-        "inline_bytes": default_inline_bytes(size, bandwidth, latency, algorithm),
-    }
+    sizes: dict[str, int] = default_sizes(
+        size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm, rounds=rounds
+    )
+    if "credit_bytes" in user_given:
+        sizes["credit_bytes"] = settings.credit_for(size)
+    sizes["inline_bytes"] = default_inline_bytes(size, bandwidth, latency, sizes["credit_bytes"], algorithm)
     log.info(
         "link %.3g Gbit/s, %.3g us per message at %d ranks, %s allreduce: %s",
         bandwidth * 8e-9,

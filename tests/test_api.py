@@ -56,6 +56,13 @@ def test_environment_settings_are_validated_with_variable_and_form() -> None:
         resolve({"log_level": "chatty"}, {})
     with pytest.raises(SettingError, match="unknown setting"):
         resolve({"partition": 5}, {})
+    with pytest.raises(SettingError, match=r"COMMSCHED_POLL_INTERVAL must be at most 10ms.*e\.g\. 20us"):
+        resolve({}, {"COMMSCHED_POLL_INTERVAL": "2s"})
+    with pytest.raises(SettingError, match=r"COMMSCHED_POLL_INTERVAL: 'often'.*e\.g\. 20us"):
+        resolve({}, {"COMMSCHED_POLL_INTERVAL": "often"})
+    assert resolve({}, {"COMMSCHED_POLL_INTERVAL": "20us"}).poll_interval == pytest.approx(20e-6)
+    assert resolve({}, {"COMMSCHED_POLL_INTERVAL": "0"}).poll_interval == 0.0
+    assert resolve({}, {}).poll_interval is None
 
 
 def test_arguments_override_environment() -> None:

@@ -214,7 +214,8 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
     args = argparse.Namespace(
         partition_bytes=None, credit_bytes=None, fusion_bytes=None, inline_bytes=None, scale=16.0
     )
-    full = {**default_sizes(4, 1.2e8, 40e-6), "inline_bytes": default_inline_bytes(4, 1.2e8, 40e-6)}
+    full = default_sizes(4, 1.2e8, 40e-6)
+    full["inline_bytes"] = default_inline_bytes(4, 1.2e8, 40e-6, full["credit_bytes"])
     assert _replay_sizes(args, 4, 1.2e8, 40e-6) == {name: full[name] // 16 for name in full}
     monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "64KiB")
     sizes = _replay_sizes(args, 4, 1.2e8, 40e-6)
@@ -229,34 +230,42 @@ def test_the_replay_scales_the_link_defaults_and_keeps_a_given_partition(
 
 
 @pytest.mark.parametrize(
-    ("ranks", "rate", "latency", "algorithm", "expected"),
+    ("ranks", "rate", "latency", "algorithm", "credit", "expected"),
     [
-        (2, 1.2e8, 45e-6, "ring", 32768),  # a ring moves as many bytes as the round: the core's cap
-        (2, 1.5e9, 80e-6, "ring", 32768),  # Gloo on one host
-        (2, 2.6e9, 2.7e-6, "mpich", 32768),  # MPI's shared memory
-        (3, 1.2e8, 30e-6, "ring", 16384),  # 0.67 x 16 KiB added <= 14.4 KB of latency; cap 21.8 KB
-        (4, 1.2e8, 45e-6, "ring", 16384),  # the rig: 1.5 x 16 KiB added <= 32.4 KB of latency
-        (4, 1.2e8, 10e-6, "ring", 4096),  # 1.5 x 8 KiB added > 7.2 KB of latency >= 1.5 x 4 KiB
-        (4, 1.2e8, 6e-6, "ring", 4096),  # even 4 KiB adds more than 4.3 KB: the floor
-        (8, 1.25e10, 20e-6, "nccl", 8192),  # the core's cap at 8 ranks
-        (64, 1.25e9, 2e-6, "ring", 1024),  # the cap is below the floor
-        (1024, 1.25e10, 5e-6, "mpich", 64),
-        (100_000, 1.25e10, 5e-6, "ring", 0),  # under one byte each: nothing rides inline
+        (2, 1.2e8, 45e-6, "ring", 0, 65536),  # a ring moves as many bytes as the round: the cap
+        (2, 2.6e9, 2.7e-6, "mpich", 0, 65536),  # MPI's shared memory
+        (4, 1.2e8, 45e-6, "ring", 8 << 20, 65536),  # the rig: 96 KiB added < the 8 MiB credit
+        (4, 1.2e8, 45e-6, "ring", 0, 16384),  # no credit: 1.5 x 16 KiB added <= 32.4 KB of latency
+        (3, 1.2e8, 30e-6, "ring", 0, 16384),  # 0.67 x 16 KiB added <= 14.4 KB of latency
+        (4, 1.2e8, 10e-6, "ring", 0, 4096),  # 1.5 x 8 KiB added > 7.2 KB of latency >= 1.5 x 4 KiB
+        (4, 1.2e8, 6e-6, "ring", 0, 4096),  # even 4 KiB adds more than 4.3 KB: the floor
+        (4, 1.2e8, 6e-6, "ring", 24000, 16384),  # 24.6 KB added <= 4.3 KB + 24 KB; 32 KiB adds 49 KB
+        (8, 1.25e10, 20e-6, "nccl", 0, 32768),  # the core's cap at 8 ranks (256 KiB / 8)
+        (64, 1.25e9, 2e-6, "ring", 0, 4096),
+        (1024, 1.25e10, 5e-6, "mpich", 16 << 20, 256),  # the cap is below the floor
+        (300_000, 1.25e10, 5e-6, "ring", 16 << 20, 0),  # under one byte each: nothing rides inline
     ],
 )
-def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_more_than_the_latency(
-    ranks: int, rate: float, latency: float, algorithm: str, expected: int
+def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_more_than_they_save(
+    ranks: int, rate: float, latency: float, algorithm: str, credit: int, expected: int
 ) -> None:
     """Inline, (ranks - 1) copies of a tensor arrive at every rank in a round that runs anyway; the limit
     is the largest power of two within the core's cap whose bytes beyond the collective's own take no
-    longer than the latencies of the collective it avoids, and at least 4 KiB where the cap allows."""
+    longer than the latencies of the collective it avoids plus the credit's bytes it would queue behind,
+    and at least 4 KiB where the cap allows."""
     from commsched import collective_model
     from commsched.link_defaults import inline_cap_bytes
 
-    assert default_inline_bytes(ranks, rate, latency, algorithm) == expected
-    assert expected <= inline_cap_bytes(ranks) <= 65536 // ranks
+    assert default_inline_bytes(ranks, rate, latency, credit, algorithm) == expected
+    assert expected <= inline_cap_bytes(ranks) <= min(65536, 262144 // ranks)
     if expected == 0:
         return
     concrete = collective_model.resolve(algorithm, expected, ranks, rate, latency)
     added = (ranks - 1) * expected - collective_model.wire_bytes(concrete, expected, ranks)
-    assert added <= collective_model.steps(concrete, ranks) * latency * rate or expected == 4096
+    saved = collective_model.steps(concrete, ranks) * latency * rate + credit
+    assert added <= saved or expected == 4096
+    if expected < inline_cap_bytes(ranks):  # the next power of two up costs more than it saves
+        doubled = 2 * expected
+        concrete = collective_model.resolve(algorithm, doubled, ranks, rate, latency)
+        added = (ranks - 1) * doubled - collective_model.wire_bytes(concrete, doubled, ranks)
+        assert added > collective_model.steps(concrete, ranks) * latency * rate + credit

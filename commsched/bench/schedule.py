@@ -253,10 +253,12 @@ def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latenc
     # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
     partition = given["partition_bytes"] or os.environ.get("COMMSCHED_PARTITION_BYTES")
     full_partition = parse_size(partition) * args.scale if partition else None
-    fitted = {
-        **default_sizes(ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None),
-        "inline_bytes": default_inline_bytes(ranks, bandwidth, latency_s),
-    }
+    fitted: dict[str, int] = default_sizes(
+        ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None
+    )
+    credit = given["credit_bytes"] or os.environ.get("COMMSCHED_CREDIT_BYTES")
+    full_credit = int(parse_size(credit) * args.scale) if credit else fitted["credit_bytes"]
+    fitted["inline_bytes"] = default_inline_bytes(ranks, bandwidth, latency_s, full_credit)
     sizes: dict[str, Any] = {}
     for name in _SCALED_SETTINGS:
         if given[name] is not None or os.environ.get(f"COMMSCHED_{name.upper()}"):
@@ -330,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
             autotune=False if tuned else None,
             transport="mpi",
             cycle_time=args.cycle_time,
+            # The link as measured here: the sizes are given, but the core also paces its tests of
+            # collectives in flight by the per-message latency (COMMSCHED_POLL_INTERVAL unset).
+            link_bandwidth=bandwidth,
+            link_latency=latency,
             **sizes,
         )
         if tuned:

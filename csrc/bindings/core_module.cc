@@ -225,7 +225,8 @@ PYBIND11_MODULE(_core, module) {
       [](const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          double cycle_time_s, double stall_timeout_s, double stall_shutdown_s, const std::string& timeline_path,
          const std::string& log_level, const std::string& transport_kind, py::object transport_argument,
-         uint64_t inline_bytes, const std::string& control_channel, const std::string& control_address) {
+         uint64_t inline_bytes, const std::string& control_channel, const std::string& control_address,
+         double link_latency_s, double poll_interval_s) {
         RuntimeSettings settings;
         settings.scheduling.policy = policy == "fifo" ? Policy::kFifo : Policy::kPriority;
         settings.scheduling.partition_bytes = partition_bytes;
@@ -239,6 +240,8 @@ PYBIND11_MODULE(_core, module) {
         settings.log_level = log_level_from_name(log_level);
         settings.control_channel = control_channel_from_name(control_channel);
         settings.control_address = control_address;
+        settings.link_latency_s = link_latency_s;
+        settings.poll_interval_s = poll_interval_s;
         auto transport = make_transport(transport_kind, std::move(transport_argument));
         std::shared_ptr<Runtime> runtime;
         {
@@ -253,7 +256,8 @@ PYBIND11_MODULE(_core, module) {
       py::arg("cycle_time_s"), py::arg("stall_timeout_s"), py::arg("stall_shutdown_s"), py::arg("timeline_path"),
       py::arg("log_level"), py::arg("transport_kind"), py::arg("transport_argument") = py::none(),
       py::arg("inline_bytes") = RuntimeSettings{}.inline_bytes, py::arg("control_channel") = "auto",
-      py::arg("control_address") = "", "Starts the runtime (called by commsched.init()).");
+      py::arg("control_address") = "", py::arg("link_latency_s") = RuntimeSettings{}.link_latency_s,
+      py::arg("poll_interval_s") = RuntimeSettings{}.poll_interval_s, "Starts the runtime (called by commsched.init()).");
 
   module.def(
       "stop",

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/polling.h"
+
 namespace commsched {
 
 namespace {
@@ -30,7 +32,6 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       rank_(transport_->rank()),
       size_(transport_->size()),
       transport_name_(transport_->name()),
-      poll_interval_(transport_->poll_interval()),
       callers_drive_(transport_->any_thread()),
       stages_fusion_(transport_->stages_fusion()),
       transport_averages_(transport_->averages()),
@@ -41,6 +42,9 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       exchange_timeout_s_(settings.stall_shutdown_s > 0 ? settings.stall_shutdown_s : 10 * settings.stall_timeout_s),
       logger_(settings.log_level, rank_),
       control_(settings.control_channel, settings.control_address, *transport_, exchange_timeout_s_, logger_),
+      // Rounds on the TCP channel mean ranks on different network stacks: their data crosses a network.
+      poll_interval_(poll_interval_for(transport_->poll_interval(), settings.poll_interval_s,
+                                       control_.over_channel() ? settings.link_latency_s : 0.0)),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
       started_(Clock::now()),
@@ -57,7 +61,10 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
     wake_all();
   });
   transport_->set_doorbell(doorbell_);
-  logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks");
+  logger_.info("started on " + transport_name_ + " with " + std::to_string(size_) + " ranks, " +
+               (poll_interval_.count() > 0 ? "pausing " + std::to_string(poll_interval_.count()) + " us between tests"
+                                           : "testing without pause") +
+               " of collectives in flight");
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -258,7 +258,6 @@ class Runtime {
   const int rank_;
   const int size_;
   const std::string transport_name_;
-  const std::chrono::microseconds poll_interval_;
   const bool callers_drive_;
   const bool stages_fusion_;      // the transport copies fused segments itself (device streams)
   const bool transport_averages_;  // the transport applies op="average" itself
@@ -268,6 +267,7 @@ class Runtime {
   const std::shared_ptr<Doorbell> doorbell_ = std::make_shared<Doorbell>();
   Logger logger_;
   ControlPath control_;  // where agreement reports travel; bootstrapped before the core's thread starts
+  const std::chrono::microseconds poll_interval_;  // after control_: it depends on where rounds travel
   Timeline timeline_;
   Agreement agreement_;
   Scheduler scheduler_;

@@ -25,8 +25,10 @@ struct SchedulingSettings {
 inline constexpr int kMaxQuietCycles = 32;
 
 // Every rank receives every rank's inline payload, so the payloads one tensor puts in a round
-// (its size times the ranks) stay under this budget: at scale only the smallest go inline.
-inline constexpr uint64_t kInlineRoundBudgetBytes = 64 * 1024;
+// (its size times the ranks) stay under this budget: at scale only the smallest go inline. It lets
+// 64 KiB (COMMSCHED_INLINE_BYTES' largest) go inline at up to 4 ranks, where a CNN's first layer
+// (ResNet-50's conv1: 37 KiB), ready last and needed first, then skips the collectives in flight.
+inline constexpr uint64_t kInlineRoundBudgetBytes = 256 * 1024;
 
 // Up to this many ranks the MPI transport exchanges agreement reports point-to-point, every rank
 // to every other at once (one message step); beyond, by allgather (log2 n steps), since n
@@ -43,6 +45,10 @@ struct RuntimeSettings {
   // Tensors up to this size ride in the agreement report and are reduced there (host memory only).
   uint64_t inline_bytes = 4096;
   double cycle_time_s = 0.001;
+  // The link's per-message latency init() measured or was given (0: unknown), and the pause between
+  // tests of collectives in flight the user asked for (negative: unset); see poll_interval_for.
+  double link_latency_s = 0.0;
+  double poll_interval_s = -1.0;
   double stall_timeout_s = 60.0;
   double stall_shutdown_s = 300.0;  // 0 disables failing stalled tensors
   std::string timeline_path;

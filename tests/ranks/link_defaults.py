@@ -34,7 +34,9 @@ if scenario == "explicit":
     expected["fusion_bytes"] = 12345
     assert sizes["partition_bytes"] == 128 * 1024, sizes
 # The inline limit follows the link and the algorithm MPI runs for a small message.
-expected["inline_bytes"] = default_inline_bytes(comm.Get_size(), *link, transport_algorithm("mpi"))
+expected["inline_bytes"] = default_inline_bytes(
+    comm.Get_size(), *link, expected["credit_bytes"], transport_algorithm("mpi")
+)
 assert sizes == expected, (sizes, expected)
 # The sizes in effect schedule real reductions correctly.
 array = np.full(300000, comm.Get_rank() + 1, np.float32)
