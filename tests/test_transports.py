@@ -160,3 +160,46 @@ def test_launcher_keeps_a_given_token(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (tmp_path / "token").read_text() == "given-token-123"
+
+
+def test_cpu_shares_cut_the_cpus_into_equal_consecutive_shares() -> None:
+    """--bind-to core: equal consecutive shares, the remainder unused; more ranks than CPUs share in turn."""
+    from commsched.run import cpu_shares
+
+    assert cpu_shares([0, 1], 2) == [{0}, {1}]
+    assert cpu_shares([0, 1, 2, 3, 4, 5, 6], 3) == [{0, 1}, {2, 3}, {4, 5}]
+    assert cpu_shares([4, 5, 6, 7], 1) == [{4, 5, 6, 7}]
+    assert cpu_shares([0, 1], 5) == [{0}, {1}, {0}, {1}, {0}]
+    with pytest.raises(ValueError, match="no CPUs"):
+        cpu_shares([], 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_launcher_binds_each_rank_to_its_own_cpus(tmp_path: Path) -> None:
+    """commsched-run --bind-to core: every rank runs on its own share of the launcher's CPUs, and the
+    threads it starts inherit it; without the flag each rank keeps every CPU the launcher had."""
+    from commsched.run import cpu_shares
+
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, pathlib, threading\n"
+        "seen = []\n"
+        "worker = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+        "worker.start(); worker.join()\n"
+        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(' '.join(map(str, seen[0])))\n"
+    )
+    mine = sorted(os.sched_getaffinity(0))
+    for binding, expected in (("core", cpu_shares(mine, 2)), ("none", [set(mine)] * 2)):
+        argv = local_launch(2, str(script))
+        argv[argv.index("-n") : argv.index("-n")] = ["--bind-to", binding]
+        subprocess.run(argv, env=dict(rank_environment(), OUT=str(tmp_path)), check=True, timeout=60)
+        seen = [{int(cpu) for cpu in (tmp_path / str(rank)).read_text().split()} for rank in range(2)]
+        assert seen == expected, (binding, seen)
+    refused = subprocess.run(
+        [sys.executable, "-m", "commsched.run", "--bind-to", "socket", "-n", "1", str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--bind-to" in refused.stderr and "core" in refused.stderr
