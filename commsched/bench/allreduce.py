@@ -96,7 +96,8 @@ class RawTorch:
         import torch
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
             dist.init_process_group("gloo")
         self.torch, self.dist = torch, dist
 
@@ -113,6 +114,13 @@ class RawTorch:
         cell = self.torch.tensor([value], dtype=self.torch.float64)
         self.dist.all_reduce(cell, op=self.dist.ReduceOp.MAX)
         return float(cell.item())
+
+    def release(self) -> None:
+        """Destroys the process group the bench made, once commsched is shut down. Torch's Gloo worker
+        threads drop a finished allreduce's tensors after the caller has its result; one still doing
+        so while the interpreter exited could not take the GIL and aborted the rank."""
+        if self.owns_group and self.dist.is_initialized():
+            self.dist.destroy_process_group()
 
 
 class RawGrpc:
@@ -301,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
         if tcp is not None:
             tcp.close()
         commsched.shutdown()
+        if hasattr(raw, "release"):
+            raw.release()
     ranks = settings["size"]
     if settings["rank"] != 0:
         return 0

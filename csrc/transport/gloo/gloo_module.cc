@@ -112,7 +112,13 @@ class GlooSeed {
     if (on_close_) on_close = [callback = std::move(on_close_)] { (*callback)(); };
     GlooSetMaker make_set;
     if (make_set_) {
-      make_set = [maker = make_set_](int32_t id, const std::vector<int>& ranks) { return (*maker)(id, ranks); };
+      // Moved, not shared: the seed outlives the transport (commsched.transports.gloo.last_seed keeps
+      // it for its counters), and the maker's closure holds the job's process groups, which would
+      // then outlive commsched.shutdown() and dist.destroy_process_group() and be torn down while
+      // the interpreter exits, when their worker threads can no longer take the GIL.
+      make_set = [maker = std::move(make_set_)](int32_t id, const std::vector<int>& ranks) {
+        return (*maker)(id, ranks);
+      };
     }
     return std::make_unique<GlooTransport>(std::move(data_), std::move(control_), counters_, std::move(on_close),
                                            std::move(make_set));
