@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         "--bind-to",
         choices=BINDINGS,
         default="none",
-        help="core: each rank on its own share of the CPUs the launcher may use, as mpiexec -bind-to core "
-        "(ranks then do not take each other's cores; 2 ranks of gRPC on 2 cores moved 4 MiB allreduces "
-        "0.71-0.76x a TCP pair's busbw bound, 0.50-0.56x unbound); none (default): the launcher's own",
+        help="core: each rank on its own equal share of the CPUs the launcher may use, as mpiexec -bind-to core, "
+        "so ranks do not take each other's cores (threads and child processes inherit it); "
+        "none (default): every rank keeps the launcher's CPUs",
     )
     parser.add_argument(
         "--grpc-tls",
@@ -158,12 +158,12 @@ class _Job:
         try:
             for rank in range(self._size):
                 # A session of its own per rank: ending the rank ends whatever it started, too.
+                start_rank = functools.partial(_start_rank, self._cpus[rank] if self._cpus else None)
                 self._processes[rank] = subprocess.Popen(
                     self._command,
                     env=dict(self._environment, RANK=str(rank), LOCAL_RANK=str(rank)),
                     start_new_session=True,
-                    # The launcher runs no threads, so a preexec_fn is safe here.
-                    preexec_fn=functools.partial(_start_rank, self._cpus[rank] if self._cpus else None),  # noqa: PLW1509
+                    preexec_fn=start_rank,  # noqa: PLW1509 - the launcher runs no threads
                 )
             status = self._supervise()
             return status

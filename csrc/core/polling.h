@@ -15,11 +15,11 @@ inline constexpr std::chrono::microseconds kMaxSleepingPoll{50};
 
 // The pause between tests of collectives in flight. `transport_interval` is the transport's own
 // (0: it moves data only while tested, as MPI does); `requested_s` is COMMSCHED_POLL_INTERVAL
-// (negative: unset); `link_latency_s` the per-message latency init() measured or was given, where the
-// ranks' data crosses a network (0: unknown, or one host). Over TCP between hosts, testing without pause kept a core busy per rank for data the
-// link delivers a message latency at a time; with more ranks than cores the spinning ranks
-// delayed the ones whose gradients were ready. Half a latency sees a finished collective well
-// within the latency it paid anyway.
+// (negative: unset); `link_latency_s` the per-message latency init() measured or was given, where
+// the ranks' data crosses a network (0: unknown, or one host). Over TCP between hosts, testing
+// without pause kept a core busy per rank for data the link delivers a message latency at a time;
+// with more ranks than cores the spinning ranks delayed the ones whose gradients were ready. Half a
+// latency sees a finished collective well within the latency it paid anyway.
 inline std::chrono::microseconds poll_interval_for(std::chrono::microseconds transport_interval,
                                                     double requested_s, double link_latency_s) {
   if (requested_s >= 0) return std::chrono::microseconds(std::llround(requested_s * 1e6));
