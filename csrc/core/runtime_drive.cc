@@ -174,6 +174,9 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
         }
         continue;
       }
+      // A completion that rang during this pass notified before this caller waits: sleeping
+      // now would leave it until look_again (a transport's whole poll interval).
+      if (doorbell_rang_) continue;
     }
     callers_cv_.wait_until(lock, look_again);
   }
