@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +33,18 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _ok_lines(output: str, ranks: int, channel: str) -> None:
+def _ok_lines(output: str, ranks: int, channel: str, one_host: bool = True) -> None:
+    """Every rank printed OK with its rounds over `channel`; over the channel on one host, critical rounds
+    spun exactly when every rank has a CPU of its own (ControlPath::spins_on_critical_rounds)."""
     output = unglue(output, "rank ")
     for rank in range(ranks):
         assert f"rank {rank}: OK" in output and f"rounds over {channel}" in output, output
+    spun = [int(n) for n in re.findall(r"rank \d+: OK .*?, (\d+) spun", output)]
+    assert len(spun) == ranks, output
+    if channel == "tcp" and one_host and ranks <= (os.cpu_count() or 1):
+        assert all(n > 0 for n in spun), output
+    else:
+        assert all(n == 0 for n in spun), output
 
 
 def _launch(ranks: int, env: dict[str, str], expect: str) -> subprocess.CompletedProcess[str]:
@@ -174,7 +183,7 @@ def _on_rig(expect: str, env: dict[str, str]) -> str:
 @needs_rig
 def test_auto_across_network_stacks_takes_the_channel() -> None:
     """Ranks in separate network namespaces: auto puts every round on the TCP channel, results exact."""
-    _ok_lines(_on_rig("tcp", {**SIZES, "COMMSCHED_CONTROL_CHANNEL": "auto"}), 2, "tcp")
+    _ok_lines(_on_rig("tcp", {**SIZES, "COMMSCHED_CONTROL_CHANNEL": "auto"}), 2, "tcp", one_host=False)
 
 
 @needs_mpi

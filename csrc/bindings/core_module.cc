@@ -117,6 +117,7 @@ py::dict stats_dict(const RuntimeStats& stats) {
   out["inline_tensors"] = stats.inline_tensors;
   out["cached_names"] = stats.cached_names;
   out["control_channel_rounds"] = stats.control_channel_rounds;
+  out["spun_rounds"] = stats.spun_rounds;
   return out;
 }
 

@@ -22,15 +22,21 @@ class ControlPath {
   ControlPath(ControlChannel mode, const std::string& address_override, Transport& transport, double timeout_s,
               const Logger& logger);
 
-  // Every rank's report, indexed by rank; throws CommError as Transport::exchange does.
-  std::vector<std::string> exchange(const std::string& mine, double timeout_s);
+  // Every rank's report, indexed by rank; throws CommError as Transport::exchange does. A
+  // `critical` round (nothing else in flight waits on the link) spins on the channel briefly
+  // where every rank shares this host and has a core for it (spins_on_critical_rounds()).
+  std::vector<std::string> exchange(const std::string& mine, double timeout_s, bool critical = false);
 
   // True when reports travel over the TCP control channel.
   bool over_channel() const { return channel_ != nullptr; }
+  // True when critical rounds spin before sleeping: the channel on one network stack, with no more
+  // ranks than the host has CPUs.
+  bool spins_on_critical_rounds() const { return spins_; }
 
  private:
   Transport& transport_;
   std::unique_ptr<control::TcpControlChannel> channel_;
+  bool spins_ = false;
 };
 
 }  // namespace commsched

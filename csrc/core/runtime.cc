@@ -428,6 +428,7 @@ RuntimeStats LiveStats::snapshot() const {
   out.inline_tensors = inline_tensors.load(std::memory_order_relaxed);
   out.cached_names = cached_names.load(std::memory_order_relaxed);
   out.control_channel_rounds = control_channel_rounds.load(std::memory_order_relaxed);
+  out.spun_rounds = spun_rounds.load(std::memory_order_relaxed);
   return out;
 }
 

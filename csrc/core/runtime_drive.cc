@@ -228,7 +228,11 @@ bool Runtime::run_round() {
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
     if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, exchange_start_us);
-    const std::vector<std::string> reports = control_.exchange(agreement_.build_report(status), exchange_timeout_s_);
+    // With nothing in flight a round carrying news is all this rank waits on: worth a brief spin.
+    // Heartbeats and retries while a slower rank catches up sleep, so waiting costs no CPU.
+    const bool critical = had_news && in_flight_.empty();
+    const std::vector<std::string> reports =
+        control_.exchange(agreement_.build_report(status), exchange_timeout_s_, critical);
     after_exchange = Clock::now();
     agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
     if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
@@ -237,6 +241,7 @@ bool Runtime::run_round() {
     }
     stats_.cycles.fetch_add(1, std::memory_order_relaxed);
     if (control_.over_channel()) stats_.control_channel_rounds.fetch_add(1, std::memory_order_relaxed);
+    if (critical && control_.spins_on_critical_rounds()) stats_.spun_rounds.fetch_add(1, std::memory_order_relaxed);
     stats_.cached_names.store(agreement_.cached_names(), std::memory_order_relaxed);
   } catch (const control::PeerLost& lost) {
     // The control channel knows which rank it lost: handles then name it (RankFailure.rank).

@@ -127,7 +127,9 @@ TEST_CASE(control_channel_delivers_every_rank_s_report_of_0_bytes_to_1_mib) {
       threads.emplace_back([&, rank] {
         try {
           for (int round = 0; round < kRounds; ++round) {
-            const std::vector<std::string> reports = channels[rank]->exchange(report_of(rank, round), 30.0);
+            // Spinning and sleeping ranks mixed: a spin covers partial sends and receives too.
+            const auto spin = std::chrono::microseconds((rank + round) % 2 == 0 ? 50 : 0);
+            const std::vector<std::string> reports = channels[rank]->exchange(report_of(rank, round), 30.0, spin);
             if (static_cast<int>(reports.size()) != size) throw std::runtime_error("wrong number of reports");
             for (int peer = 0; peer < size; ++peer) {
               if (reports[peer] != report_of(peer, round)) {
@@ -176,6 +178,21 @@ TEST_CASE(control_channel_timeout_names_the_silent_rank) {
     EXPECT_EQ(outcomes[rank].blamed, 1);
     EXPECT(outcomes[rank].message.find("no report from rank 1 within 0.5s") != std::string::npos);
   }
+}
+
+TEST_CASE(control_channel_spin_longer_than_the_timeout_still_names_the_silent_rank_at_the_timeout) {
+  auto channels = connected_mesh(2);
+  const auto started = Clock::now();
+  Outcome outcome;
+  try {
+    channels[0]->exchange("report", 0.3, std::chrono::seconds(30));
+  } catch (const PeerLost& lost) {
+    outcome = {lost.what(), lost.rank()};
+  }
+  const double waited_s = std::chrono::duration<double>(Clock::now() - started).count();
+  EXPECT_EQ(outcome.blamed, 1);
+  EXPECT(outcome.message.find("no report from rank 1 within 0.3s") != std::string::npos);
+  EXPECT(waited_s < 10.0);  // the timeout, not the 30 s spin, ended the wait
 }
 
 TEST_CASE(control_channel_refuses_an_oversized_frame) {

@@ -103,7 +103,8 @@ def main() -> None:
             f"rank {rank}: {rounds} of {cycles} rounds over the control channel, expected {expect}"
         )
     print(
-        f"rank {rank}: OK {checked} collectives over {commsched.config()['transport']}, rounds over {channel}"
+        f"rank {rank}: OK {checked} collectives over {commsched.config()['transport']}, rounds over {channel}, "
+        f"{stats['spun_rounds']} spun"
     )
     commsched.shutdown()
 

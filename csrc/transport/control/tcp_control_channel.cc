@@ -262,7 +262,8 @@ bool TcpControlChannel::receive_from(int peer, std::vector<std::string>& reports
   }
 }
 
-std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, double timeout_s) {
+std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, double timeout_s,
+                                                     std::chrono::microseconds spin) {
   if (!broken_.empty()) throw PeerLost(broken_, broken_rank_);
   if (mine.size() > kMaxFrameBytes) {
     throw CommError("control channel: this rank's report of " + std::to_string(mine.size()) +
@@ -276,6 +277,7 @@ std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, do
   const auto deadline = timeout_s < 0 ? Clock::time_point::max()
                                       : Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                            std::chrono::duration<double>(timeout_s));
+  const auto spin_until = spin.count() > 0 ? Clock::now() + spin : Clock::time_point::min();
   std::vector<pollfd> polled;
   std::vector<int> polled_peers;
   while (true) {
@@ -291,7 +293,7 @@ std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, do
       polled_peers.push_back(peer);
     }
     if (polled.empty()) break;
-    const int ready = poll(polled.data(), polled.size(), poll_timeout_ms(deadline));
+    const int ready = poll(polled.data(), polled.size(), Clock::now() < spin_until ? 0 : poll_timeout_ms(deadline));
     if (ready < 0 && errno != EINTR) fail(std::string("control channel: poll failed: ") + std::strerror(errno), -1);
     if (ready == 0 && Clock::now() >= deadline) {
       std::vector<int> silent;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -29,8 +30,11 @@ class TcpControlChannel {
 
   // Sends `mine` to every peer and returns every rank's report, indexed by rank. Throws PeerLost
   // naming the peer that closed, reset or sent a bad frame, or the ranks silent for `timeout_s`
-  // (negative: no limit). After a failure every call throws the same error.
-  std::vector<std::string> exchange(const std::string& mine, double timeout_s);
+  // (negative: no limit). For the first `spin` it checks the sockets without sleeping: a sleeping
+  // thread's wake-up can cost more than the peers take to answer. After a failure every call
+  // throws the same error.
+  std::vector<std::string> exchange(const std::string& mine, double timeout_s,
+                                    std::chrono::microseconds spin = std::chrono::microseconds(0));
 
   int rank() const { return rank_; }
   int size() const { return size_; }
