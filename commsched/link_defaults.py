@@ -31,15 +31,20 @@ class DefaultRule:
 
 
 # Fitted by `python benchmarks/choose_defaults.py --keep-measured --json docs/data/default_rule.json`
-# with agreement rounds on the control channel, as they run across hosts: every constant searched,
-# among the rules that give the links measured on hardware (choose_defaults.MEASURED_LINKS: 2-4
-# ranks at 1 Gbit/s, 2-8 ranks at 10-100 Gbit/s up to 20 us) the sizes they had, within FITWORST
-# (FITGEO geometric mean) of each case's best grid setting over 2-1024 ranks, 1-100 Gbit/s, 2-50 us.
-# The partition stops growing at 4 MiB: past 4 MiB of delay more collectives are in flight, and an
-# urgent tensor waits for one of them to finish; the credit grows as the delay ** 0.75, about the
-# delay at 30 MiB (64 ranks, 100 Gbit/s, 20 us) and half of it from ~120 MiB, where the whole delay
-# in flight queues a model's every gradient ahead of the first layer's (1024 ranks, 100 Gbit/s: the
-# ring's defaults went from 1.101-1.109 to at most 1.067 of the best schedule).
+# with agreement rounds on the control channel, as they run across hosts: every constant searched
+# among the rules that give the links measured on hardware (choose_defaults.MEASURED_LINKS: 2-4 ranks
+# at 1 Gbit/s and 10-60 us, 2-8 ranks at 10-100 Gbit/s and 2-20 us) the sizes they were measured
+# with; within 1.11x (1.014x geometric mean) of each case's best grid setting over 2-1024 ranks,
+# 1-100 Gbit/s, 2-50 us, where the rule before (partitions to 64 MiB, credit 1 MiB x delay/MiB)
+# came within 1.24x (1.020x). Past ~4 MiB of delay the credit spans more partitions, not larger
+# ones, so one finishes and frees credit for an urgent tensor sooner (1024 ranks, 100 Gbit/s, 5 us,
+# 64 MiB of credit: 1.03-1.07 of the best schedule in 4 MiB partitions, up to 1.29 in 16 MiB).
+# The credit grows as the delay ** 0.75: about the delay at 30 MiB (64 ranks, 100 Gbit/s, 20 us;
+# half of it, 4 partitions of 4 MiB, was 1.27-1.36) and about half of it from ~120 MiB, where the
+# whole delay in flight queued all of ResNet-50's 97.5 MiB of gradient ahead of its first layer's
+# (1.101). Of 2-8 ranks, only links past 4 MiB of delay (4-8 ranks at 40-100 Gbit/s and 30-60 us,
+# not measured) changed, from 8 MiB partitions to 4: in the simulator up to 1.1% faster (3.4% for
+# ResNet-50 under NCCL at 4 ranks, 60 us), never more than 0.04% slower.
 DEFAULT_RULE = DefaultRule(
     partition_scale_bytes=4 * 1024**2,
     partition_exponent=0.25,
@@ -51,8 +56,9 @@ DEFAULT_RULE = DefaultRule(
     max_credit_partitions=64,
     fusion_bytes=4 * 1024**2,
 )
-# The largest partition of the rule before, which NCCL's growth to its ring (_ring_sized_under_nccl)
-# and the rule for rounds behind the data keep.
+# The rule before's largest partition: the rule for rounds behind the data keeps it, and the most a
+# partition grows to past the rule's largest (when the credit needs more than the most partitions,
+# or NCCL turns to its ring above it: _ring_sized_under_nccl).
 LARGEST_PARTITION_BYTES = 64 * 1024**2
 # The rule fitted before rounds could leave the data's path in the simulator (choose_defaults.py with
 # rounds queued behind the data, as --rounds data runs; at most 1.17x, 1.03x on geometric mean), for
