@@ -10,10 +10,12 @@ the link only through its delay (bandwidth x the algorithm's message latencies; 
 2(n-1) x latency by default), for the rule with the smallest worst-case slowdown against each
 case's best grid setting. Agreement rounds travel on the control channel (--rounds channel), not
 behind the collectives' bytes on the link, as they do by default across hosts (--rounds data for
-rounds in the transport's own connection). Prints the rule and its table and writes them as JSON
-(the rule's constants go into commsched/config.py).
+rounds in the transport's own connection). --keep-measured searches only among the rules that give
+the links measured on hardware (MEASURED_LINKS) the sizes the code's rule gives them, so a refit
+needs no new measurement. Prints the rule and its table and writes them as JSON (the rule's
+constants go into commsched/link_defaults.py).
 
-    python benchmarks/choose_defaults.py --json docs/data/default_rule.json
+    python benchmarks/choose_defaults.py --keep-measured --json docs/data/default_rule.json
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from commsched.bench import schedule
 from commsched.config import parse_duration, parse_rate
 from commsched.link_defaults import (
     DEFAULT_RULE,
+    LARGEST_PARTITION_BYTES,
     ROUNDS_ON_DATA_RULE,
     DefaultRule,
     default_sizes,
@@ -61,6 +64,12 @@ CREDIT_SCALES = [MIB * 2.0**k for k in range(-2, 7)]
 CREDIT_EXPONENTS = [0.5, 0.75, 1.0]
 MIN_CREDIT_PARTITIONS = [1, 2, 4]
 MAX_CREDIT_PARTITIONS = CREDIT_PARTITIONS[-1]
+# Links whose sizes were measured on real hardware (--keep-measured keeps them): 2-4 ranks at
+# 1 Gbit/s and 10-60 us per message (the shaped rig), 2-8 ranks at 10-100 Gbit/s and 2-20 us.
+MEASURED_LINKS = [
+    *itertools.product(range(2, 5), [1e8, 1.25e8], [t * 1e-6 for t in (10, 20, 30, 45, 60)]),
+    *itertools.product(range(2, 9), [1.25e9, 3.125e9, 1.25e10], [t * 1e-6 for t in (2, 5, 10, 20)]),
+]
 
 Network = tuple[int, float, float]  # ranks, bytes/s, seconds per message
 Setting = tuple[int, int, int]  # partition, credit, fusion
@@ -158,6 +167,39 @@ def _power_of_two_index(values: np.ndarray, low: int, high: int, grid: Sequence[
     return (exponents - math.log2(grid[0])).astype(int)
 
 
+def _rule_indices(rule: DefaultRule, delays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into PARTITIONS and CREDIT_PARTITIONS of the sizes link_defaults' formula gives each
+    delay under `rule` (a partition at the rule's largest grows so the credit fits in the most
+    partitions, up to link_defaults.LARGEST_PARTITION_BYTES)."""
+    credit = rule.credit_scale_bytes * (delays / MIB) ** rule.credit_exponent
+    p_index = _power_of_two_index(
+        rule.partition_scale_bytes * (delays / MIB) ** rule.partition_exponent,
+        rule.min_partition_bytes,
+        rule.max_partition_bytes,
+        PARTITIONS,
+    )
+    top = PARTITIONS.index(rule.max_partition_bytes)
+    grown = _power_of_two_index(
+        credit / rule.max_credit_partitions,
+        rule.max_partition_bytes,
+        max(rule.max_partition_bytes, LARGEST_PARTITION_BYTES),
+        PARTITIONS,
+    )
+    p_index = np.where(p_index == top, grown, p_index)
+    partitions = np.array(PARTITIONS, float)[p_index]
+    k_index = _power_of_two_index(
+        credit / partitions, rule.min_credit_partitions, rule.max_credit_partitions, CREDIT_PARTITIONS
+    )
+    return p_index, k_index
+
+
+def _formula_sizes(rule: DefaultRule, delays: np.ndarray) -> np.ndarray:
+    """(partition, credit) rows the rule's formula gives each delay, as fit() scores them."""
+    p_index, k_index = _rule_indices(rule, delays)
+    partitions = np.array(PARTITIONS, float)[p_index]
+    return np.stack([partitions, partitions * np.array(CREDIT_PARTITIONS, float)[k_index]])
+
+
 def rule_for(rounds: str) -> DefaultRule:
     """The rule link_defaults.default_sizes applies when agreement rounds travel on `rounds`."""
     return DEFAULT_RULE if rounds == "channel" else ROUNDS_ON_DATA_RULE
@@ -168,17 +210,20 @@ def fit(
     algorithm: str = "ring",
     credit_only: bool = False,
     rounds: str = "channel",
+    keep_measured: bool = False,
 ) -> tuple[DefaultRule, tuple[float, float]]:
     """The rule with the smallest worst case (to 0.1%, then geometric mean) over the sweep, searched
     with numpy; `credit_only` searches the credit's scale and exponent and keeps the rest of
     the rule link_defaults.default_sizes takes for these `rounds` (partition, fusion, least credit), so small
-    links keep their defaults."""
+    links keep their defaults. `keep_measured` searches every constant but only among the rules that
+    give MEASURED_LINKS the sizes the code's rule gives them, so the links measured on hardware keep
+    theirs while the others may change."""
     partition_space = list(
         itertools.product(PARTITION_SCALES, PARTITION_EXPONENTS, MIN_PARTITIONS, MAX_PARTITIONS)
     )
     min_credits, fusions = MIN_CREDIT_PARTITIONS, FUSIONS
+    kept = rule_for(rounds)
     if credit_only:
-        kept = rule_for(rounds)
         partition_space = [
             (
                 kept.partition_scale_bytes,
@@ -205,19 +250,21 @@ def fit(
             logs[(c, *index)] = math.log(times[(partition, credit, fusion)] / floor)
     delays = np.array([case_delay_bytes(case[0], algorithm) for case in cases])
     rows = np.arange(len(cases))
+    measured = np.array([case_delay_bytes(link, algorithm) for link in MEASURED_LINKS])
+    measured_sizes = _formula_sizes(kept, measured)
+    if keep_measured:
+        fusions = [kept.fusion_bytes]
     best: tuple[tuple[float, float], tuple[float, float], DefaultRule] | None = None
     for p_scale, p_exp, p_min, p_max in partition_space:
         if p_min > p_max or (p_exp == 0 and (p_min, p_max) != (MIN_PARTITIONS[0], MAX_PARTITIONS[-1])):
             continue  # a constant partition needs no clamps: one spelling of each
-        p_index = _power_of_two_index(p_scale * (delays / MIB) ** p_exp, p_min, p_max, PARTITIONS)
-        partitions = np.array(PARTITIONS, float)[p_index]
         for c_scale, c_exp, k_min in itertools.product(CREDIT_SCALES, CREDIT_EXPONENTS, min_credits):
-            k_index = _power_of_two_index(
-                c_scale * (delays / MIB) ** c_exp / partitions,
-                k_min,
-                MAX_CREDIT_PARTITIONS,
-                CREDIT_PARTITIONS,
+            candidate = DefaultRule(
+                p_scale, p_exp, p_min, p_max, c_scale, c_exp, k_min, MAX_CREDIT_PARTITIONS, kept.fusion_bytes
             )
+            if keep_measured and not np.array_equal(_formula_sizes(candidate, measured), measured_sizes):
+                continue
+            p_index, k_index = _rule_indices(candidate, delays)
             picked = logs[rows, p_index, k_index, :]  # (cases, fusions)
             for fusion in fusions:
                 f = FUSIONS.index(fusion)
@@ -225,10 +272,7 @@ def fit(
                 # Worst cases within 0.1% of each other tie; the geometric mean then decides.
                 key = (round(score[0], 3), score[1])
                 if best is None or key < best[0]:
-                    rule = DefaultRule(
-                        p_scale, p_exp, p_min, p_max, c_scale, c_exp, k_min, MAX_CREDIT_PARTITIONS, fusion
-                    )
-                    best = (key, score, rule)
+                    best = (key, score, dataclasses.replace(candidate, fusion_bytes=fusion))
     assert best is not None
     return best[2], best[1]
 
@@ -313,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="fit the credit's scale and exponent only, keeping the partition and fusion of config's rule",
     )
+    parser.add_argument(
+        "--keep-measured",
+        action="store_true",
+        help="fit every constant among the rules that keep the sizes of the links measured on hardware",
+    )
     parser.add_argument("--json", type=Path, help="write the rule and its table here")
     args = parser.parse_args(argv)
     networks = list(
@@ -332,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.algorithm,
         args.rounds,
     )
-    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only, args.rounds)
+    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only, args.rounds, args.keep_measured)
     current_worst, current_geomean = score_rule(rule_for(args.rounds), table, args.algorithm)
     print(f"# fitted rule: {rule}")
     print(f"# against each model's best grid setting: worst {worst:.3f}, geomean {geomean:.4f}")

@@ -30,27 +30,47 @@ class DefaultRule:
     fusion_bytes: int
 
 
-# Fitted by `python benchmarks/choose_defaults.py --credit-only --json docs/data/default_rule.json`
-# with agreement rounds on the control channel, as they run across hosts: the credit is about the
-# link's delay bytes, within 1.24x (1.02x geometric mean) of each case's best grid setting over
-# 2-1024 ranks, 1-100 Gbit/s, 2-50 us; the partition and fusion are ROUNDS_ON_DATA_RULE's.
+# Fitted by `python benchmarks/choose_defaults.py --keep-measured --json docs/data/default_rule.json`
+# with agreement rounds on the control channel, as they run across hosts: every constant searched
+# among the rules that give the links measured on hardware (choose_defaults.MEASURED_LINKS: 2-4 ranks
+# at 1 Gbit/s and 10-60 us, 2-8 ranks at 10-100 Gbit/s and 2-20 us) the sizes they were measured
+# with; within 1.11x (1.014x geometric mean) of each case's best grid setting over 2-1024 ranks,
+# 1-100 Gbit/s, 2-50 us, where the rule before (partitions to 64 MiB, credit 1 MiB x delay/MiB)
+# came within 1.24x (1.020x). Past ~4 MiB of delay the credit spans more partitions, not larger
+# ones, so one finishes and frees credit for an urgent tensor sooner (1024 ranks, 100 Gbit/s, 5 us,
+# 64 MiB of credit: 1.03-1.07 of the best schedule in 4 MiB partitions, up to 1.29 in 16 MiB).
+# The credit grows as the delay ** 0.75: about the delay at 30 MiB (64 ranks, 100 Gbit/s, 20 us;
+# half of it, 4 partitions of 4 MiB, was 1.27-1.36) and about half of it from ~120 MiB, where the
+# whole delay in flight queued all of ResNet-50's 97.5 MiB of gradient ahead of its first layer's
+# (1.101). Of 2-8 ranks, only links past 4 MiB of delay (4-8 ranks at 40-100 Gbit/s and 30-60 us,
+# not measured) changed, from 8 MiB partitions to 4: in the simulator up to 1.1% faster (3.4% for
+# ResNet-50 under NCCL at 4 ranks, 60 us), never more than 0.04% slower.
 DEFAULT_RULE = DefaultRule(
     partition_scale_bytes=4 * 1024**2,
     partition_exponent=0.25,
     min_partition_bytes=256 * 1024,
-    max_partition_bytes=64 * 1024**2,
-    credit_scale_bytes=1024**2,
-    credit_exponent=1.0,
+    max_partition_bytes=4 * 1024**2,
+    credit_scale_bytes=2 * 1024**2,
+    credit_exponent=0.75,
     min_credit_partitions=4,
     max_credit_partitions=64,
     fusion_bytes=4 * 1024**2,
 )
+# The rule before's largest partition: the rule for rounds behind the data keeps it, and the most a
+# partition grows to past the rule's largest (when the credit needs more than the most partitions,
+# or NCCL turns to its ring above it: _ring_sized_under_nccl).
+LARGEST_PARTITION_BYTES = 64 * 1024**2
 # The rule fitted before rounds could leave the data's path in the simulator (choose_defaults.py with
 # rounds queued behind the data, as --rounds data runs; at most 1.17x, 1.03x on geometric mean), for
 # rounds in the transport's own connection (COMMSCHED_CONTROL_CHANNEL=transport): each round queues
 # behind the bytes in flight, so credit comes back late and 8 x the delay keeps the link busy.
 # Links with under ~2.5 MiB of delay (the 2-4-rank rig's) get the same sizes from both rules.
-ROUNDS_ON_DATA_RULE = dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * 1024**2)
+ROUNDS_ON_DATA_RULE = dataclasses.replace(
+    DEFAULT_RULE,
+    max_partition_bytes=LARGEST_PARTITION_BYTES,
+    credit_scale_bytes=8 * 1024**2,
+    credit_exponent=1.0,
+)
 ROUNDS = ("channel", "data")
 _DELAY_UNIT_BYTES = 1024**2
 
@@ -84,15 +104,23 @@ def _scaled(scale_bytes: float, exponent: float, delay_bytes: float) -> float:
 
 def _sizes_for_delay(delay: float, rule: DefaultRule, partition_bytes: int | None) -> dict[str, int]:
     """The rule's partition, credit and fusion for a link whose collectives wait `delay` bytes' time."""
+    credit = _scaled(rule.credit_scale_bytes, rule.credit_exponent, delay)
     partition = _power_of_two(
         _scaled(rule.partition_scale_bytes, rule.partition_exponent, delay),
         rule.min_partition_bytes,
         rule.max_partition_bytes,
     )
+    if partition == rule.max_partition_bytes:
+        # Past its largest, the partition grows only so the credit fits in the most partitions.
+        partition = _power_of_two(
+            credit / rule.max_credit_partitions,
+            partition,
+            max(partition, LARGEST_PARTITION_BYTES),
+        )
     if partition_bytes:  # the user's partition: credit still counts whole partitions of it
         partition = partition_bytes
     partitions = _power_of_two(
-        _scaled(rule.credit_scale_bytes, rule.credit_exponent, delay) / partition,
+        credit / partition,
         rule.min_credit_partitions,
         rule.max_credit_partitions,
     )
@@ -156,8 +184,10 @@ def _ring_sized_under_nccl(
 ) -> dict[str, int]:
     """Under NCCL's choice, partitions just below the size where NCCL turns from its tree to its ring
     move twice their bytes (the tree's) where one partition more would move 2(n-1)/n: the partition
-    grows to the ring's smallest size when the rule allows one that large (a partition the user set
-    stays), and the credit then covers the ring's delay."""
+    grows to the ring's smallest size when that is at most LARGEST_PARTITION_BYTES, past the rule's
+    largest partition if need be (a partition the user set stays), and the credit then covers the
+    ring's delay. At 8 ranks, 100 Gbit/s and 20 us NCCL turns to its ring at 8 MiB; the rule's 4 MiB
+    on its tree were 1.06-1.14 of the best schedule, 8 MiB on its ring 1.00-1.02."""
     n = max(2, ranks)
     partition = sizes["partition_bytes"]
     if (
@@ -165,7 +195,7 @@ def _ring_sized_under_nccl(
         or collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) != "tree"
     ):
         return sizes
-    while partition < rule.max_partition_bytes:
+    while partition < max(rule.max_partition_bytes, LARGEST_PARTITION_BYTES):
         partition *= 2
         if collective_model.resolve("nccl", partition, n, bandwidth_bytes_per_s, latency_s) == "ring":
             delay = link_delay_bytes(ranks, bandwidth_bytes_per_s, latency_s, "ring")

@@ -5,18 +5,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpirun import run_ranks
 
 from commsched.config import SettingError, Settings, parse_rate, resolve
 from commsched.link_defaults import (
     DEFAULT_RULE,
+    LARGEST_PARTITION_BYTES,
     ROUNDS_ON_DATA_RULE,
     DefaultRule,
     default_inline_bytes,
     default_sizes,
+    link_delay_bytes,
 )
 from commsched.link_probe import link_from_timings, rounds_path
 
@@ -31,15 +35,16 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def test_the_rule_grows_with_ranks_bandwidth_and_latency() -> None:
-    """Partition and credit never shrink when any of the three grows; all sizes stay in the rule's clamps."""
+    """Partition and credit never shrink when any of the three grows; all sizes stay in the rule's clamps,
+    a partition past the rule's largest only where the credit fills (about) the most partitions."""
     for ranks, rate, latency in itertools.product(RANKS, RATES, LATENCIES):
         sizes = default_sizes(ranks, rate, latency)
-        assert (
-            DEFAULT_RULE.min_partition_bytes <= sizes["partition_bytes"] <= DEFAULT_RULE.max_partition_bytes
-        )
+        assert DEFAULT_RULE.min_partition_bytes <= sizes["partition_bytes"] <= LARGEST_PARTITION_BYTES
         partitions = sizes["credit_bytes"] // sizes["partition_bytes"]
         assert sizes["credit_bytes"] == partitions * sizes["partition_bytes"]
         assert DEFAULT_RULE.min_credit_partitions <= partitions <= DEFAULT_RULE.max_credit_partitions
+        if sizes["partition_bytes"] > DEFAULT_RULE.max_partition_bytes:
+            assert partitions >= DEFAULT_RULE.max_credit_partitions // 2, (ranks, rate, latency, sizes)
         assert _is_power_of_two(sizes["partition_bytes"]) and _is_power_of_two(partitions)
         assert sizes["fusion_bytes"] == DEFAULT_RULE.fusion_bytes
         for bigger in (
@@ -93,27 +98,87 @@ def test_the_code_holds_the_fitted_rule() -> None:
         assert default_sizes(row["ranks"], row["bandwidth_bytes_per_s"], row["latency_s"]) == row["defaults"]
 
 
-def test_credit_covers_about_the_links_delay_bytes() -> None:
-    """Credit is the delay (bandwidth x 2(n-1) x latency) counted in partitions, rounded to 2**k, at least 4."""
+def test_credit_grows_as_the_delay_to_the_three_quarters_over_partitions_of_at_most_4_mib() -> None:
+    """Credit is 2 MiB x (delay / 1 MiB) ** 0.75 counted in partitions, rounded to 2**k, at least 4;
+    partitions stop at 4 MiB until the credit would need more than 64 of them."""
     mib = 1024**2
     # 1024 ranks, 100 Gbit/s, 2 us: a delay of 12.5e9 x 2046 x 2e-6 = 51.2 MB = 48.8 MiB; partition
-    # 4 MiB x 48.8 ** 0.25 = 10.6 MiB -> 8 MiB; credit 48.8 / 8 = 6.1 partitions -> 8, 64 MiB. With
-    # rounds off the data path the credit returns within a latency, so 8 x the delay (512 MiB) only
-    # queued more bytes ahead of the urgent chunk: 1.129 of the best schedule for ResNet-50, now 1.026.
+    # 4 MiB x 48.8 ** 0.25 = 10.6 MiB, at most 4 MiB; credit 2 x 48.8 ** 0.75 = 36.9 MiB = 9.2
+    # partitions -> 8, 32 MiB.
     assert default_sizes(1024, 12.5e9, 2e-6) == {
-        "partition_bytes": 8 * mib,
+        "partition_bytes": 4 * mib,
+        "credit_bytes": 32 * mib,
+        "fusion_bytes": 4 * mib,
+    }
+    # 64 ranks, 100 Gbit/s, 20 us: 30.0 MiB of delay, 2 x 30 ** 0.75 = 25.7 MiB -> 6.4 partitions -> 8.
+    assert default_sizes(64, 12.5e9, 20e-6)["credit_bytes"] == 32 * mib
+    # 1024 ranks, 100 Gbit/s, 5 us: 122.0 MiB of delay, 73.2 MiB of credit -> 18.3 partitions -> 16:
+    # 64 MiB, about half the delay. The whole delay (128 MiB in 16 MiB partitions) put all of
+    # ResNet-50's 97.5 MiB in flight at once, ahead of its first layer: 1.101 of the best schedule.
+    assert default_sizes(1024, 12.5e9, 5e-6) == {
+        "partition_bytes": 4 * mib,
         "credit_bytes": 64 * mib,
         "fusion_bytes": 4 * mib,
     }
-    # 64 ranks, 100 Gbit/s, 20 us: 12.5e9 x 126 x 20e-6 = 30.0 MiB -> 3.75 partitions of 8 MiB -> 4.
-    assert default_sizes(64, 12.5e9, 20e-6)["credit_bytes"] == 32 * mib
-    # 1024 ranks, 100 Gbit/s, 20 us: 487.8 MiB in 16 MiB partitions is 30.5 -> 32, 512 MiB.
-    assert default_sizes(1024, 12.5e9, 20e-6)["credit_bytes"] == 512 * mib
+    # 1024 ranks, 100 Gbit/s, 20 us: 487.8 MiB of delay, 207 MiB of credit -> 51.8 partitions -> 64.
+    assert default_sizes(1024, 12.5e9, 20e-6)["credit_bytes"] == 256 * mib
+    # 1024 ranks, 100 Gbit/s, 50 us: 1219.5 MiB of delay, 412 MiB of credit would be 103 partitions of
+    # 4 MiB: the partition grows to 412 / 64 = 6.4 -> 8 MiB, and 51.5 of them round to 64, 512 MiB.
+    assert default_sizes(1024, 12.5e9, 50e-6) == {
+        "partition_bytes": 8 * mib,
+        "credit_bytes": 512 * mib,
+        "fusion_bytes": 4 * mib,
+    }
     # The rig's links (2-4 ranks, up to 4 Gbit/s, 20-100 us) have delays under 0.3 MiB: the credit
-    # stays at its floor of 4 partitions, as before the refit.
+    # stays at its floor of 4 partitions.
     for ranks, rate, latency in itertools.product((2, 3, 4), (1.2e8, 5e8), (20e-6, 45e-6, 100e-6)):
         sizes = default_sizes(ranks, rate, latency)
         assert sizes["credit_bytes"] == 4 * sizes["partition_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "rate", "latency", "algorithm", "partition_kib", "credit_kib"),
+    [
+        # The shaped rig: 2-4 ranks, 1 Gbit/s, 10-60 us per message.
+        (2, 1.25e8, 10e-6, "ring", 1024, 4096),
+        (3, 1.25e8, 30e-6, "ring", 1024, 4096),
+        (4, 1.25e8, 60e-6, "ring", 2048, 8192),
+        (4, 1e8, 45e-6, "mpich", 2048, 8192),
+        (4, 1.25e8, 60e-6, "nccl", 2048, 8192),
+        # 2-8 ranks at 10-100 Gbit/s, 2-20 us.
+        (2, 1.25e9, 5e-6, "ring", 1024, 4096),
+        (8, 1.25e9, 20e-6, "ring", 4096, 16384),
+        (8, 1.25e10, 2e-6, "ring", 4096, 16384),
+        (8, 1.25e10, 20e-6, "ring", 4096, 16384),
+        (8, 1.25e10, 20e-6, "mpich", 4096, 16384),
+        (8, 1.25e10, 5e-6, "nccl", 4096, 16384),
+        (4, 1.25e10, 20e-6, "nccl", 4096, 16384),
+        # NCCL turns from its tree to its ring at 8 MiB here: the partition grows past the rule's 4 MiB.
+        (8, 1.25e10, 20e-6, "nccl", 8192, 32768),
+    ],
+)
+def test_links_measured_on_hardware_keep_their_sizes(
+    ranks: int, rate: float, latency: float, algorithm: str, partition_kib: int, credit_kib: int
+) -> None:
+    """Links measured on the rig and on 10-100 Gbit/s hosts keep the sizes they were measured with
+    (the rule before the 4 MiB ceiling and the 0.75 power gave them the same)."""
+    sizes = default_sizes(ranks, rate, latency, algorithm=algorithm)
+    assert (sizes["partition_bytes"], sizes["credit_bytes"]) == (partition_kib * 1024, credit_kib * 1024)
+
+
+def test_the_fit_scores_the_sizes_default_sizes_gives() -> None:
+    """benchmarks/choose_defaults.py's vector copy of the rule (what the fit scores, and what
+    --keep-measured compares) gives the ring's links the sizes default_sizes gives, both rules."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import choose_defaults
+
+    links = list(itertools.product(RANKS, RATES, LATENCIES)) + choose_defaults.MEASURED_LINKS
+    delays = np.array([link_delay_bytes(*link) for link in links])
+    for rounds, rule in (("channel", DEFAULT_RULE), ("data", ROUNDS_ON_DATA_RULE)):
+        partitions, credits = choose_defaults._formula_sizes(rule, delays)
+        for link, partition, credit in zip(links, partitions, credits):
+            sizes = default_sizes(*link, rounds=rounds)
+            assert (sizes["partition_bytes"], sizes["credit_bytes"]) == (partition, credit), (link, rounds)
 
 
 def test_rounds_behind_the_data_keep_eight_times_the_delay_as_credit() -> None:
@@ -122,7 +187,13 @@ def test_rounds_behind_the_data_keep_eight_times_the_delay_as_credit() -> None:
     mib = 1024**2
     # 48.8 MiB of delay at 1024 ranks, 100 Gbit/s, 2 us: 8 x 48.8 / 8 MiB = 48.8 -> 64 partitions.
     assert default_sizes(1024, 12.5e9, 2e-6, rounds="data")["credit_bytes"] == 512 * mib
-    assert ROUNDS_ON_DATA_RULE == dataclasses.replace(DEFAULT_RULE, credit_scale_bytes=8 * mib)
+    # The rule before the 4 MiB partition ceiling: partitions up to 64 MiB, credit 8 x the delay.
+    assert ROUNDS_ON_DATA_RULE == dataclasses.replace(
+        DEFAULT_RULE,
+        max_partition_bytes=64 * mib,
+        credit_scale_bytes=8 * mib,
+        credit_exponent=1.0,
+    )
     # Under 2.5 MiB of delay both rules sit on the floor of 4 partitions.
     assert default_sizes(4, 5e8, 100e-6, rounds="data") == default_sizes(4, 5e8, 100e-6)
     assert rounds_path("transport", "mpi") == rounds_path("transport", "gloo") == "data"
