@@ -10,12 +10,12 @@ the link only through its delay (bandwidth x the algorithm's message latencies; 
 2(n-1) x latency by default), for the rule with the smallest worst-case slowdown against each
 case's best grid setting. Agreement rounds travel on the control channel (--rounds channel), not
 behind the collectives' bytes on the link, as they do by default across hosts (--rounds data for
-rounds in the transport's own connection). --keep-measured searches only among the rules that give
-the links measured on hardware (MEASURED_LINKS) the sizes the code's rule gives them, so a refit
-needs no new measurement. Prints the rule and its table and writes them as JSON (the rule's
+rounds in the transport's own connection). --keep-pinned searches only among the rules that give
+the pinned links (PINNED_LINKS: the rig's, and 2-8 ranks at 10-100 Gbit/s) the sizes the code's
+rule gives them, so a refit needs no new rig measurement. Prints the rule and its table and writes them as JSON (the rule's
 constants go into commsched/link_defaults.py).
 
-    python benchmarks/choose_defaults.py --keep-measured --json docs/data/default_rule.json
+    python benchmarks/choose_defaults.py --keep-pinned --json docs/data/default_rule.json
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ CREDIT_SCALES = [MIB * 2.0**k for k in range(-2, 7)]
 CREDIT_EXPONENTS = [0.5, 0.75, 1.0]
 MIN_CREDIT_PARTITIONS = [1, 2, 4]
 MAX_CREDIT_PARTITIONS = CREDIT_PARTITIONS[-1]
-# Links whose sizes were measured on real hardware (--keep-measured keeps them): 2-4 ranks at
-# 1 Gbit/s and 10-60 us per message (the shaped rig), 2-8 ranks at 10-100 Gbit/s and 2-20 us.
-MEASURED_LINKS = [
+# Links whose sizes a refit keeps (--keep-pinned): 2-4 ranks at 1 Gbit/s and 10-60 us per message
+# (the shaped rig, where every replay figure was measured) and 2-8 ranks at 10-100 Gbit/s and
+# 2-20 us (one host or a few), so a refit changes only links the simulator alone covers.
+PINNED_LINKS = [
     *itertools.product(range(2, 5), [1e8, 1.25e8], [t * 1e-6 for t in (10, 20, 30, 45, 60)]),
     *itertools.product(range(2, 9), [1.25e9, 3.125e9, 1.25e10], [t * 1e-6 for t in (2, 5, 10, 20)]),
 ]
@@ -210,13 +211,13 @@ def fit(
     algorithm: str = "ring",
     credit_only: bool = False,
     rounds: str = "channel",
-    keep_measured: bool = False,
+    keep_pinned: bool = False,
 ) -> tuple[DefaultRule, tuple[float, float]]:
     """The rule with the smallest worst case (to 0.1%, then geometric mean) over the sweep, searched
     with numpy; `credit_only` searches the credit's scale and exponent and keeps the rest of
     the rule link_defaults.default_sizes takes for these `rounds` (partition, fusion, least credit), so small
-    links keep their defaults. `keep_measured` searches every constant but only among the rules that
-    give MEASURED_LINKS the sizes the code's rule gives them, so the links measured on hardware keep
+    links keep their defaults. `keep_pinned` searches every constant but only among the rules that
+    give PINNED_LINKS the sizes the code's rule gives them, so the pinned links keep
     theirs while the others may change."""
     partition_space = list(
         itertools.product(PARTITION_SCALES, PARTITION_EXPONENTS, MIN_PARTITIONS, MAX_PARTITIONS)
@@ -250,9 +251,9 @@ def fit(
             logs[(c, *index)] = math.log(times[(partition, credit, fusion)] / floor)
     delays = np.array([case_delay_bytes(case[0], algorithm) for case in cases])
     rows = np.arange(len(cases))
-    measured = np.array([case_delay_bytes(link, algorithm) for link in MEASURED_LINKS])
+    measured = np.array([case_delay_bytes(link, algorithm) for link in PINNED_LINKS])
     measured_sizes = _formula_sizes(kept, measured)
-    if keep_measured:
+    if keep_pinned:
         fusions = [kept.fusion_bytes]
     best: tuple[tuple[float, float], tuple[float, float], DefaultRule] | None = None
     for p_scale, p_exp, p_min, p_max in partition_space:
@@ -262,7 +263,7 @@ def fit(
             candidate = DefaultRule(
                 p_scale, p_exp, p_min, p_max, c_scale, c_exp, k_min, MAX_CREDIT_PARTITIONS, kept.fusion_bytes
             )
-            if keep_measured and not np.array_equal(_formula_sizes(candidate, measured), measured_sizes):
+            if keep_pinned and not np.array_equal(_formula_sizes(candidate, measured), measured_sizes):
                 continue
             p_index, k_index = _rule_indices(candidate, delays)
             picked = logs[rows, p_index, k_index, :]  # (cases, fusions)
@@ -358,9 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fit the credit's scale and exponent only, keeping the partition and fusion of config's rule",
     )
     parser.add_argument(
-        "--keep-measured",
+        "--keep-pinned",
         action="store_true",
-        help="fit every constant among the rules that keep the sizes of the links measured on hardware",
+        help="fit every constant among the rules that keep the sizes of the pinned links (PINNED_LINKS)",
     )
     parser.add_argument("--json", type=Path, help="write the rule and its table here")
     args = parser.parse_args(argv)
@@ -381,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.algorithm,
         args.rounds,
     )
-    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only, args.rounds, args.keep_measured)
+    rule, (worst, geomean) = fit(table, args.algorithm, args.credit_only, args.rounds, args.keep_pinned)
     current_worst, current_geomean = score_rule(rule_for(args.rounds), table, args.algorithm)
     print(f"# fitted rule: {rule}")
     print(f"# against each model's best grid setting: worst {worst:.3f}, geomean {geomean:.4f}")

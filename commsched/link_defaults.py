@@ -30,11 +30,11 @@ class DefaultRule:
     fusion_bytes: int
 
 
-# Fitted by `python benchmarks/choose_defaults.py --keep-measured --json docs/data/default_rule.json`
+# Fitted by `python benchmarks/choose_defaults.py --keep-pinned --json docs/data/default_rule.json`
 # with agreement rounds on the control channel, as they run across hosts: every constant searched
-# among the rules that give the links measured on hardware (choose_defaults.MEASURED_LINKS: 2-4 ranks
-# at 1 Gbit/s and 10-60 us, 2-8 ranks at 10-100 Gbit/s and 2-20 us) the sizes they were measured
-# with; within 1.11x (1.014x geometric mean) of each case's best grid setting over 2-1024 ranks,
+# among the rules that keep the sizes of the pinned links (choose_defaults.PINNED_LINKS: 2-4 ranks
+# at 1 Gbit/s and 10-60 us, the shaped rig every replay figure was measured on, and 2-8 ranks at
+# 10-100 Gbit/s and 2-20 us, one host or a few); within 1.11x (1.014x geometric mean) of each case's best grid setting over 2-1024 ranks,
 # 1-100 Gbit/s, 2-50 us, where the rule before (partitions to 64 MiB, credit 1 MiB x delay/MiB)
 # came within 1.24x (1.020x). Past ~4 MiB of delay the credit spans more partitions, not larger
 # ones, so one finishes and frees credit for an urgent tensor sooner (1024 ranks, 100 Gbit/s, 5 us,

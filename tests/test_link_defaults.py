@@ -157,22 +157,22 @@ def test_credit_grows_as_the_delay_to_the_three_quarters_over_partitions_of_at_m
         (8, 1.25e10, 20e-6, "nccl", 8192, 32768),
     ],
 )
-def test_links_measured_on_hardware_keep_their_sizes(
+def test_pinned_links_keep_their_sizes(
     ranks: int, rate: float, latency: float, algorithm: str, partition_kib: int, credit_kib: int
 ) -> None:
-    """Links measured on the rig and on 10-100 Gbit/s hosts keep the sizes they were measured with
-    (the rule before the 4 MiB ceiling and the 0.75 power gave them the same)."""
+    """The pinned links, the rig's (where the replays were measured) and 2-8 ranks at 10-100 Gbit/s,
+    keep the sizes the rule before the 4 MiB ceiling and the 0.75 power gave them."""
     sizes = default_sizes(ranks, rate, latency, algorithm=algorithm)
     assert (sizes["partition_bytes"], sizes["credit_bytes"]) == (partition_kib * 1024, credit_kib * 1024)
 
 
 def test_the_fit_scores_the_sizes_default_sizes_gives() -> None:
     """benchmarks/choose_defaults.py's vector copy of the rule (what the fit scores, and what
-    --keep-measured compares) gives the ring's links the sizes default_sizes gives, both rules."""
+    --keep-pinned compares) gives the ring's links the sizes default_sizes gives, both rules."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import choose_defaults
 
-    links = list(itertools.product(RANKS, RATES, LATENCIES)) + choose_defaults.MEASURED_LINKS
+    links = list(itertools.product(RANKS, RATES, LATENCIES)) + choose_defaults.PINNED_LINKS
     delays = np.array([link_delay_bytes(*link) for link in links])
     for rounds, rule in (("channel", DEFAULT_RULE), ("data", ROUNDS_ON_DATA_RULE)):
         partitions, credits = choose_defaults._formula_sizes(rule, delays)
