@@ -41,7 +41,7 @@ struct RuntimeStats {
   uint64_t inline_tensors = 0;  // completed from the agreement reports, without a collective
   uint64_t cached_names = 0;  // tensor names the agreement remembers (bounded, see Agreement)
   uint64_t control_channel_rounds = 0;  // rounds exchanged over the TCP control channel, not the transport
-  uint64_t spun_rounds = 0;  // channel rounds that spun before sleeping (ControlPath::spins_on_critical_rounds)
+  uint64_t spun_rounds = 0;  // channel rounds allowed to spin before sleeping (ControlPath::spins_on_critical_rounds)
 };
 
 // The counters behind RuntimeStats: bumped by the driver and read from any thread, as relaxed
