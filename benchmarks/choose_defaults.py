@@ -12,8 +12,8 @@ case's best grid setting. Agreement rounds travel on the control channel (--roun
 behind the collectives' bytes on the link, as they do by default across hosts (--rounds data for
 rounds in the transport's own connection). --keep-pinned searches only among the rules that give
 the pinned links (PINNED_LINKS: the rig's, and 2-8 ranks at 10-100 Gbit/s) the sizes the code's
-rule gives them, so a refit needs no new rig measurement. Prints the rule and its table and writes them as JSON (the rule's
-constants go into commsched/link_defaults.py).
+rule gives them, so a refit needs no new rig measurement. Prints the rule and its table and
+writes them as JSON (the rule's constants go into commsched/link_defaults.py).
 
     python benchmarks/choose_defaults.py --keep-pinned --json docs/data/default_rule.json
 """
@@ -251,8 +251,8 @@ def fit(
             logs[(c, *index)] = math.log(times[(partition, credit, fusion)] / floor)
     delays = np.array([case_delay_bytes(case[0], algorithm) for case in cases])
     rows = np.arange(len(cases))
-    measured = np.array([case_delay_bytes(link, algorithm) for link in PINNED_LINKS])
-    measured_sizes = _formula_sizes(kept, measured)
+    pinned = np.array([case_delay_bytes(link, algorithm) for link in PINNED_LINKS])
+    pinned_sizes = _formula_sizes(kept, pinned)
     if keep_pinned:
         fusions = [kept.fusion_bytes]
     best: tuple[tuple[float, float], tuple[float, float], DefaultRule] | None = None
@@ -263,7 +263,7 @@ def fit(
             candidate = DefaultRule(
                 p_scale, p_exp, p_min, p_max, c_scale, c_exp, k_min, MAX_CREDIT_PARTITIONS, kept.fusion_bytes
             )
-            if keep_pinned and not np.array_equal(_formula_sizes(candidate, measured), measured_sizes):
+            if keep_pinned and not np.array_equal(_formula_sizes(candidate, pinned), pinned_sizes):
                 continue
             p_index, k_index = _rule_indices(candidate, delays)
             picked = logs[rows, p_index, k_index, :]  # (cases, fusions)
