@@ -137,13 +137,30 @@ def _rows_and_shape(array: Any, name: str) -> tuple[Any, int, tuple[int, ...]]:
     return array, shape[0], shape[1:]
 
 
+def _finite_factor(value: Any, what: str, name: str) -> float:
+    """A scale factor as a finite float; refuses what is no number, NaN and infinity by name."""
+    try:
+        factor = _api._factor(value, what, name)
+    except OverflowError:  # an int beyond float's range
+        factor = math.inf
+    if not math.isfinite(factor):
+        # NaN never equals itself, so the ranks' agreement would blame a mismatch; infinity turns
+        # every element into inf or NaN. Either is a mistake of the caller's, refused here.
+        raise ValueError(
+            f"{what} of '{name}' is {factor}; a scale factor must be a finite number: pass a finite "
+            f"{what} (1.0 scales nothing)"
+        )
+    return factor
+
+
 def _scales(name: str, prescale_factor: Any, postscale_factor: Any) -> dict[str, float]:
+    """The core's scale arguments, checked; a refusal also ends the other ranks' collectives of `name`."""
     try:
         return {
-            "prescale": _api._factor(prescale_factor, "prescale_factor", name),
-            "postscale": _api._factor(postscale_factor, "postscale_factor", name),
+            "prescale": _finite_factor(prescale_factor, "prescale_factor", name),
+            "postscale": _finite_factor(postscale_factor, "postscale_factor", name),
         }
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         _api._refuse(name, error)
         raise
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import commsched as _api
 from commsched import _core
+from commsched import collectives as _collectives
 from commsched import process_sets as _process_sets
 
 
@@ -32,14 +33,7 @@ def allreduce_async(
     if prescale_factor == 1.0 and postscale_factor == 1.0:
         return _api._submit(array, name, "allreduce", op, 0, priority)
     name, root, priority = _api._checked(name, "allreduce", op, 0, priority)
-    try:
-        scales = {
-            "prescale": _api._factor(prescale_factor, "prescale_factor", name),
-            "postscale": _api._factor(postscale_factor, "postscale_factor", name),
-        }
-    except TypeError as error:
-        _api._refuse(name, error)
-        raise
+    scales = _collectives._scales(name, prescale_factor, postscale_factor)
     return _api._enqueue(array, name, "allreduce", _api._op_name(op), root, priority, **scales)
 
 

@@ -69,6 +69,56 @@ def test_refusal_on_one_rank_fails_every_rank_at_once(ranks: int) -> None:
     _ranks("refused_on_one_rank", ranks)
 
 
+def test_non_finite_scale_factors_are_refused_on_every_rank() -> None:
+    """NaN on every rank: refused at submit by name (NaN != NaN read as a mismatch); inf on one rank."""
+    _ranks("non_finite_scale", 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [float("nan"), float("inf"), -float("inf"), np.float64("nan"), 10**400],
+    ids=["nan", "inf", "-inf", "numpy-nan", "huge-int"],
+)
+def test_non_finite_scale_factors_are_refused_at_submit(runtime: None, bad: object) -> None:
+    """Every road that takes scale factors refuses NaN and infinity naming the argument and the fix."""
+    message = "{} of '{}' is .*; a scale factor must be a finite number: pass a finite {}"
+    for argument in ("prescale_factor", "postscale_factor"):
+        fix = message.format(argument, "x", argument)
+        with pytest.raises(ValueError, match=fix):
+            commsched.allreduce(np.ones(2), "x", **{argument: bad})
+        with pytest.raises(ValueError, match=fix):
+            commsched.allreduce_async(np.ones(2), "x", **{argument: bad})
+        with pytest.raises(ValueError, match=message.format(argument, "g", argument)):
+            commsched.grouped_allreduce([np.ones(2), np.ones(3)], "g", **{argument: bad})
+        with pytest.raises(ValueError, match=message.format(argument, "r", argument)):
+            commsched.reducescatter(np.ones(2), name="r", **{argument: bad})
+    values = np.arange(4.0)
+    assert np.array_equal(
+        commsched.allreduce(values, "ok", prescale_factor=0.5, postscale_factor=3.0), np.arange(4.0) * 1.5
+    )
+
+
+def test_non_finite_scale_factors_are_refused_on_the_torch_road(runtime: None) -> None:
+    """commsched.torch's allreduce and the optimizer's gradient_predivide_factor refuse NaN by name."""
+    torch = pytest.importorskip("torch")
+    import commsched.torch as ct
+
+    with pytest.raises(ValueError, match="prescale_factor of 'allreduce.t' is nan"):
+        ct.allreduce(torch.ones(2), name="t", op=ct.Sum, prescale_factor=float("nan"))
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(
+        ValueError, match="gradient_predivide_factor must be a finite number above 0, not nan"
+    ):
+        ct.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            gradient_predivide_factor=float("nan"),
+        )
+    assert torch.equal(
+        ct.allreduce(torch.ones(2), name="u", op=ct.Sum, prescale_factor=2.0), torch.full((2,), 2.0)
+    )
+
+
 # 3. Tensor names are limited
 
 

@@ -97,6 +97,16 @@ def test_other_wrong_uses() -> None:
         cst.DistributedGradientTape(object())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 10**400], ids=["nan", "inf", "huge-int"])
+def test_non_finite_scale_factors_never_reach_the_core(bad: object) -> None:
+    """The ops skip commsched's Python checks, so scale factors are checked here (NaN reads as a mismatch)."""
+    from commsched.tensorflow import _ops
+
+    with pytest.raises(ValueError, match="postscale_factor is .*; a scale factor must be a finite number"):
+        _ops._scale(bad, "postscale_factor")
+    assert _ops._scale(3, "prescale_factor") == 3.0
+
+
 def test_one_rank_matches_the_plain_optimizer(started: None) -> None:
     """On one rank, fit() with the wrapped optimizer and the wrapped tape equal plain Keras."""
     x, y = common.dense_data(2)

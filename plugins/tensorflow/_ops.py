@@ -8,6 +8,7 @@ core knows) fail the op on every rank alike.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +65,14 @@ def _check_reduced(tensor: tf.Tensor, what: str, name: str) -> None:
 def _scale(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number, not {value!r}")
-    return float(value)
+    try:
+        factor = float(value)
+    except OverflowError:  # an int beyond float's range
+        factor = math.inf
+    if not math.isfinite(factor):
+        # The ops reach the core without commsched's Python checks; NaN would read as a mismatch.
+        raise ValueError(f"{what} is {factor}; a scale factor must be a finite number: pass a finite {what}")
+    return factor
 
 
 def allreduce(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +42,10 @@ def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process
         raise ValueError(f"DistributedOptimizer takes op=hvd.Average or op=hvd.Sum, not {op!r}")
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
         raise TypeError(f"gradient_predivide_factor must be a number, not {gradient_predivide_factor!r}")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be above 0, not {gradient_predivide_factor}")
+    if not 0 < gradient_predivide_factor < math.inf:  # NaN fails too: it would become a NaN prescale factor
+        raise ValueError(
+            f"gradient_predivide_factor must be a finite number above 0, not {gradient_predivide_factor}"
+        )
     result = Reduction(op, wire_dtype(compression), process_set=process_set)
     result.core = _horovod.core_arguments(process_set)
     if gradient_predivide_factor != 1.0:

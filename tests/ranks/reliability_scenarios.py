@@ -132,6 +132,45 @@ def refused_on_one_rank() -> None:
     commsched.shutdown()
 
 
+def non_finite_scale() -> None:
+    """NaN the same on every rank is refused at submit naming the argument, not blamed on a mismatch;
+    infinity on one rank fails every rank at once; finite factors still scale as numpy does."""
+    commsched.init(stall_timeout=60, stall_shutdown=120)
+    rank, size = commsched.rank(), commsched.size()
+    started = time.monotonic()
+    for argument in ("prescale_factor", "postscale_factor"):
+        name = f"nan.{argument}"
+        try:
+            commsched.allreduce(np.ones(3), name, timeout=30, **{argument: float("nan")})
+        except ValueError as error:
+            text = str(error)
+            assert f"{argument} of '{name}' is nan" in text and "finite" in text, text
+            assert "does not match" not in text, text
+        else:
+            raise AssertionError(f"{argument}=nan was accepted")
+    # Infinity on rank 0 only; the others submit a valid factor under the same name.
+    if rank == 0:
+        try:
+            commsched.allreduce_async(np.ones(3), "inf", postscale_factor=float("inf"))
+        except ValueError as error:
+            assert "postscale_factor of 'inf' is inf" in str(error), error
+        else:
+            raise AssertionError("postscale_factor=inf was accepted")
+    else:
+        time.sleep(0.3)
+        _expect_refused_elsewhere(
+            commsched.allreduce_async(np.ones(3), "inf", postscale_factor=2.0),
+            0,
+            "postscale_factor of 'inf' is inf",
+        )
+    assert time.monotonic() - started < 30, "refusals took as long as a stall"
+    data = np.arange(5.0) + rank
+    result = commsched.allreduce(data, "scaled", timeout=60, prescale_factor=0.5, postscale_factor=3.0)
+    expected = 3.0 * np.sum([0.5 * (np.arange(5.0) + r) for r in range(size)], axis=0)
+    assert np.array_equal(result, expected), (result, expected)
+    commsched.shutdown()
+
+
 def zero_dim() -> None:
     """0-d arrays and tensors are reduced in place; immutable scalars are refused on every rank."""
     import torch
