@@ -115,6 +115,9 @@ class Settings:
     partition_bytes: int = 4 * 1024**2
     credit_bytes: int | None = None  # None: one partition per rank, see credit_for()
     fusion_bytes: int = 1024**2
+    # The torch plug-in's gradient buckets; None: one partition each across ranks (the gradients of
+    # one bucket go as one collective), one bucket per dtype at one rank or without partitioning.
+    bucket_bytes: int | None = None
     inline_bytes: int = 4096  # tensors up to this size ride in the agreement round (host memory)
     transport: str = "auto"
     device: str = (
@@ -215,6 +218,11 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         + " (unset: fitted to the link, see default_sizes; one partition per rank, 2 to 16, without one)",
     ),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
+    "bucket_bytes": (
+        "COMMSCHED_BUCKET_BYTES",
+        parse_size,
+        _SIZE_FORM + " (unset: one partition; 0 sends each gradient as a collective of its own)",
+    ),
     "inline_bytes": (
         "COMMSCHED_INLINE_BYTES",
         parse_size,

@@ -100,6 +100,30 @@ def _trainable(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _check_reduced(
+    submitted: list[tuple[str, str, str, int]], wrapped: Any, model: torch.nn.Module
+) -> set[str]:
+    """The first step sends each gradient alone, the later ones in buckets covering every trainable
+    parameter; returns the wire dtypes of the gradients."""
+    buckets = wrapped._reducer.buckets()
+    alone, bucketed, dtypes = set(), set(), set()
+    for kind, name, dtype, _ in submitted:
+        if kind != "allreduce":
+            continue
+        short = name.split(".", 2)[2]
+        if name in buckets:
+            bucketed.update(buckets[name])
+        elif short.startswith("bucket"):
+            raise AssertionError(f"{name} is no bucket of the optimizer's layout {sorted(buckets)}")
+        else:
+            alone.add(short)
+        if short not in ("used", "layout0"):
+            dtypes.add(dtype)
+    assert alone == _trainable(model) | {"used", "layout0"}, alone
+    assert bucketed == _trainable(model), bucketed
+    return dtypes
+
+
 def test_cpu_gradients_go_through_commsched(submitted: list[tuple[str, str, str, int]]) -> None:
     """CPU gradients: every trainable parameter and the used counts are submitted to commsched."""
     commsched.init(transport="loopback")
@@ -111,8 +135,7 @@ def test_cpu_gradients_go_through_commsched(submitted: list[tuple[str, str, str,
     _train(plain_model, plain, 3)
     _train(model, wrapped, 3)
     assert max_difference(model, plain_model) < 1e-6
-    names = {name.split(".", 2)[2] for kind, name, _, _ in submitted if kind == "allreduce"}
-    assert names == _trainable(model) | {"used"}, names
+    assert _check_reduced(submitted, wrapped, model) == {"torch.float32"}
 
 
 @pytest.mark.parametrize(
@@ -152,10 +175,8 @@ def test_cuda_gradients_go_through_commsched_nccl(
     _train(model, wrapped, 3, passes)
     wrapped.synchronize()
     assert max_difference(model, plain_model) < (1e-6 if compression is None else 2e-2)
-    grads = [(name.split(".", 2)[2], dtype) for kind, name, dtype, _ in submitted if kind == "allreduce"]
     wire = {None: "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}[compression]
-    assert {name for name, _ in grads} == _trainable(model) | {"used"}
-    assert {dtype for name, dtype in grads if name != "used"} == {wire}
+    assert _check_reduced(submitted, wrapped, model) == {wire}
     # Every submitted byte went through NCCL (several small gradients may share one fused launch).
     assert any(c.startswith("allreduce") for c in calls(torch_as_device_memory))
     assert commsched.stats()["launched_bytes"] >= sum(nbytes for kind, _, _, nbytes in submitted)

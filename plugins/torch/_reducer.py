@@ -4,6 +4,12 @@ Every rank must submit the same names, so an iteration is *closed* deterministic
 step() or synchronize()): trainable parameters that got no gradient on this rank are
 submitted as zeros, and a small "used" count per parameter is summed across ranks, so a
 parameter that no rank used keeps its gradient untouched (DDP's find_unused_parameters).
+
+The first iteration sends each gradient as a collective of its own; it also measures the
+order the forward pass needs the parameters in. From then on gradients live in priority
+buckets (see _buckets): a post-accumulate-grad hook only counts the bucket's members down,
+and the last member's hook submits the whole bucket, so the host spends no more per gradient
+than one hook call.
 """
 
 from __future__ import annotations
@@ -12,14 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from commsched.torch import _guard, _wire
+from commsched.torch import _buckets, _guard, _wire
 
+import commsched
 import torch
 
 
 @dataclass(eq=False)
 class _Record:
-    """One parameter's reduction in flight for one iteration."""
+    """One parameter's reduction in flight for one iteration (the per-parameter path)."""
 
     out: _wire.Outgoing
     used: bool  # this rank produced a gradient; otherwise `out.target` is a zeros scratch
@@ -39,6 +46,26 @@ class Slot:
     priority: int
     passes: int = 0
     record: _Record | None = None
+    # The bucket path: this slot's bucket in the current layout, its gradient's home there, and the
+    # guard that stands in .grad while the bucket is in flight (same memory, made once).
+    bucket: _buckets.Bucket | None = None
+    view: torch.Tensor | None = None
+    guard: _guard.InFlightGrad | None = None
+    used: bool = False  # reported a gradient this iteration
+    # The bucket carrying this slot's gradient now (maybe of an older layout), and what it carries.
+    flight: _buckets.Bucket | None = None
+    flight_used: bool = False
+    flight_sparse: bool = False
+
+    def bind(self, bucket: _buckets.Bucket, view: torch.Tensor) -> None:
+        """Makes `view` (in `bucket`) this parameter's gradient storage from the next iteration on."""
+        self.bucket = bucket
+        self.view = view
+        self.guard = _guard.guard(view, self.label, None)
+
+    def in_flight(self) -> bool:
+        """True while a reduction of this parameter's gradient is pending."""
+        return self.record is not None or self.flight is not None
 
 
 @dataclass(eq=False)
@@ -67,6 +94,17 @@ class ReducerOptions:
     sparse_as_dense: bool = False  # sparse gradients come back dense (else sparse again)
 
 
+def bucket_limit(ranks: int) -> int | None:
+    """The most bytes a bucket holds (0: no limit), or None when buckets are off (COMMSCHED_BUCKET_BYTES=0)."""
+    settings = commsched.config()
+    given = settings.get("bucket_bytes")
+    if given is not None:
+        return int(given) if given > 0 else None
+    partition = int(settings.get("partition_bytes") or 0)
+    # One rank has no link to cut buckets for: one bucket per dtype is one launch.
+    return partition if ranks > 1 and partition > 0 else 0
+
+
 class Reducer:
     """Submits gradients from post-accumulate-grad hooks and settles them in barrier or overlap mode."""
 
@@ -83,10 +121,14 @@ class Reducer:
         self._overlap_error = overlap_error
         self._by_id = {id(s.param): s for s in slots}
         self._order = sorted(slots, key=lambda s: (s.priority, s.index))
+        self._passes = options.backward_passes_per_step
         self._iteration = 0
         self._closed = False  # the current iteration's submissions are complete
         self._masks: dict[int, _Mask] = {}
         self._hooks: dict[int, Any] = {}
+        self._buckets: list[_buckets.Bucket] = []
+        self._layout_trainable: tuple[bool, ...] | None = None  # what the buckets were built for
+        self._layouts = 0
         self._hook_trainable()
 
     def _hook_trainable(self) -> None:
@@ -102,22 +144,51 @@ class Reducer:
         for slot in self.slots:
             slot.priority = position.get(id(slot.param), len(order) + slot.index)
         self._order = sorted(self.slots, key=lambda s: (s.priority, s.index))
+        self._layout_trainable = None  # the next close lays the buckets out in this order
 
     # -- submission -------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         slot = self._by_id[id(param)]
         self._closed = False
         slot.passes += 1
-        if slot.passes >= self.options.backward_passes_per_step:
+        if slot.passes < self._passes:
+            return
+        bucket = slot.bucket
+        if bucket is None:
             self._submit(slot, used=True)
+            return
+        if slot.flight is not None:
+            raise self._again(slot)
+        if slot.passes == self._passes:  # later passes accumulate into the same, unsent bucket
+            slot.used = True
+            bucket.waiting -= 1
+            if bucket.waiting == 0:
+                self._submit_bucket(bucket)
+
+    def _again(self, slot: Slot) -> RuntimeError:
+        return RuntimeError(
+            f"commsched.torch: gradient of '{slot.label}' became ready again while its previous "
+            f"reduction is in flight; call optimizer.step() after every "
+            f"{self.options.backward_passes_per_step} backward pass(es), or set backward_passes_per_step"
+        )
+
+    def _start(self, tensor: torch.Tensor, name: str, priority: int) -> _wire.Outgoing:
+        options = self.options
+        return _wire.start_allreduce(
+            tensor,
+            name,
+            priority,
+            options.op,
+            options.wire_dtype,
+            prescale_factor=options.prescale,
+            postscale_factor=options.postscale,
+            ranks=options.ranks,
+            **options.core,
+        )
 
     def _submit(self, slot: Slot, used: bool) -> None:
         if slot.record is not None:
-            raise RuntimeError(
-                f"commsched.torch: gradient of '{slot.label}' became ready again while its previous "
-                f"reduction is in flight; call optimizer.step() after every "
-                f"{self.options.backward_passes_per_step} backward pass(es), or set backward_passes_per_step"
-            )
+            raise self._again(slot)
         param = slot.param
         sparse = False
         if used:
@@ -130,54 +201,139 @@ class Reducer:
                 grad, sparse = grad.to_dense(), True
         else:
             grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        options = self.options
-        out = _wire.start_allreduce(
-            grad,
-            options.prefix + slot.label,
-            slot.priority,
-            options.op,
-            options.wire_dtype,
-            prescale_factor=options.prescale,
-            postscale_factor=options.postscale,
-            ranks=options.ranks,
-            **options.core,
-        )
+        out = self._start(grad, self.options.prefix + slot.label, slot.priority)
         record = _Record(out, used, self._iteration, sparse=sparse)
         if used and not sparse:
             record.guard = _guard.guard(grad, slot.label, self._on_touch)
             param.grad = record.guard
         slot.record = record
 
+    def _submit_bucket(self, bucket: _buckets.Bucket) -> None:
+        """Sends a bucket: gradients that live elsewhere (after zero_grad(set_to_none)) are copied in first."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
+        for slot in bucket.slots:
+            param = slot.param
+            grad = param.grad
+            slot.flight = bucket
+            slot.flight_used = slot.used
+            slot.flight_sparse = False
+            if slot.used:
+                if grad is slot.guard or grad is slot.view:
+                    pass
+                elif grad is None:  # set to None after backward: it counts as zeros
+                    zeros.append(slot.view)
+                elif grad.is_sparse:
+                    targets.append(slot.view)
+                    sources.append(grad.to_dense())
+                    slot.flight_sparse = True  # the sparse .grad stays readable meanwhile
+                else:
+                    targets.append(slot.view)
+                    sources.append(
+                        grad.as_subclass(torch.Tensor) if isinstance(grad, _guard.InFlightGrad) else grad
+                    )
+                if not slot.flight_sparse:
+                    slot.guard._cs_settle = self._on_touch  # type: ignore[union-attr]
+                    param.grad = slot.guard
+            else:
+                # Not used here: whatever .grad holds stays untouched unless another rank used it.
+                if grad is not None and (grad is slot.view or grad is slot.guard):
+                    param.grad = slot.view.clone()
+                zeros.append(slot.view)
+            slot.used = False
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        bucket.iteration = self._iteration
+        bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+
     def close(self) -> None:
         """Ends the iteration: zeros for trainable parameters with no gradient here, then the used counts."""
         if self._closed:
             return
         self.settle_previous()
-        counts = torch.zeros(len(self.slots), dtype=torch.int32)
+        counts = [0] * len(self.slots)
         for slot in self._order:
-            if slot.record is None and slot.param.requires_grad:
-                unhooked = slot.index not in self._hooks  # unfrozen since: its gradient is unseen
-                used = (slot.passes > 0 or unhooked) and slot.param.grad is not None
-                self._submit(slot, used=used)
-            if slot.record is not None and slot.record.used:
-                counts[slot.index] = 1
+            if slot.bucket is None:
+                if slot.record is None and slot.param.requires_grad:
+                    unhooked = slot.index not in self._hooks  # unfrozen since: its gradient is unseen
+                    used = (slot.passes > 0 or unhooked) and slot.param.grad is not None
+                    self._submit(slot, used=used)
+                if slot.record is not None and slot.record.used:
+                    counts[slot.index] = 1
+            elif slot.passes > 0 and slot.bucket.out is None:
+                slot.used = True  # fewer passes than backward_passes_per_step still count
             slot.passes = 0
+        for bucket in self._buckets:
+            if bucket.out is None:
+                for slot in bucket.slots:
+                    if slot.used:
+                        counts[slot.index] = 1
+                self._submit_bucket(bucket)
+            elif bucket.iteration == self._iteration:
+                for slot in bucket.slots:
+                    counts[slot.index] = 1  # a bucket sent from the hooks had every member
         self._hook_trainable()
         # The previous iteration's counts are long done by now; their name is about to be reused.
         self.finish_masks()
         name = f"{self.options.prefix}used"
-        counts = counts.to(self.options.device)
-        self._masks[self._iteration] = _Mask(
-            counts, _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
-        )
+        tensor = torch.tensor(counts, dtype=torch.int32).to(self.options.device)
+        self._masks[self._iteration] = _Mask(tensor, self._start_counts(tensor, name))
         self._iteration += 1
         self._closed = True
+        self._relayout()
+
+    def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
+        return _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
+
+    # -- buckets ----------------------------------------------------------------------------
+    def _relayout(self) -> None:
+        """Lays the buckets out anew when the priorities or the trainable parameters changed.
+
+        The gradients of the iteration just closed stay in the old buckets until settled; the
+        next iteration's go to the new ones. Every rank takes the same layout: priorities are the
+        smallest any rank measured, so ranks whose first forward skipped a layer still agree.
+        """
+        trainable = tuple(slot.param.requires_grad for slot in self.slots)
+        if trainable == self._layout_trainable:
+            return
+        limit = bucket_limit(self.options.ranks or commsched.size())
+        self._layout_trainable = trainable
+        if limit is None:
+            return
+        unranked = 2**62
+        local = [slot.priority if slot.param.requires_grad else unranked for slot in self.slots]
+        # The size limit rides along: ranks may have fitted their partitions to the link apart.
+        local.append(limit if limit > 0 else unranked)
+        agreed = torch.tensor(local, dtype=torch.int64).to(self.options.device)
+        name = f"{self.options.prefix}layout{self._layouts}"
+        priorities = self._start_priorities(agreed, name).finish(self.options.timeout).cpu().tolist()
+        limit = priorities.pop()
+        limit = 0 if limit == unranked else limit
+        members = [slot for slot in self.slots if priorities[slot.index] != unranked]
+        members.sort(key=lambda s: (priorities[s.index], s.index))
+        for slot in self.slots:
+            slot.bucket = None
+        plans = _buckets.plan(members, limit, priorities)
+        prefix = f"{self.options.prefix}bucket{self._layouts}."
+        self._buckets = [
+            _buckets.build(chosen, f"{prefix}{k}", priorities[chosen[0].index])
+            for k, chosen in enumerate(plans)
+        ]
+        self._layouts += 1
+
+    def _start_priorities(self, priorities: torch.Tensor, name: str) -> _wire.Outgoing:
+        return _wire.start_allreduce(priorities, name, -2, "min", **self.options.core)
+
+    def buckets(self) -> dict[str, list[str]]:
+        """Each bucket's wire name and its parameters' labels, in priority order (empty before the first)."""
+        return {bucket.name: [slot.label for slot in bucket.slots] for bucket in self._buckets}
 
     # -- settling ---------------------------------------------------------------------------
-    def _used_anywhere(self, record: _Record, slot: Slot) -> bool:
-        if record.used:
-            return True
-        mask = self._masks[record.iteration]
+    def _used_anywhere(self, iteration: int, slot: Slot) -> bool:
+        mask = self._masks[iteration]
         if not mask.done:
             mask.out.finish(self.options.timeout)
             mask.counts = mask.counts.cpu()  # one copy, not one device read per parameter
@@ -185,7 +341,7 @@ class Reducer:
         return bool(mask.counts[slot.index] > 0)
 
     def _finish(self, slot: Slot) -> tuple[torch.Tensor | None, bool]:
-        """Waits for a slot's reduction; returns (gradient to use, whether to replace .grad)."""
+        """Waits for a slot's per-parameter reduction; returns (gradient to use, whether to replace .grad)."""
         record = slot.record
         assert record is not None
         reduced = record.out.finish(self.options.timeout)
@@ -194,21 +350,48 @@ class Reducer:
             _guard.release(record.guard)
         if record.sparse and not self.options.sparse_as_dense:
             reduced = reduced.to_sparse()
-        if self._used_anywhere(record, slot):
+        if record.used or self._used_anywhere(record.iteration, slot):
             return reduced, True
         return None, False
 
+    def _finish_bucket(self, bucket: _buckets.Bucket) -> None:
+        """Waits for a bucket's reduction; its members' flight state stays for _member_result."""
+        out = bucket.out
+        assert out is not None
+        out.finish(self.options.timeout)
+        bucket.out = None
+        bucket.reset()
+
+    def _member_result(self, slot: Slot, iteration: int) -> tuple[torch.Tensor | None, bool]:
+        """(gradient to use, whether to replace .grad) for a member of a bucket that just finished."""
+        slot.flight = None
+        if slot.guard is not None:
+            slot.guard._cs_settle = None  # type: ignore[assignment]
+        if not slot.flight_used and not self._used_anywhere(iteration, slot):
+            return None, False
+        view = slot.view
+        assert view is not None
+        if slot.flight_sparse and not self.options.sparse_as_dense:
+            return view.to_sparse(), True
+        return view, True
+
     def settle(self, params: list[torch.Tensor]) -> None:
         """Overlap mode: finishes these parameters' closed reductions and applies their updates."""
-        ready = []
+        ready: list[Slot] = []
+        buckets: list[_buckets.Bucket] = []
         for param in params:
             slot = self._by_id.get(id(param))
-            if slot is not None and slot.record is not None and slot.record.iteration < self._iteration:
+            if slot is None:
+                continue
+            if slot.record is not None and slot.record.iteration < self._iteration:
                 ready.append(slot)
-        if ready:
-            self._settle_overlap(ready)
+            bucket = slot.flight
+            if bucket is not None and bucket.iteration < self._iteration and bucket not in buckets:
+                buckets.append(bucket)
+        if ready or buckets:
+            self._settle_overlap(ready, buckets)
 
-    def _settle_overlap(self, slots: list[Slot]) -> None:
+    def _settle_overlap(self, slots: list[Slot], buckets: list[_buckets.Bucket]) -> None:
         after: list[tuple[Slot, Any]] = []
         for slot in slots:
             record = slot.record
@@ -221,21 +404,49 @@ class Reducer:
             if replace:
                 slot.param.grad = grad
             after.append((slot, keep))
+        for bucket in buckets:
+            self._finish_bucket(bucket)
+            for slot in bucket.slots:
+                current = slot.param.grad
+                sparse = slot.flight_sparse
+                in_flight = slot.flight_used and not sparse and current is slot.guard
+                grad, replace = self._member_result(slot, bucket.iteration)
+                keep = grad if in_flight or (sparse and current is not None) else current
+                if replace:
+                    slot.param.grad = grad
+                after.append((slot, keep))
         try:
             self._apply([slot for slot, _ in after])
         finally:
             for slot, keep in after:
                 slot.param.grad = keep
 
+    def _pending_buckets(self) -> list[_buckets.Bucket]:
+        found: list[_buckets.Bucket] = []
+        for slot in self._order:
+            bucket = slot.flight
+            if bucket is not None and bucket.iteration < self._iteration and bucket not in found:
+                found.append(bucket)
+        return found
+
     def settle_previous(self) -> None:
         """Finishes every reduction of already closed iterations (their updates too, in overlap mode)."""
         pending = [s for s in self._order if s.record is not None and s.record.iteration < self._iteration]
+        buckets = self._pending_buckets()
         if self.options.overlap:
-            if pending:
-                self._settle_overlap(pending)
-        else:
-            for slot in pending:
-                self._settle_barrier(slot)
+            if pending or buckets:
+                self._settle_overlap(pending, buckets)
+            return
+        for slot in pending:
+            grad, replace = self._finish(slot)
+            if replace:
+                slot.param.grad = grad
+        for bucket in buckets:
+            self._finish_bucket(bucket)
+            for slot in bucket.slots:
+                grad, replace = self._member_result(slot, bucket.iteration)
+                if replace:
+                    slot.param.grad = grad
         # Counts are waited for only where a gradient was missing here (_used_anywhere): when every
         # parameter had one, step() does not wait for the counts' round trip.
 
@@ -246,11 +457,6 @@ class Reducer:
                 mask.out.finish(self.options.timeout)
         self._masks.clear()
 
-    def _settle_barrier(self, slot: Slot) -> None:
-        grad, replace = self._finish(slot)
-        if replace:
-            slot.param.grad = grad
-
     def synchronize(self, counts_too: bool = True) -> None:
         """Closes the iteration if still open and finishes every reduction (and the used counts)."""
         self.close()
@@ -260,7 +466,18 @@ class Reducer:
 
     def pending(self) -> bool:
         """True while any gradient reduction is in flight (used counts excepted: nothing reads them)."""
-        return any(s.record is not None for s in self.slots)
+        return any(s.in_flight() for s in self.slots)
+
+    def pending_params(self) -> list[torch.Tensor]:
+        """Parameters whose reduction (and, in overlap mode, update) of a closed iteration is pending."""
+        closed = self._iteration
+        found = []
+        for slot in self.slots:
+            if (slot.record is not None and slot.record.iteration < closed) or (
+                slot.flight is not None and slot.flight.iteration < closed
+            ):
+                found.append(slot.param)
+        return found
 
     def _on_touch(self, guard: _guard.InFlightGrad) -> None:
         if self.options.overlap:
@@ -274,6 +491,8 @@ class Reducer:
             if record is not None and record.guard is not None and slot.param.grad is record.guard:
                 grad = record.out.target
                 slot.param.grad = None if set_to_none else torch.zeros_like(grad)
+            elif slot.flight is not None and slot.param.grad is slot.guard:
+                slot.param.grad = None if set_to_none else torch.zeros_like(slot.param)
 
     def remove(self) -> None:
         """Detaches the gradient hooks."""

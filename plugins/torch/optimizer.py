@@ -223,6 +223,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._waits is not None:
             self._waits.set_reached(order, self._unowned())
 
+    def buckets(self) -> list[list[str]]:
+        """The parameters of each gradient bucket, by name, in the order they are sent (empty in the first step)."""
+        return list(self._reducer.buckets().values())
+
     def priorities(self) -> dict[str, int]:
         """Each parameter's priority (smaller is sent sooner), by name."""
         return {s.label: s.priority for s in self._reducer.slots}
@@ -349,8 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def pending_updates(self) -> list[torch.Tensor]:
         """Overlap mode: parameters whose update from an already closed iteration is not applied yet."""
-        closed = self._reducer._iteration
-        return [s.param for s in self._reducer.slots if s.record is not None and s.record.iteration < closed]
+        return self._reducer.pending_params()
 
     def apply_pending_updates(self) -> None:
         """Overlap mode: applies now the updates of closed iterations that wait for the next forward."""

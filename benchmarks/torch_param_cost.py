@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Host cost per parameter of a training step: commsched against PyTorch DDP, in one run.
+
+The model is a stack of small `Linear(32, 32)` layers (200 parameters by default) whose compute
+is negligible, so what a step costs over a plain optimizer is what the wrapper spends per
+gradient: hooks, submissions, waits, buckets. Each variant trains in its own processes (every
+rank one process, torchrun-style variables, Gloo underneath DDP and commsched alike):
+
+    python benchmarks/torch_param_cost.py                   # 1 and 2 ranks, table, JSON
+    python benchmarks/torch_param_cost.py --ranks 2 --json out.json
+
+The figure reported is (median step of the variant - median step of a plain optimizer) / parameters,
+each median over --windows windows of --steps steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULT_TAG = "PARAM_COST_RESULT "
+VARIANTS = {
+    "plain": "torch.optim.SGD, no communication",
+    "ddp": "PyTorch DDP (Gloo)",
+    "barrier": "commsched DistributedOptimizer, barrier",
+    "overlap": "commsched DistributedOptimizer, overlap_forward",
+}
+
+
+def _model(layers: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
+
+
+def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, steps: int) -> None:
+    """Runs inside a rank: trains and (rank 0) prints the median window's seconds per step."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model(layers)
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    net: Any = model
+    rank = 0
+    finish = None
+    if variant == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    elif variant in ("barrier", "overlap"):
+        import commsched.torch as ct
+
+        import commsched
+
+        commsched.init(transport="gloo")
+        rank = commsched.rank()
+        optimizer = ct.DistributedOptimizer(optimizer, model=model, overlap_forward=variant == "overlap")
+        finish = optimizer.synchronize
+    x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(1))
+
+    def one_step() -> None:
+        optimizer.zero_grad()
+        net(x).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        one_step()
+    per_window = []
+    for _ in range(windows):
+        if finish is not None:
+            finish()
+        started = time.perf_counter()
+        for _ in range(steps):
+            one_step()
+        if finish is not None:
+            finish()  # overlap mode: the last updates are part of the window's work
+        per_window.append((time.perf_counter() - started) / steps)
+    if rank == 0:
+        params = sum(1 for _ in model.parameters())
+        result = {"variant": variant, "parameters": params, "window_step_seconds": per_window}
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    if variant == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    elif finish is not None:
+        import commsched
+
+        commsched.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_variant(variant: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Starts `ranks` processes of one variant and returns rank 0's result."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant]
+    argv += ["--layers", str(args.layers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
+    argv += ["--windows", str(args.windows), "--steps", str(args.steps)]
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        }
+        procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"{variant} at {ranks} ranks failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    for line in outputs[0].splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG) :])
+            result["ranks"] = ranks
+            result["step_seconds"] = statistics.median(result["window_step_seconds"])
+            return result
+    raise RuntimeError(f"{variant} printed no result:\n{outputs[0][-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs every variant at each rank count, prints the table and writes the JSON."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
+    parser.add_argument("--layers", type=int, default=100, help="Linear(32, 32) layers (2 parameters each)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per window")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", default="torch_param_cost.json", help="where the results go")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.layers, args.batch, args.warmup, args.windows, args.steps)
+        return 0
+    variants = args.variants.split(",")
+    if "plain" not in variants:
+        variants.insert(0, "plain")
+    rows = []
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        results = {v: run_variant(v, ranks, args) for v in variants}
+        plain = results["plain"]["step_seconds"]
+        for result in results.values():
+            spread = result["window_step_seconds"]
+            result["us_per_parameter"] = 1e6 * (result["step_seconds"] - plain) / result["parameters"]
+            result["range_us_per_parameter"] = [
+                1e6 * (min(spread) - plain) / result["parameters"],
+                1e6 * (max(spread) - plain) / result["parameters"],
+            ]
+            rows.append(result)
+    print(f"{'ranks':>5s}  {'variant':<48s} {'ms/step':>8s} {'us/param over plain':>20s}")
+    for row in rows:
+        low, high = row["range_us_per_parameter"]
+        print(
+            f"{row['ranks']:5d}  {VARIANTS[row['variant']]:<48s} {1e3 * row['step_seconds']:8.3f} "
+            f"{row['us_per_parameter']:8.1f} ({low:.1f} to {high:.1f})"
+        )
+    report = {
+        "model": f"{args.layers} x Linear(32, 32)",
+        "batch": args.batch,
+        "windows": args.windows,
+        "steps_per_window": args.steps,
+        "results": rows,
+    }
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Priority buckets: flat per-dtype gradient storage laid out in the next forward's order.
+
+After the first iteration every trainable parameter's gradient is a view of a bucket (PyTorch
+DDP's ``gradient_as_bucket_view``), so autograd accumulates straight into it and a bucket goes on
+the wire as one collective, with no copy in or out. Buckets follow the parameters' priorities (the
+order the forward pass first reaches them) and are cut so none grows past the bucket size, which by
+default is one partition: a bucket then costs one launch and carries its own priority, and the
+core's partitioning and credit keep working on the bigger ones.
+
+Every rank must build the same buckets, so the order comes from rank 0 (see Reducer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from commsched.torch._reducer import Slot
+    from commsched.torch._wire import Outgoing
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Consecutive gradients of one dtype and device, reduced as one collective."""
+
+    name: str
+    flat: torch.Tensor
+    slots: list[Slot]
+    priority: int
+    waiting: int = 0  # members whose gradient this iteration has not reported yet
+    # While in flight: the collective, its iteration, and per member whether this rank used it and
+    # (unused here) the gradient to restore if no rank used it either.
+    out: Outgoing | None = None
+    iteration: int = -1
+    used: list[bool] = field(default_factory=list)
+    kept: list[Any] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Readies the bucket for the next iteration's gradients."""
+        self.waiting = len(self.slots)
+
+
+def group_key(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    """Parameters that may share a bucket: same dtype, same device."""
+    return param.dtype, param.device
+
+
+def plan(slots: list[Slot], limit: int, priority: list[int]) -> list[list[Slot]]:
+    """Cuts `slots` (in priority order) into buckets of one dtype and device, each at most `limit` bytes.
+
+    `priority[slot.index]` is the priority every rank agreed on for that slot.
+
+    A parameter bigger than `limit` gets a bucket of its own; `limit` 0 means no limit. A bucket
+    holds consecutive parameters of its kind, so the first bucket holds what the forward needs first.
+    """
+    open_bucket: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    done: list[list[Slot]] = []
+    for slot in slots:
+        key = group_key(slot.param)
+        nbytes = slot.param.numel() * slot.param.element_size()
+        current = open_bucket.get(key)
+        if current is not None and limit > 0 and open_bytes[key] + nbytes > limit:
+            done.append(current)
+            current = None
+        if current is None:
+            current = open_bucket[key] = []
+            open_bytes[key] = 0
+        current.append(slot)
+        open_bytes[key] += nbytes
+    done.extend(open_bucket.values())
+    # The priority order of the buckets is that of their first member.
+    return sorted(done, key=lambda members: (priority[members[0].index], members[0].index))
+
+
+def build(members: list[Slot], name: str, priority: int) -> Bucket:
+    """Allocates one bucket and gives each member its view of it (the gradient's home from now on)."""
+    first = members[0].param
+    total = sum(slot.param.numel() for slot in members)
+    flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+    bucket = Bucket(name, flat, list(members), priority)
+    offset = 0
+    for slot in members:
+        numel = slot.param.numel()
+        view = flat[offset : offset + numel].view(slot.param.shape)
+        offset += numel
+        slot.bind(bucket, view)
+    bucket.reset()
+    return bucket
