@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,19 @@ def test_durable_write_and_damage_detection(tmp_path: Path) -> None:
         fmt.read_verified(tmp_path / "f", size, crc)
     with pytest.raises(fmt.DamagedVersion, match="bytes"):
         fmt.read_verified(tmp_path / "f", size + 1, crc)
+
+
+def test_failed_durable_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """A write that fails midway (a full disk) removes its temporary file; the file it replaces stays."""
+    (tmp_path / "f").write_bytes(b"old")
+
+    def full_disk() -> Iterator[bytes]:
+        yield b"new bytes, part one"
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        fmt.write_durable(tmp_path / "f", full_disk())
+    assert [p.name for p in tmp_path.iterdir()] == ["f"] and (tmp_path / "f").read_bytes() == b"old"
 
 
 def test_single_process_save_load_round_trip(tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ and the folder fsynced; a small allreduce through commsched (lowest priority, af
 gradient) tells rank 0 that every shard is durable and its CRC-32, and rank 0 then writes the
 JSON manifest the same way; a second one tells every rank the version is complete. A crash at
 any moment leaves the previous version loadable: a version counts only once its manifest
-exists, and load() verifies sizes and checksums, skipping a damaged version with a warning.
+exists, and load() verifies sizes and checksums, skipping a damaged version with a warning. A
+save that fails (a full disk) is reported by the next wait() or save() and leaves no files
+behind. save() calls from several threads run one after another, never interleaved.
 
 The directory must be shared by all ranks (or the same path on one host). Settings:
 COMMSCHED_CHECKPOINT_DIR (directory when not passed), COMMSCHED_CHECKPOINT_KEEP (versions kept).
@@ -41,6 +43,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import threading
 import time
 import warnings
@@ -134,6 +137,9 @@ class Checkpointer:
         self._rank, self._size = _ranks()
         self._run = self._agreed_run_id(next(_instances))
         self.directory.mkdir(parents=True, exist_ok=True)
+        # save(), wait(), load() and close() run one at a time: saves from several threads are
+        # serialized, so no version is overwritten, lost or blamed on another save's caller.
+        self._lock = threading.RLock()
         self._job: _Job | None = None
         self._capture: Capture | None = None  # the capture the update hooks feed, while one runs
         self._stateless = False  # the optimizer updated a parameter and kept no state for it
@@ -189,12 +195,23 @@ class Checkpointer:
     def save(self, step: int, extra: dict[str, Any] | None = None) -> None:
         """Starts saving the current state as version `step`; returns once the capture is under way.
 
-        A save() while the previous version is still being written waits for it first. `extra`
-        (JSON values or tensors, the same on every rank) comes back from load().
+        A save() while the previous version is still being written waits for it first, and raises
+        (without starting) if that version failed. Calls from several threads run one at a time.
+        `extra` (JSON values or tensors, the same on every rank) comes back from load().
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"save(step) takes a step number >= 0, not {step!r}")
-        self.wait()
+        with self._lock:
+            self._save(step, extra)
+
+    def _save(self, step: int, extra: dict[str, Any] | None) -> None:
+        try:
+            self.wait()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"save({step}) did not start, because the save before it failed: {error}; call "
+                f"save({step}) again to save the current state"
+            ) from error.__cause__
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"save({step}) after save({self._last_step}): steps must increase")
         started_us = _now_us()
@@ -345,16 +362,20 @@ class Checkpointer:
         report[3 * self._rank : 3 * self._rank + 3] = (ok, size, crc)
         report = self._allreduce(report, f"{job.step}.shards")
         committed = np.zeros(1, dtype=np.int64)
-        if self._rank == 0 and job.error is None:
+        if self._rank == 0:
             shards = report.reshape(self._size, 3)
-            if shards[:, 0].all():
+            if job.error is None and shards[:, 0].all():
                 try:
                     self._write_manifest(job, shards)
                     committed[0] = 1
-                    # Before the commit: no rank can start the next save (whose folder this would see).
-                    self._remove_old(job)
                 except Exception as error:  # noqa: BLE001 - reported by wait() on every rank
                     job.error = error
+            # Before the commit: no rank can start the next save (whose folder this would see), and
+            # every rank has finished writing (each reported above).
+            if committed[0]:
+                self._remove_old(job)
+            else:
+                _discard(job.path)
         committed = self._allreduce(committed, f"{job.step}.commit")
         if not committed[0] and job.error is None:
             job.error = RuntimeError(f"checkpoint {job.path}: another rank failed to write its shard")
@@ -403,7 +424,12 @@ class Checkpointer:
             if version.step < job.step and version.complete and kept < self.keep:
                 kept += 1
                 continue
-            fmt.remove_version(version)
+            try:
+                fmt.remove_version(version)
+            except OSError as error:  # the new version is complete: an old one left over is no failure
+                warnings.warn(
+                    f"checkpoint {version.path} could not be removed: {error}", RuntimeWarning, stacklevel=1
+                )
 
     def _allreduce(self, values: np.ndarray, what: str) -> np.ndarray:
         if self._size == 1:
@@ -414,6 +440,10 @@ class Checkpointer:
     # -- waiting and loading -----------------------------------------------------------------
     def wait(self) -> None:
         """Blocks until the last save() is durable on every rank; raises what went wrong."""
+        with self._lock:
+            self._wait()
+
+    def _wait(self) -> None:
         job = self._job
         if job is None:
             return
@@ -440,13 +470,17 @@ class Checkpointer:
         Works at any rank count. Damaged or unfinished versions are skipped with a warning; None
         when there is nothing to load.
         """
+        with self._lock:
+            return self._load(step)
+
+    def _load(self, step: int | None) -> Restored | None:
         self.wait()
         candidates = [v for v in fmt.versions(self.directory) if step is None or v.step == step]
         for version in reversed(candidates):
             try:
                 manifest, tensors = _read_version(version)
             except fmt.DamagedVersion as why:
-                warnings.warn(f"checkpoint {version.path} is skipped: {why}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"checkpoint {version.path} is skipped: {why}", RuntimeWarning, stacklevel=3)
                 continue
             restored = self._restore(version, manifest, tensors)
             self._agree_loaded(restored.step)
@@ -492,6 +526,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the last save and stops the background thread."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         try:
             self.wait()
         finally:
@@ -519,6 +557,12 @@ def _ranks() -> tuple[int, int]:
 
 def _shard_name(rank: int, size: int) -> str:
     return f"shard-{rank:05d}-of-{size:05d}.safetensors"
+
+
+def _discard(path: Path) -> None:
+    """Removes the folder of a save that failed, unless it holds a complete version."""
+    if not (path / fmt.MANIFEST).exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_version(version: fmt.Version) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

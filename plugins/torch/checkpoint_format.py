@@ -10,6 +10,7 @@ holds what is not a tensor (optimizer hyper-parameters, LR scheduler state, extr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -178,18 +179,24 @@ def write_durable(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int
     crc, size = 0, 0
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            for begin in range(0, len(view), _WRITE_CHUNK):
-                part = view[begin : begin + _WRITE_CHUNK]
-                crc = zlib.crc32(part, crc)  # releases the GIL on big buffers, like os.write
-                while part:
-                    part = part[os.write(descriptor, part) :]
-            size += len(view)
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    os.replace(temporary, path)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                for begin in range(0, len(view), _WRITE_CHUNK):
+                    part = view[begin : begin + _WRITE_CHUNK]
+                    crc = zlib.crc32(part, crc)  # releases the GIL on big buffers, like os.write
+                    while part:
+                        part = part[os.write(descriptor, part) :]
+                size += len(view)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        # A failed write (a full disk) leaves no partial temporary file behind to fill it further.
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
     fsync_directory(path.parent)
     return size, crc
 

@@ -3,6 +3,7 @@
     reference  trains without checkpoints; rank 0 keeps every iteration's state and losses
     train      trains with a Checkpointer saving every --save-every iterations; its losses must equal
                the reference's; --kill POINT --kill-step S SIGKILLs rank(s) at that point of save(S)
+               (--kill disk-full: their shard write of save(S) fails midway, as on a full disk)
     resume     loads the newest intact version, which must equal the reference state at its step
                exactly, then trains on; at the reference's rank count the losses must match too
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import os
 import random
 import signal
@@ -118,6 +120,8 @@ def inject(point: str, step: int) -> None:
         shard = path.suffix == ".safetensors"
         if ours and point in ("shard-middle", "manifest-middle") and shard == (point == "shard-middle"):
             return real_write(path, half_then_die(list(chunks)))
+        if ours and point == "disk-full" and shard:
+            return real_write(path, half_then_full(list(chunks)))
         result = real_write(path, chunks)
         if ours and ((point == "shard-renamed" and shard) or (point == "after-manifest" and not shard)):
             die()
@@ -138,6 +142,26 @@ def half_then_die(chunks: list[Any]) -> Iterator[Any]:
     data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
     yield data[: len(data) // 2]
     die()
+
+
+def half_then_full(chunks: list[Any]) -> Iterator[Any]:
+    """Yields the first half of the bytes, then fails as a full disk does."""
+    data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+    yield data[: len(data) // 2]
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def expect_failed_save(checkpointer: ct.Checkpointer, directory: Path, step: int) -> None:
+    """Every rank hears that save(step) failed, and nothing of it is left: no folder, no temporary file."""
+    try:
+        checkpointer.wait()
+    except RuntimeError as error:
+        assert f"checkpoint step {step} was not saved" in str(error), error
+    else:
+        raise AssertionError(f"save({step}) with a full disk on one rank reported success")
+    marker = f"step-{step:010d}-"
+    left = [str(p) for p in directory.rglob("*") if p.name.endswith(".tmp") or marker in str(p)]
+    assert not left, f"a failed save left {left}"
 
 
 # -- phases ---------------------------------------------------------------------------------
@@ -169,6 +193,8 @@ def train(args: argparse.Namespace, combo: str) -> None:
             )
         if (iteration + 1) % args.save_every == 0:
             checkpointer.save(iteration, extra={"iteration": iteration, "tag": ("t", iteration)})
+            if args.kill == "disk-full" and iteration == args.kill_step:
+                expect_failed_save(checkpointer, args.dir / combo, iteration)
             if kill_here and args.kill == "timer" and iteration == args.kill_step:
                 # A random moment within about as long as the previous save took to become durable.
                 window = 1.5 * (checkpointer.last_durable_seconds or args.kill_window)
