@@ -1,5 +1,5 @@
 """Checkpointer faults in one process: saves from several threads at once, a save that fails on a
-full disk.
+full disk, and manifests that are damaged, edited or still valid JSON of the wrong shape.
 
 The reference for every state is torch's own state_dict(), kept in memory when the version was
 saved; what load() restores is compared with it bit for bit.
@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import errno
 import itertools
+import json
+import random
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,114 @@ def test_failed_save_leaves_no_files_and_the_next_save_says_why(
     restored, caught = loader.load()
     assert restored is not None and restored.step == 3 and caught == []
     _assert_state(loader.state(), reference)
+
+
+# -- manifests load() cannot trust ------------------------------------------------------------
+def _set_lr(manifest: dict[str, Any]) -> dict[str, Any]:
+    manifest["optimizer"]["param_groups"][0]["lr"] = 5.0
+    return manifest
+
+
+def _rename_state(manifest: dict[str, Any]) -> dict[str, Any]:
+    key = next(k for k in manifest["tensors"] if k.startswith("optimizer."))
+    manifest["tensors"][key + "X"] = manifest["tensors"].pop(key)
+    return manifest
+
+
+def _pieces_elsewhere(manifest: dict[str, Any]) -> dict[str, Any]:
+    next(iter(manifest["tensors"].values()))["pieces"][0]["shard"] = 3
+    return manifest
+
+
+# name -> (change, whether a manifest of that shape could pass with a fresh checksum)
+CHANGES: dict[str, tuple[Callable[[dict[str, Any]], Any], bool]] = {
+    "a list": (lambda m: [], False),
+    "shards a number": (lambda m: {**m, "shards": 5}, False),
+    "tensors null": (lambda m: {**m, "tensors": None}, False),
+    "optimizer values a list": (lambda m: {**m, "optimizer": {**m["optimizer"], "values": []}}, False),
+    "shard name outside the folder": (
+        lambda m: {**m, "shards": [{**m["shards"][0], "file": "../other.safetensors"}]},
+        False,
+    ),
+    "piece of a shard that is not there": (_pieces_elsewhere, False),
+    "step 99": (lambda m: {**m, "step": 99}, False),
+    "learning rate 5.0": (_set_lr, True),
+    "optimizer state renamed": (_rename_state, True),
+}
+
+
+# Every change with its checksum kept; the malformed ones also as a faulty writer would seal them
+# and as a manifest from before checksums would hold them (a well-formed edit without a checksum
+# cannot be told, as the guide says).
+UNTRUSTED = [(change, "checksum kept") for change in CHANGES] + [
+    (change, form)
+    for change, (_, plausible) in CHANGES.items()
+    for form in ("checksum recomputed", "no checksum")
+    if not plausible
+]
+
+
+@pytest.mark.parametrize(("change", "form"), UNTRUSTED)
+def test_untrusted_manifest_is_skipped_for_the_previous_version(
+    two_versions: tuple[Path, dict[int, dict[str, Any]]], change: str, form: str
+) -> None:
+    """An edited or malformed manifest never loads and never raises: load() warns and loads the version before."""
+    directory, references = two_versions
+    path = _newest_manifest(directory)
+    manifest = json.loads(path.read_text())
+    digest = manifest.pop(fmt.CHECKSUM)
+    changed = CHANGES[change][0](manifest)
+    if form == "checksum recomputed" and isinstance(changed, dict):
+        path.write_bytes(fmt.manifest_bytes(changed))
+    else:
+        if form == "checksum kept" and isinstance(changed, dict):
+            changed[fmt.CHECKSUM] = digest
+        path.write_text(json.dumps(changed, indent=1))
+    loader = _Loader(directory)
+    restored, caught = loader.load()
+    assert restored is not None and restored.step == 0 and restored.extra == {"step": 0}
+    assert any(f"{path.parent} is skipped" in message for message in caught), caught
+    _assert_state(loader.state(), references[0])
+
+
+def test_manifest_without_checksum_loads_with_a_warning(
+    two_versions: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
+    """A manifest saved before checksums existed loads, saying it is unverified; an intact one loads silently."""
+    directory, references = two_versions
+    loader = _Loader(directory)
+    restored, caught = loader.load()
+    assert restored is not None and restored.step == 1 and caught == []
+    _assert_state(loader.state(), references[1])
+    path = _newest_manifest(directory)
+    manifest = json.loads(path.read_text())
+    del manifest[fmt.CHECKSUM]
+    path.write_text(json.dumps(manifest, indent=1))
+    restored, caught = loader.load()
+    assert restored is not None and restored.step == 1 and restored.extra == {"step": 1}
+    assert len(caught) == 1 and "has no manifest checksum" in caught[0], caught
+    _assert_state(loader.state(), references[1])
+
+
+def test_single_byte_changes_to_a_manifest_never_load_other_state(
+    two_versions: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
+    """150 one-byte changes: load() never raises and restores exactly the state of the step it reports."""
+    directory, references = two_versions
+    path = _newest_manifest(directory)
+    original = path.read_bytes()
+    loader = _Loader(directory)
+    rng = random.Random(32)
+    outcomes = {0: 0, 1: 0}
+    for _ in range(150):
+        data = bytearray(original)
+        position = rng.randrange(len(data))
+        data[position] = rng.choice([b for b in range(256) if b != original[position]])
+        path.write_bytes(bytes(data))
+        restored, caught = loader.load()
+        assert restored is not None, position
+        if restored.step == 0:
+            assert any(f"{path.parent} is skipped" in message for message in caught), (position, caught)
+        _assert_state(loader.state(), references[restored.step])
+        outcomes[restored.step] += 1
+    assert outcomes[0] > 100, outcomes  # only changes of whitespace between tokens leave it intact

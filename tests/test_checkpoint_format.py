@@ -99,6 +99,20 @@ def test_failed_durable_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["f"] and (tmp_path / "f").read_bytes() == b"old"
 
 
+def test_manifest_checksum_covers_every_field_and_nothing_else() -> None:
+    """The checksum is sha256 over the canonical JSON of the rest: key order and spacing do not matter."""
+    import hashlib
+    import json
+
+    manifest = {"format": fmt.FORMAT, "step": 3, "lr": 0.1, "nested": {"b": [1, 2.5], "a": None}}
+    canonical = '{"format":"' + fmt.FORMAT + '","lr":0.1,"nested":{"a":null,"b":[1,2.5]},"step":3}'
+    assert fmt.manifest_digest(manifest) == "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+    sealed = json.loads(fmt.manifest_bytes(manifest))
+    assert sealed[fmt.CHECKSUM] == fmt.manifest_digest(sealed)
+    assert fmt.manifest_digest(dict(reversed(list(sealed.items())))) == sealed[fmt.CHECKSUM]
+    assert fmt.manifest_digest({**sealed, "step": 4}) != sealed[fmt.CHECKSUM]
+
+
 def test_single_process_save_load_round_trip(tmp_path: Path) -> None:
     """Without commsched running: a plain optimizer, a scheduler and tensor extras round-trip exactly."""
     import commsched.torch as ct

@@ -106,17 +106,25 @@ def test_resume_other_rank_count(trained: Path, ranks: int) -> None:
     assert len(_passes(output, "resume")) == 2 * ranks, output[-3000:]
 
 
-def test_damaged_version_is_skipped(trained: Path) -> None:
-    """A flipped byte in the newest version's shard: warning naming it, the previous version loads."""
-    work = trained.parent / "damaged"
+@pytest.mark.parametrize("damage", ["shard", "manifest"])
+def test_damaged_version_is_skipped(trained: Path, damage: str) -> None:
+    """A flipped byte in the newest version's shard, or its learning rate edited in the manifest:
+    a warning naming it, and the previous version loads."""
+    work = trained.parent / f"damaged-{damage}"
     shutil.copytree(trained, work)
     newest = max((work / KILLED).iterdir())
-    shard = newest / "shard-00001-of-00002.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    shard.write_bytes(bytes(data))
+    if damage == "shard":
+        shard = newest / "shard-00001-of-00002.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        shard.write_bytes(bytes(data))
+    else:
+        manifest = json.loads((newest / "manifest.json").read_text())
+        manifest["optimizer"]["param_groups"][0]["lr"] = 5.0
+        (newest / "manifest.json").write_text(json.dumps(manifest, indent=1))
     output = _run(1, "resume", "--dir", str(work), "--combos", KILLED)
-    assert f"{newest} is skipped" in output and "CRC-32" in output, output[-3000:]
+    reason = "CRC-32" if damage == "shard" else "fails its sha256 checksum"
+    assert f"{newest} is skipped" in output and reason in output, output[-3000:]
     assert "step=8" in output, output[-3000:]
 
 

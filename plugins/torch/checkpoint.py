@@ -24,11 +24,12 @@ buffer with our own fsync. torch.distributed.checkpoint's format would tie reade
 and would pickle its metadata. Shards are written under a temporary name, fsynced, renamed,
 and the folder fsynced; a small allreduce through commsched (lowest priority, after every
 gradient) tells rank 0 that every shard is durable and its CRC-32, and rank 0 then writes the
-JSON manifest the same way; a second one tells every rank the version is complete. A crash at
-any moment leaves the previous version loadable: a version counts only once its manifest
-exists, and load() verifies sizes and checksums, skipping a damaged version with a warning. A
-save that fails (a full disk) is reported by the next wait() or save() and leaves no files
-behind. save() calls from several threads run one after another, never interleaved.
+JSON manifest the same way, its sha256 checksum last; a second one tells every rank the version
+is complete. A crash at any moment leaves the previous version loadable: a version counts only
+once its manifest exists, and load() verifies the manifest (checksum and schema) and every
+shard's size and CRC-32, skipping a version it cannot trust with a warning. A save that fails
+(a full disk) is reported by the next wait() or save() and leaves no files behind. save() calls
+from several threads run one after another, never interleaved.
 
 The directory must be shared by all ranks (or the same path on one host). Settings:
 COMMSCHED_CHECKPOINT_DIR (directory when not passed), COMMSCHED_CHECKPOINT_KEEP (versions kept).
@@ -39,7 +40,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import itertools
-import json
 import os
 import queue
 import random
@@ -411,8 +411,7 @@ class Checkpointer:
                     {"shard": rank, "name": piece.name, "rows": [piece.start, piece.stop]}
                 )
         manifest["tensors"] = tensors
-        text = json.dumps(manifest, indent=1).encode()
-        fmt.write_durable(job.path / fmt.MANIFEST, [text])
+        fmt.write_durable(job.path / fmt.MANIFEST, [fmt.manifest_bytes(manifest)])
 
     def _remove_old(self, job: _Job) -> None:
         """Keeps the newest `keep` complete versions up to this one; drops the rest (and abandoned runs)."""
@@ -467,8 +466,9 @@ class Checkpointer:
     def load(self, step: int | None = None) -> Restored | None:
         """Restores the newest intact version (or `step`) into model, optimizer and LR scheduler.
 
-        Works at any rank count. Damaged or unfinished versions are skipped with a warning; None
-        when there is nothing to load.
+        Works at any rank count. A version it cannot trust (unfinished, a shard or the manifest
+        damaged or changed, a manifest that fails its checksum or schema) is skipped with a warning
+        and the one before it is tried; None when there is nothing to load.
         """
         with self._lock:
             return self._load(step)
@@ -478,11 +478,18 @@ class Checkpointer:
         candidates = [v for v in fmt.versions(self.directory) if step is None or v.step == step]
         for version in reversed(candidates):
             try:
-                manifest, tensors = _read_version(version)
+                contents = _read_version(version)
             except fmt.DamagedVersion as why:
                 warnings.warn(f"checkpoint {version.path} is skipped: {why}", RuntimeWarning, stacklevel=3)
                 continue
-            restored = self._restore(version, manifest, tensors)
+            if not contents.verified:
+                warnings.warn(
+                    f"checkpoint {version.path} has no manifest checksum (saved by an older commsched): its "
+                    "shards are verified, its manifest only for form",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            restored = self._restore(version, contents)
             self._agree_loaded(restored.step)
             return restored
         if step is not None:
@@ -490,26 +497,15 @@ class Checkpointer:
         self._agree_loaded(-1)
         return None
 
-    def _restore(
-        self, version: fmt.Version, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]
-    ) -> Restored:
-        optimizer_state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer."):
-                _, index, name = key.split(".", 2)
-                optimizer_state.setdefault(int(index), {})[name] = value
-        for index, values in manifest["optimizer"]["values"].items():
-            optimizer_state.setdefault(int(index), {}).update(fmt.from_json(values))
-        groups = [fmt.from_json(group) for group in manifest["optimizer"]["param_groups"]]
-        self._optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
-        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-        self._model.load_state_dict(model_state)
-        if self._scheduler is not None and manifest.get("lr_scheduler") is not None:
-            self._scheduler.load_state_dict(fmt.from_json(manifest["lr_scheduler"]))
-        extra = {k: fmt.from_json(v) for k, v in manifest["extra"].items()}
-        extra.update({k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")})
+    def _restore(self, version: fmt.Version, contents: _Contents) -> Restored:
+        self._optimizer.load_state_dict(
+            {"state": contents.optimizer_state, "param_groups": contents.param_groups}
+        )
+        self._model.load_state_dict(contents.model)
+        if self._scheduler is not None and contents.lr_scheduler is not None:
+            self._scheduler.load_state_dict(contents.lr_scheduler)
         self._last_step = None
-        return Restored(int(manifest["step"]), extra, version.path)
+        return Restored(contents.step, contents.extra, version.path)
 
     def _agree_loaded(self, step: int) -> None:
         """Raises on every rank if the ranks did not all load the same step."""
@@ -565,8 +561,21 @@ def _discard(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _read_version(version: fmt.Version) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The manifest and every tensor of a version, verified; raises DamagedVersion."""
+@dataclass
+class _Contents:
+    """A version read and verified, in the form load_state_dict() takes."""
+
+    step: int
+    verified: bool  # the manifest carries a checksum that matched (False: saved before checksums)
+    model: dict[str, torch.Tensor]
+    optimizer_state: dict[int, dict[str, Any]]
+    param_groups: list[dict[str, Any]]
+    lr_scheduler: Any
+    extra: dict[str, Any]
+
+
+def _read_version(version: fmt.Version) -> _Contents:
+    """Every tensor and value of a version, verified against its manifest; raises DamagedVersion."""
     manifest = fmt.read_manifest(version)
     pieces: dict[str, torch.Tensor] = {}
     try:
@@ -587,7 +596,29 @@ def _read_version(version: fmt.Version) -> tuple[dict[str, Any], dict[str, torch
             tensors[key] = tensor
     except (KeyError, IndexError, ValueError) as error:
         raise fmt.DamagedVersion(f"its shards do not match the manifest ({error!r})") from None
-    return manifest, tensors
+    optimizer_state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            optimizer_state.setdefault(int(index), {})[name] = value
+    try:
+        for index, values in manifest["optimizer"]["values"].items():
+            optimizer_state.setdefault(int(index), {}).update(fmt.from_json(values))
+        groups = [fmt.from_json(group) for group in manifest["optimizer"]["param_groups"]]
+        scheduler = None if manifest["lr_scheduler"] is None else fmt.from_json(manifest["lr_scheduler"])
+        extra = {k: fmt.from_json(v) for k, v in manifest["extra"].items()}
+    except (TypeError, ValueError) as error:  # a malformed tuple or item list (only without a checksum)
+        raise fmt.DamagedVersion(f"its manifest holds a value that cannot be read ({error})") from None
+    extra.update({k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")})
+    return _Contents(
+        step=manifest["step"],
+        verified=fmt.CHECKSUM in manifest,
+        model={k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")},
+        optimizer_state=optimizer_state,
+        param_groups=groups,
+        lr_scheduler=scheduler,
+        extra=extra,
+    )
 
 
 def _work(owner: weakref.ref[Checkpointer], jobs: queue.Queue[_Job | None]) -> None:

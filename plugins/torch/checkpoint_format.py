@@ -5,12 +5,15 @@ rank that saved it and ``manifest.json``, written last. Each shard is a plain sa
 (8-byte little-endian header length, JSON header, packed bytes), so ``safetensors.safe_open``,
 Hugging Face tools or any reader of the format open it; a tensor cut between ranks appears as
 ``name[a:b]`` (rows a to b). The manifest names every piece, each shard's size and CRC-32, and
-holds what is not a tensor (optimizer hyper-parameters, LR scheduler state, extras) as JSON.
+holds what is not a tensor (optimizer hyper-parameters, LR scheduler state, extras) as JSON; its
+``checksum`` field, computed last, is the sha256 of the rest in canonical JSON, so a manifest
+changed after the save (a flipped byte, an edited step or learning rate) is never trusted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -27,6 +30,13 @@ import torch
 
 FORMAT = "commsched-checkpoint/1"
 MANIFEST = "manifest.json"
+CHECKSUM = "checksum"  # the manifest's own field: sha256 over the rest, computed last
+# What a manifest written before CHECKSUM held, exactly; one without a checksum has these keys or is refused.
+_UNSEALED_KEYS = frozenset(
+    {"format", "step", "run", "ranks", "optimizer", "lr_scheduler", "extra", "shards", "tensors"}
+)
+_SHARD_NAME = re.compile(r"shard-\d+-of-\d+\.safetensors")  # a plain name: nothing outside the folder is read
+_TENSOR_KEY = re.compile(r"model\..+|optimizer\.\d+\..+|extra\..+", re.DOTALL | re.ASCII)
 _WRITE_CHUNK = 8 * 1024 * 1024
 _VERSION_NAME = re.compile(r"step-(\d+)-([0-9a-f]+)")
 DTYPES: dict[torch.dtype, str] = {
@@ -304,17 +314,121 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The manifest's checksum: sha256 of its canonical JSON (sorted keys, no spaces), less the checksum."""
+    rest = {key: value for key, value in manifest.items() if key != CHECKSUM}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The manifest file's contents: the manifest and, computed over everything else, its checksum."""
+    return json.dumps({**manifest, CHECKSUM: manifest_digest(manifest)}, indent=1).encode()
+
+
 def read_manifest(version: Version) -> dict[str, Any]:
-    """The manifest of a version; raises DamagedVersion if missing or unreadable."""
+    """The manifest of a version, its checksum and schema verified; raises DamagedVersion otherwise.
+
+    A manifest without a checksum (written before there was one) is returned when it has exactly
+    the keys such a manifest had and passes the schema; the caller says it is unverified.
+    """
     try:
         manifest = json.loads((version.path / MANIFEST).read_text())
     except FileNotFoundError:
         raise DamagedVersion("it has no manifest (the save did not finish)") from None
     except (OSError, ValueError) as error:
         raise DamagedVersion(f"its manifest cannot be read ({error})") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DamagedVersion(f"its manifest is not {FORMAT}")
+    if CHECKSUM in manifest:
+        if manifest[CHECKSUM] != manifest_digest(manifest):
+            raise DamagedVersion("its manifest fails its sha256 checksum (it was changed after the save)")
+    elif set(manifest) != _UNSEALED_KEYS:
+        # A damaged checksum key must not pass for a manifest from before checksums.
+        raise DamagedVersion(f"its manifest has no checksum and keys {sorted(manifest)}")
+    try:
+        _check_manifest(manifest, version)
+    except _Invalid as why:
+        raise DamagedVersion(f"its manifest is not valid: {why}") from None
     return manifest
+
+
+class _Invalid(Exception):
+    """A manifest field that does not fit the schema."""
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Invalid(what)
+
+
+def _count(value: Any, below: int | None = None) -> bool:
+    """True for a plain int >= 0 (and < below)."""
+    return type(value) is int and value >= 0 and (below is None or value < below)
+
+
+def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
+    """Raises _Invalid naming the first field that load() could not use as it is."""
+    folder = _VERSION_NAME.fullmatch(version.path.name)
+    _need(_count(manifest.get("step")), f"step is {manifest.get('step')!r}")
+    _need(manifest["step"] == version.step, f"step {manifest['step']} in the folder of step {version.step}")
+    run = manifest.get("run")
+    _need(
+        folder is None or run == folder.group(2),
+        f"run {run!r} in the folder of run {folder and folder.group(2)}",
+    )
+    _need(_count(manifest.get("ranks")) and manifest["ranks"] > 0, f"ranks is {manifest.get('ranks')!r}")
+    optimizer = manifest.get("optimizer")
+    _need(isinstance(optimizer, dict), "optimizer is not an object")
+    _need(isinstance(optimizer.get("class"), str), "optimizer.class is not a string")
+    groups = optimizer.get("param_groups")
+    _need(isinstance(groups, list), "optimizer.param_groups is not a list")
+    for g, group in enumerate(groups):
+        _need(isinstance(group, dict), f"optimizer.param_groups[{g}] is not an object")
+        params = group.get("params")
+        _need(isinstance(params, list) and all(map(_count, params)), f"optimizer.param_groups[{g}].params")
+    values = optimizer.get("values")
+    _need(isinstance(values, dict), "optimizer.values is not an object")
+    for index, state in values.items():
+        _need(index.isascii() and index.isdigit() and isinstance(state, dict), f"optimizer.values[{index!r}]")
+    scheduler = manifest.get("lr_scheduler")
+    _need(scheduler is None or isinstance(scheduler, dict), "lr_scheduler is neither null nor an object")
+    _need(isinstance(manifest.get("extra"), dict), "extra is not an object")
+    shards = manifest.get("shards")
+    _need(
+        isinstance(shards, list) and len(shards) == manifest["ranks"],
+        f"shards do not list {manifest['ranks']}",
+    )
+    for r, shard in enumerate(shards):
+        _need(isinstance(shard, dict), f"shards[{r}] is not an object")
+        name = shard.get("file")
+        _need(
+            isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None, f"shards[{r}].file is {name!r}"
+        )
+        _need(_count(shard.get("bytes")), f"shards[{r}].bytes is {shard.get('bytes')!r}")
+        _need(_count(shard.get("crc32"), 2**32), f"shards[{r}].crc32 is {shard.get('crc32')!r}")
+    tensors = manifest.get("tensors")
+    _need(isinstance(tensors, dict), "tensors is not an object")
+    for key, record in tensors.items():
+        _need(_TENSOR_KEY.fullmatch(key) is not None, f"tensor key {key!r}")
+        _need(isinstance(record, dict), f"tensors[{key!r}] is not an object")
+        _need(record.get("dtype") in _FROM_NAME, f"tensors[{key!r}].dtype is {record.get('dtype')!r}")
+        shape = record.get("shape")
+        _need(isinstance(shape, list) and all(map(_count, shape)), f"tensors[{key!r}].shape is {shape!r}")
+        pieces = record.get("pieces")
+        _need(isinstance(pieces, list) and len(pieces) > 0, f"tensors[{key!r}].pieces is {pieces!r}")
+        for piece in pieces:
+            _need(isinstance(piece, dict), f"a piece of {key!r} is not an object")
+            _need(
+                _count(piece.get("shard"), len(shards)),
+                f"a piece of {key!r} names shard {piece.get('shard')!r}",
+            )
+            _need(isinstance(piece.get("name"), str), f"a piece of {key!r} has no name")
+            rows = piece.get("rows")
+            ordered = (
+                isinstance(rows, list) and len(rows) == 2 and all(map(_count, rows)) and rows[0] <= rows[1]
+            )
+            _need(ordered, f"a piece of {key!r} has rows {rows!r}")
 
 
 def remove_version(version: Version) -> None:
