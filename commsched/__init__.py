@@ -155,6 +155,21 @@ class Handle:
                 break
         raise _timed_out(self.name, timeout)
 
+    def wait_stream(self, stream: int, timeout: float | None = None) -> Any:
+        """Makes CUDA `stream` wait for the collective on the GPU and returns the array (on device transports).
+
+        The host waits only until the collective is launched on commsched's stream; work queued on
+        `stream` afterwards sees the result. On host transports this is wait().
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
+            if self._core_handle.wait_stream(stream, max(left, 0.0)):
+                return self._array
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        raise _timed_out(self.name, timeout)
+
 
 def _timed_out(name: str, timeout: float | None) -> TimeoutError:
     """The error for a collective that did not finish in time, saying where it stands."""

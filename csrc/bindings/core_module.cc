@@ -215,6 +215,31 @@ PYBIND11_MODULE(_core, module) {
             return finished;
           },
           py::arg("timeout") = py::none(), "Waits; False on timeout, raises a CommschedError if it failed.")
+      .def(
+          "wait_stream",
+          [owners](const HandleState& handle, uintptr_t stream, std::optional<double> timeout_s) {
+            bool ready;
+            {
+              py::gil_scoped_release release;
+              const double timeout = timeout_s ? *timeout_s : -1.0;
+              const std::shared_ptr<Runtime> runtime = runtime_slot().get();
+              ready = runtime ? runtime->wait(handle, timeout, true) : handle.wait_launched(timeout);
+              // Launched and not known done: `stream` waits for it on the GPU, the host goes on.
+              if (ready && !handle.done()) {
+                if (const std::shared_ptr<StreamMark> mark = handle.launched_mark()) mark->make_wait(stream);
+              }
+            }
+            if (ready && handle.done()) {
+              owners->prune();
+              if (handle.failed()) handle.throw_failure();
+            }
+            return ready;
+          },
+          py::arg("stream"), py::arg("timeout") = py::none(),
+          "Device transports: waits until the collective is launched, then makes CUDA `stream` wait for it on the "
+          "GPU; host transports: as wait(). False on timeout, raises a CommschedError if it failed.")
+      .def("launched", &HandleState::launched_or_done,
+           "True once done, or launched on a device transport's stream (wait_stream() then returns at once).")
       .def_property_readonly(
           "error", [](const HandleState& handle) -> std::optional<std::string> {
             if (!handle.failed()) return std::nullopt;

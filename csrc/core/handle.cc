@@ -50,6 +50,32 @@ std::string HandleState::error() const {
   return error_;
 }
 
+void HandleState::set_launched(std::shared_ptr<StreamMark> mark) {
+  if (!mark) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return;
+    mark_ = std::move(mark);
+    marked_.store(true, std::memory_order_release);
+  }
+  done_cv_.notify_all();
+}
+
+std::shared_ptr<StreamMark> HandleState::launched_mark() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mark_;
+}
+
+bool HandleState::wait_launched(double timeout_s) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto ready = [this] { return done_.load() || marked_.load(); };
+  if (timeout_s < 0) {
+    done_cv_.wait(lock, ready);
+    return true;
+  }
+  return done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
+}
+
 bool HandleState::wait(double timeout_s) const {
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout_s < 0) {

@@ -63,6 +63,16 @@ class HandleState {
   const std::vector<uint64_t>& layout() const { return layout_; }
   uint64_t output_elements() const { return output_elements_; }
 
+  // Device transports: the stream point after the tensor's last launch, set once every chunk is
+  // launched (before done). A consumer stream that waits there may use the result at once.
+  void set_launched(std::shared_ptr<StreamMark> mark);
+  // The mark set_launched() left (null before, or on host transports).
+  std::shared_ptr<StreamMark> launched_mark() const;
+  // True once done, or launched with a mark.
+  bool launched_or_done() const { return done() || marked_.load(std::memory_order_acquire); }
+  // Blocks until launched_or_done(); a negative timeout waits without limit. False on timeout.
+  bool wait_launched(double timeout_s) const;
+
   // Runs `callback(error)` once the collective is done (error empty on success): at once
   // on the calling thread if it already is, otherwise on the core's thread, which it
   // must not block.
@@ -76,6 +86,8 @@ class HandleState {
   // Set under mutex_ (so wait() cannot miss it) but read without it: a caller driving the
   // core checks its handle after every pass.
   std::atomic<bool> done_{false};
+  std::atomic<bool> marked_{false};
+  std::shared_ptr<StreamMark> mark_;  // guarded by mutex_
   std::string error_;
   FailureKind kind_ = FailureKind::kCollective;
   int failed_rank_ = -1;

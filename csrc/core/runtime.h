@@ -127,7 +127,9 @@ class Runtime {
   // Waits until `handle` is done; false on timeout (a negative timeout waits without limit).
   // While the core's thread sleeps, the waiting thread runs the core itself: on a transport
   // callable from any thread that saves two thread hand-offs per collective.
-  bool wait(const HandleState& handle, double timeout_s);
+  // `until_launched`: return as soon as a device transport launched every chunk of the tensor (the
+  // handle then has a stream mark a consumer's stream can wait on), not when the GPU finished.
+  bool wait(const HandleState& handle, double timeout_s, bool until_launched = false);
 
   // Asks every rank to stop, waits for in-flight collectives, fails what is left.
   void shutdown();
@@ -177,6 +179,7 @@ class Runtime {
     // A joined rank's stand-in for a tensor it never submitted: `data` points here, all zeros.
     std::vector<uint64_t> zeros;
     bool stand_in = false;
+    uint32_t chunks_unlaunched = 0;  // until 0, when the handle learns the stream mark of the last launch
   };
   struct InFlight {
     Launch launch;

@@ -134,8 +134,9 @@ void Runtime::record_failure(const std::exception& error) {
   logger_.log(LogLevel::kError, abort_message_);
 }
 
-bool Runtime::wait(const HandleState& handle, double timeout_s) {
-  if (!callers_drive_) return handle.wait(timeout_s);
+bool Runtime::wait(const HandleState& handle, double timeout_s, bool until_launched) {
+  const auto ready = [&handle, until_launched] { return until_launched ? handle.launched_or_done() : handle.done(); };
+  if (!callers_drive_) return until_launched ? handle.wait_launched(timeout_s) : handle.wait(timeout_s);
   // The limit counts from the first pass's clock read (one read fewer per small collective).
   auto give_up = Clock::time_point::max();
   const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
@@ -143,7 +144,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
   ++callers_waiting_;
   bool leave_work = false;
   unsigned polls = 0;
-  for (bool first = true; !handle.done() && !stopped_; first = false) {
+  for (bool first = true; !ready() && !stopped_; first = false) {
     const auto now = Clock::now();
     if (first && timeout_s >= 0) give_up = now + limit;
     if (now >= give_up) break;
@@ -163,7 +164,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
       driving_ = false;
       // This pass may have finished other callers' tensors, and one of them may drive next.
       if (callers_waiting_ > 1) callers_cv_.notify_all();
-      if (handle.done()) break;
+      if (ready()) break;
       if (look_again <= Clock::now()) {
         // MPI moves a large message only inside its test calls: yielding after every poll
         // slowed a 4 MiB allreduce by 7%. Every few polls still leave the CPU to other threads.
@@ -184,7 +185,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s) {
   if (callers_waiting_ == 0 && !driving_ && leave_work) wake_core_thread();
   const bool stopped = stopped_;
   lock.unlock();
-  if (handle.done()) return true;
+  if (ready()) return true;
   if (!stopped) return false;
   // Stopping fails every handle; wait for that on the handle itself.
   if (timeout_s < 0) return handle.wait(-1.0);

@@ -96,6 +96,7 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     tensor.agreed = true;
     tensor.layout = agreed.layout;
     tensor.chunks_left = scheduler_for(agreed.process_set).add(id, agreed);
+    tensor.chunks_unlaunched = tensor.chunks_left;
     timeline_.async_begin(agreed.name, "queued", id, now_us);
     queued_phases.push_back(tensor.phase);
   }
@@ -270,6 +271,15 @@ void Runtime::launch(Launch next) {
   // Bools are bytes of 0 or 1 on the wire: min, max and product on uint8 are and, or, and.
   if (op.dtype == DType::kBool) op.dtype = DType::kUInt8;
   flight.op = transport_->start(op);
+  // Launches go onto one stream in order: the mark after a tensor's last chunk covers all of it.
+  if (std::shared_ptr<StreamMark> mark = flight.op->mark()) {
+    for (const ChunkRef& chunk : plan.chunks) {
+      LocalTensor& tensor = tensors_.at(chunk.tensor_id);
+      if (tensor.chunks_unlaunched > 0 && --tensor.chunks_unlaunched == 0 && !tensor.stand_in) {
+        tensor.handle->set_launched(mark);
+      }
+    }
+  }
   in_flight_.push_back(std::move(flight));
 }
 

@@ -82,12 +82,23 @@ class HostFusionBuffer : public FusionBuffer {
   std::vector<uint8_t> bytes_;
 };
 
+// A point on a device transport's stream, right after a launch. A consumer's stream can be made
+// to wait there on the GPU, so it may use the launch's result without the host waiting for it.
+class StreamMark {
+ public:
+  virtual ~StreamMark() = default;
+  // Makes `stream` (a CUDA stream handle of the transport's device) wait until this point is reached.
+  virtual void make_wait(uintptr_t stream) = 0;
+};
+
 // An operation in flight. test() returns true once the data is final; it throws
 // CommError if the operation failed.
 class PendingOp {
  public:
   virtual ~PendingOp() = default;
   virtual bool test() = 0;
+  // Device transports: the stream point after this launch (null: the host must wait for test()).
+  virtual std::shared_ptr<StreamMark> mark() { return nullptr; }
 };
 
 // Lets a transport wake the core the moment a collective completes, instead of the core

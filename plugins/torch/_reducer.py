@@ -94,6 +94,13 @@ class ReducerOptions:
     sparse_as_dense: bool = False  # sparse gradients come back dense (else sparse again)
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`; to a real GPU through pinned memory, so the host does not wait for the stream."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def bucket_limit(ranks: int) -> int | None:
     """The most bytes a bucket holds (0: no limit), or None when buckets are off (COMMSCHED_BUCKET_BYTES=0)."""
     settings = commsched.config()
@@ -125,6 +132,7 @@ class Reducer:
         self._iteration = 0
         self._closed = False  # the current iteration's submissions are complete
         self._masks: dict[int, _Mask] = {}
+        self._sent: dict[str, commsched.Handle] = {}  # the last collective under each gradient name
         self._hooks: dict[int, Any] = {}
         self._buckets: list[_buckets.Bucket] = []
         self._layout_trainable: tuple[bool, ...] | None = None  # what the buckets were built for
@@ -174,7 +182,12 @@ class Reducer:
 
     def _start(self, tensor: torch.Tensor, name: str, priority: int) -> _wire.Outgoing:
         options = self.options
-        return _wire.start_allreduce(
+        # On a GPU the last iteration's collective under this name may be launched but not yet seen
+        # done (finish() does not wait for the GPU); a name is in flight once at a time.
+        previous = self._sent.get(name)
+        if previous is not None and not previous.done():
+            previous.wait(options.timeout)
+        out = _wire.start_allreduce(
             tensor,
             name,
             priority,
@@ -185,6 +198,8 @@ class Reducer:
             ranks=options.ranks,
             **options.core,
         )
+        self._sent[name] = out.work
+        return out
 
     def _submit(self, slot: Slot, used: bool) -> None:
         if slot.record is not None:
@@ -279,7 +294,7 @@ class Reducer:
         # The previous iteration's counts are long done by now; their name is about to be reused.
         self.finish_masks()
         name = f"{self.options.prefix}used"
-        tensor = torch.tensor(counts, dtype=torch.int32).to(self.options.device)
+        tensor = _to_device(torch.tensor(counts, dtype=torch.int32), self.options.device)
         self._masks[self._iteration] = _Mask(tensor, self._start_counts(tensor, name))
         self._iteration += 1
         self._closed = True
@@ -454,7 +469,7 @@ class Reducer:
         """Waits for the used counts of every closed iteration."""
         for mask in self._masks.values():
             if not mask.done:
-                mask.out.finish(self.options.timeout)
+                mask.out.work.wait(self.options.timeout)  # done, not only launched: the name comes back
         self._masks.clear()
 
     def synchronize(self, counts_too: bool = True) -> None:

@@ -39,8 +39,10 @@ std::string unique_id(const Api& api) {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-Work::Work(std::shared_ptr<Communicator> comm, std::unique_ptr<Event> done)
+Work::Work(std::shared_ptr<Communicator> comm, std::shared_ptr<Event> done)
     : comm_(std::move(comm)), done_(std::move(done)) {}
+
+const std::shared_ptr<const Api>& Work::api() const { return comm_->api(); }
 
 Work::~Work() {
   // Only a failed job drops a launch before it finished; its kernels must not outlive the memory.
@@ -159,7 +161,7 @@ std::unique_ptr<Work> Communicator::launch(const WireOp& op) {
     copy_on_stream(piece.data, buffer, piece.bytes);
     buffer += piece.bytes;
   }
-  auto done = std::make_unique<Event>(api_);
+  auto done = std::make_shared<Event>(api_);
   api_->check_cuda(api_->cudaEventRecord(done->get(), stream_), "cudaEventRecord (commsched stream)");
   return std::make_unique<Work>(shared_from_this(), std::move(done));
 }

@@ -26,15 +26,18 @@ class Communicator;
 // memory that is about to be freed.
 class Work {
  public:
-  Work(std::shared_ptr<Communicator> comm, std::unique_ptr<Event> done);
+  Work(std::shared_ptr<Communicator> comm, std::shared_ptr<Event> done);
   ~Work();
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
   bool test();  // true once the GPU finished; throws with NCCL's message if the communicator failed
+  // The event after the launch on commsched's stream, which a consumer's stream may wait on.
+  const std::shared_ptr<Event>& done_event() const { return done_; }
+  const std::shared_ptr<const Api>& api() const;
 
  private:
   std::shared_ptr<Communicator> comm_;
-  std::unique_ptr<Event> done_;
+  std::shared_ptr<Event> done_;
   bool finished_ = false;
 };
 

@@ -11,6 +11,21 @@ namespace {
 // How long rank 0's unique id may take to reach every rank: the others may still be importing.
 constexpr double kBootstrapTimeoutS = 300.0;
 
+// The event after a launch, for a consumer's stream to wait on (cudaStreamWaitEvent: no host wait).
+class EventMark : public StreamMark {
+ public:
+  EventMark(std::shared_ptr<const Api> api, std::shared_ptr<Event> event)
+      : api_(std::move(api)), event_(std::move(event)) {}
+  void make_wait(uintptr_t stream) override {
+    api_->check_cuda(api_->cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_->get(), 0),
+                     "cudaStreamWaitEvent (a consumer waiting for commsched's stream)");
+  }
+
+ private:
+  std::shared_ptr<const Api> api_;
+  std::shared_ptr<Event> event_;
+};
+
 class NcclPending : public PendingOp {
  public:
   explicit NcclPending(std::unique_ptr<Work> work) : work_(std::move(work)) {}
@@ -20,6 +35,9 @@ class NcclPending : public PendingOp {
     } catch (const std::exception& error) {
       throw CommError(error.what());
     }
+  }
+  std::shared_ptr<StreamMark> mark() override {
+    return std::make_shared<EventMark>(work_->api(), work_->done_event());
   }
 
  private:
