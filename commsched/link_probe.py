@@ -184,7 +184,12 @@ def fit_to_link(
     Without link settings and without a transport to time (gRPC, NCCL), the static defaults stay.
     """
     unset = [name for name in _SIZE_SETTINGS if name not in user_given]
-    if size < 2 or not unset:
+    if size < 2:
+        # One rank has no link to cut collectives for: a partition would only add launches.
+        if "partition_bytes" in user_given:
+            return settings
+        return dataclasses.replace(settings, partition_bytes=0)
+    if not unset:
         return settings
     bandwidth, latency = settings.link_bandwidth, settings.link_latency
     if (bandwidth is None or latency is None) and kind in ("mpi", "gloo"):
