@@ -56,3 +56,31 @@ def test_mpiexec_two_ranks_cuda_path_over_the_fake_nccl(fake_nccl: tuple[Path, o
 def test_torchrun_gloo_two_ranks() -> None:
     """Under torchrun: the Gloo transport, no MPI involved."""
     _check(launch("torchrun", 2, "equivalence.py", "--broadcast"), ranks=2, configs=8, broadcast=True)
+
+
+def _check_buckets(result: object, ranks: int, cases: int) -> None:
+    output = result.stdout  # type: ignore[attr-defined]
+    assert result.returncode == 0, output[-4000:]  # type: ignore[attr-defined]
+    passes = re.findall(r"PASS (\S+)", unglue(output, "PASS ", "FAIL "))
+    assert len(passes) == ranks * cases * 2, output[-4000:]  # barrier and overlap
+
+
+@needs_mpi
+def test_mpiexec_buckets_follow_layout_changes() -> None:
+    """Buckets against one process on the whole batch: a layer unfrozen and one frozen mid-training,
+    many small buckets, buckets off, and a sparse embedding with two passes per step."""
+    _check_buckets(launch("mpiexec", 2, "bucket_cases.py", timeout=120), ranks=2, cases=5)
+
+
+@needs_mpi
+def test_mpiexec_three_ranks_buckets_on_a_slow_fake_gpu(
+    fake_nccl: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA path at three ranks (fake NCCL summing across processes) with every stream operation
+    2 ms late: buckets, layout changes and both modes still give the one-process weights."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
+    monkeypatch.setenv("FAKE_CUDA_DELAY_US", "2000")
+    library = str(fake_nccl[0])
+    cases = "unfreeze,freeze,small,off"
+    result = launch("mpiexec", 3, "bucket_cases.py", "--fake-gpu", library, "--cases", cases, timeout=180)
+    _check_buckets(result, ranks=3, cases=4)

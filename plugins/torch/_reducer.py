@@ -56,6 +56,9 @@ class Slot:
     flight: _buckets.Bucket | None = None
     flight_used: bool = False
     flight_sparse: bool = False
+    # That bucket's view and guard: a new layout may rebind `view` and `guard` while it is in flight.
+    flight_view: torch.Tensor | None = None
+    flight_guard: _guard.InFlightGrad | None = None
 
     def bind(self, bucket: _buckets.Bucket, view: torch.Tensor) -> None:
         """Makes `view` (in `bucket`) this parameter's gradient storage from the next iteration on."""
@@ -232,6 +235,8 @@ class Reducer:
             param = slot.param
             grad = param.grad
             slot.flight = bucket
+            slot.flight_view = slot.view
+            slot.flight_guard = slot.guard
             slot.flight_used = slot.used
             slot.flight_sparse = False
             if slot.used:
@@ -380,11 +385,11 @@ class Reducer:
     def _member_result(self, slot: Slot, iteration: int) -> tuple[torch.Tensor | None, bool]:
         """(gradient to use, whether to replace .grad) for a member of a bucket that just finished."""
         slot.flight = None
-        if slot.guard is not None:
-            slot.guard._cs_settle = None  # type: ignore[assignment]
+        if slot.flight_guard is not None:
+            slot.flight_guard._cs_settle = None  # type: ignore[assignment]
         if not slot.flight_used and not self._used_anywhere(iteration, slot):
             return None, False
-        view = slot.view
+        view = slot.flight_view
         assert view is not None
         if slot.flight_sparse and not self.options.sparse_as_dense:
             return view.to_sparse(), True
@@ -424,7 +429,7 @@ class Reducer:
             for slot in bucket.slots:
                 current = slot.param.grad
                 sparse = slot.flight_sparse
-                in_flight = slot.flight_used and not sparse and current is slot.guard
+                in_flight = slot.flight_used and not sparse and current is slot.flight_guard
                 grad, replace = self._member_result(slot, bucket.iteration)
                 keep = grad if in_flight or (sparse and current is not None) else current
                 if replace:
@@ -506,7 +511,7 @@ class Reducer:
             if record is not None and record.guard is not None and slot.param.grad is record.guard:
                 grad = record.out.target
                 slot.param.grad = None if set_to_none else torch.zeros_like(grad)
-            elif slot.flight is not None and slot.param.grad is slot.guard:
+            elif slot.flight is not None and slot.param.grad is slot.flight_guard:
                 slot.param.grad = None if set_to_none else torch.zeros_like(slot.param)
 
     def remove(self) -> None:
