@@ -185,11 +185,7 @@ class Reducer:
 
     def _start(self, tensor: torch.Tensor, name: str, priority: int) -> _wire.Outgoing:
         options = self.options
-        # On a GPU the last iteration's collective under this name may be launched but not yet seen
-        # done (finish() does not wait for the GPU); a name is in flight once at a time.
-        previous = self._sent.get(name)
-        if previous is not None and not previous.done():
-            previous.wait(options.timeout)
+        self._free_name(name)
         out = _wire.start_allreduce(
             tensor,
             name,
@@ -203,6 +199,16 @@ class Reducer:
         )
         self._sent[name] = out.work
         return out
+
+    def _free_name(self, name: str) -> None:
+        """Waits for the last collective under `name` to be done, where it is only launched.
+
+        On a GPU finish() returns once the collective is launched and the stream waits for it, so
+        the last iteration's may not be seen done yet; a name is in flight once at a time.
+        """
+        previous = self._sent.get(name)
+        if previous is not None and not previous.done():
+            previous.wait(self.options.timeout)
 
     def _submit(self, slot: Slot, used: bool) -> None:
         if slot.record is not None:
@@ -306,7 +312,10 @@ class Reducer:
         self._relayout()
 
     def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
-        return _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
+        self._free_name(name)
+        out = _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
+        self._sent[name] = out.work
+        return out
 
     # -- buckets ----------------------------------------------------------------------------
     def _relayout(self) -> None:
@@ -474,7 +483,7 @@ class Reducer:
         """Waits for the used counts of every closed iteration."""
         for mask in self._masks.values():
             if not mask.done:
-                mask.out.work.wait(self.options.timeout)  # done, not only launched: the name comes back
+                mask.out.finish(self.options.timeout)
         self._masks.clear()
 
     def synchronize(self, counts_too: bool = True) -> None:
