@@ -6,9 +6,11 @@
 Sections: (a) the tests that need a GPU (pytest; they skip without one), (b) correctness through
 commsched of every dtype and op, a partitioned and a fused case, and tensors written late on a side
 stream and on the per-thread default stream, each compared exactly with a host reference, (c) time
-per allreduce from 4 B up through commsched and through raw NCCL on the same device, and (d) a CUDA
-training run of examples/torch_train.py. Exit status 0 only when every check passed; the timings
-are reported, never judged.
+per allreduce from 4 B up through commsched and through raw NCCL on the same device, (d) a CUDA
+training run of examples/torch_train.py, and (e) training step time of ResNet-50, ViT-B/16 and
+GPT-2 without communication, under DDP and under commsched's two modes, plus a torch.compile'd
+model trained through commsched (benchmarks/gpu_step_time.py; its JSON goes beside --out's).
+Exit status 0 only when every check passed; the timings are reported, never judged.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+import gpu_step_time  # beside this file: the script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "gpu_check_worker.py"
+STEP_TIME = ROOT / "benchmarks" / "gpu_step_time.py"
 # The tests that need a GPU; each skips without one.
 GPU_TESTS = (
     "tests/test_torch_cuda.py",
@@ -183,6 +188,24 @@ def training(env: dict[str, str], epochs: int) -> dict[str, Any]:
     return result
 
 
+def step_time(env: dict[str, str], out: Path, *options: str) -> tuple[dict[str, Any], str]:
+    """(e) gpu_step_time.py, one process per variant; returns (its JSON, its table as printed)."""
+    command = [sys.executable, str(STEP_TIME), "--out", str(out), *options]
+    out.unlink(missing_ok=True)  # a JSON left by an earlier run must not pass for this one's
+    try:
+        # stderr passes through: one progress line per variant while the section runs.
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=False, timeout=3600
+        )
+    except subprocess.TimeoutExpired as error:
+        problem = f"did not finish within {error.timeout}s"
+        return {"ran": True, "passed": False, "problem": problem, "rows": [], "compile": []}, ""
+    if not out.exists():
+        problem = f"exited {done.returncode} without writing {out}: {done.stdout[-800:]}"
+        return {"ran": True, "passed": False, "problem": problem, "rows": [], "compile": []}, done.stdout
+    return {"ran": True, "command": " ".join(command[1:]), **json.loads(out.read_text())}, done.stdout
+
+
 def _fake_library(folder: Path) -> dict[str, str]:
     """Builds tests/fake_cuda.py's library; the variables that make commsched load it."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -228,6 +251,14 @@ def print_table(result: dict[str, Any]) -> None:
         )
     else:
         print(f"\n(d) training: skipped ({run['reason']})")
+    timed = result["step_time"]
+    if not timed["ran"]:
+        print(f"\n(e) step time: skipped ({timed['reason']})")
+    elif timed.get("problem"):
+        print(f"\n(e) step time: [FAIL] {timed['problem']}")
+    else:
+        print(f"\n(e) step time  [{mark[timed['passed']]}]")
+        print("\n".join(f"  {line}" for line in gpu_step_time.table_lines(timed)))
     print(f"\noverall: {mark[result['passed']]}  (JSON: {result['out']})")
 
 
@@ -242,6 +273,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the --fake correctness run (mpiexec)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the training run")
     parser.add_argument("--skip-tests", action="store_true", help="leave out (a), the pytest section")
+    parser.add_argument("--skip-step-time", action="store_true", help="leave out (e), the step-time section")
     parser.add_argument(
         "--corrupt-rank",
         type=int,
@@ -270,12 +302,18 @@ def main() -> int:
             result["training"] = {"ran": False, "passed": True, "reason": reason}
         else:
             result["training"] = training(env, args.epochs)
+        if args.fake or args.skip_step_time:
+            reason = "--skip-step-time" if args.skip_step_time else "--fake: no GPU to time training on"
+            result["step_time"] = {"ran": False, "passed": True, "reason": reason}
+        else:
+            result["step_time"], _ = step_time(env, out.with_name("gpu_step_time.json"))
     result["passed"] = bool(
         rows
         and not problem
         and all(r["passed"] for r in rows)
         and result["gpu_tests"]["passed"]
         and result["training"]["passed"]
+        and result["step_time"]["passed"]
     )
     result["out"] = str(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds commsched in place and checks its GPU path on this machine: GPU tests, correctness of every
-# dtype and op, allreduce time against raw NCCL, and a CUDA training run. Table on stdout, JSON in
-# out/gpu_check.json (--out to change). Needs no internet: python3 must already have PyTorch with
-# CUDA and NCCL (CuPy optional). --fake runs without a GPU on tests/fake_cuda.py's library (2 ranks,
+# dtype and op, allreduce time against raw NCCL, a CUDA training run, and training step time against
+# DDP (benchmarks/gpu_step_time.py: ResNet-50, ViT-B/16, GPT-2, torch.compile). Table on stdout, JSON
+# in out/gpu_check.json and out/gpu_step_time.json (--out to change). Needs no internet: python3 must
+# already have PyTorch with CUDA and NCCL (CuPy, torchvision and transformers optional: without
+# transformers the GPT-2 row is skipped; --skip-step-time leaves the section out). --fake runs without a GPU on tests/fake_cuda.py's library (2 ranks,
 # mpiexec). Exit status 0 only when every check passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -76,3 +76,62 @@ def test_merge_fails_a_row_when_any_rank_failed() -> None:
     merged = worker.merge([[good, good], [good, bad]])
     assert merged[0]["passed"] and not merged[1]["passed"]
     assert merged[1]["detail"] == "rank 1: 3 of 9 wrong"
+
+
+def test_step_time_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    """Section (e) on the CPU (--quick: tiny models, Gloo for DDP): every variant of every model runs in a
+    process of its own and reports its times, and commsched's launches per step; the compile'd model's
+    losses in barrier mode equal eager's. GPT-2 is a skipped row where transformers is missing."""
+    import gpu_check
+    import gpu_step_time
+
+    out = tmp_path / "gpu_step_time.json"
+    result, printed = gpu_check.step_time(clean_rank_env(ROOT), out, "--device", "cpu", "--quick")
+    assert result["passed"], printed + json.dumps(result, indent=1)[-3000:]
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    rows = {(r["model"], r["variant"]): r for r in result["rows"]}
+    expected = [(m, v) for m in ("resnet50", "vit_b_16") for v in gpu_step_time.VARIANTS]
+    if gpu_step_time.missing("gpt2"):
+        assert "transformers" in rows[("gpt2", None)]["skipped"]
+    else:
+        expected += [("gpt2", v) for v in gpu_step_time.VARIANTS]
+    assert sorted(k for k in rows if k[1] is not None) == sorted(expected)
+    for (model, variant), row in rows.items():
+        if variant is None:
+            continue
+        assert len(row["ms"]) == 2 and row["min_ms"] <= row["median_ms"] <= row["max_ms"], row
+        assert row["vs_ddp"] == pytest.approx(row["median_ms"] / rows[(model, "ddp")]["median_ms"])
+        if variant in ("barrier", "overlap"):
+            assert row["launches_per_step"] > 0 and row["fused_per_step"] >= 0, row
+            assert row["launch_target"] == max(8.0, row["parameters"] / 16)
+            assert isinstance(row["within_2pct_of_ddp"], bool) and isinstance(
+                row["launches_within_target"], bool
+            )
+        else:
+            assert "launches_per_step" not in row
+    # The same model, seed and data under each variant: one rank's average is the gradient itself.
+    for model in ("resnet50", "vit_b_16"):
+        losses = {rows[(model, v)]["last_loss"] for v in gpu_step_time.VARIANTS}
+        assert max(losses) - min(losses) < 1e-5, (model, losses)
+    compiled = {r["mode"]: r for r in result["compile"]}
+    assert compiled["barrier"]["judged"] and compiled["barrier"]["max_loss_difference"] <= 1e-5
+    assert not compiled["overlap"]["judged"]
+    lines = printed.splitlines()
+    assert "median ms" in lines[1] and "vs DDP" in lines[1] and "launches/step" in lines[1]
+    for label in gpu_step_time.LABELS.values():
+        assert sum(label in line for line in lines) >= 2, printed
+    assert sum(line.startswith("  torch.compile (aot_eager)") for line in lines) == 2, printed
+    assert lines == gpu_step_time.table_lines(result) + [lines[-1]] and "step time: PASS" in lines[-1]
+
+
+def test_replicas_have_torchvisions_parameter_tensors() -> None:
+    """Without torchvision the step-time section builds ResNet-50 and ViT-B/16 itself, with the same
+    parameter tensors (count and elements) as torchvision's models."""
+    torch = pytest.importorskip("torch")
+    import gpu_step_time
+
+    with torch.device("meta"):  # shapes only: no 450 MB of weights to initialise
+        resnet, vit = gpu_step_time.resnet50_replica(), gpu_step_time.vit_b_16_replica()
+    for model, tensors, elements in ((resnet, 161, 25_557_032), (vit, 152, 86_567_656)):
+        assert gpu_step_time.parameter_tensors(model) == tensors
+        assert sum(p.numel() for p in model.parameters()) == elements
