@@ -55,6 +55,8 @@ OPTIMIZER = [
     "compression-objects",
     "groups-accepted",
     "broadcast-state",
+    "parameter-names",
+    "outside-the-process-set",
 ]
 
 

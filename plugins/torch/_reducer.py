@@ -94,7 +94,10 @@ class ReducerOptions:
     postscale: float = 1.0
     ranks: int | None = None  # ranks that average (a process set's size); None: all
     core: dict[str, Any] = field(default_factory=dict)  # further arguments for commsched (process_set)
-    sparse_as_dense: bool = False  # sparse gradients come back dense (else sparse again)
+    # Horovod's sparse_as_dense: sparse gradients travel dense. They always do here (every rank then
+    # submits one shape), and come back sparse either way, as Horovod gives them back.
+    sparse_as_dense: bool = False
+    member: bool = True  # this rank belongs to the process set; otherwise it keeps its own gradients
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -144,6 +147,9 @@ class Reducer:
 
     def _hook_trainable(self) -> None:
         # Frozen parameters cannot carry hooks; one unfrozen later is hooked when the iteration closes.
+        # A rank outside the optimizer's process set reduces nothing: it keeps its own gradients.
+        if not self.options.member:
+            return
         for slot in self.slots:
             if slot.param.requires_grad and slot.index not in self._hooks:
                 self._hooks[slot.index] = slot.param.register_post_accumulate_grad_hook(self._on_grad)
@@ -221,7 +227,7 @@ class Reducer:
                 grad = grad.as_subclass(torch.Tensor)
             elif grad is not None and grad.is_sparse:
                 # Embedding(sparse=True): reduced densely (every rank submits the same shape), given back
-                # sparse unless sparse_as_dense. The sparse .grad stays readable meanwhile.
+                # sparse. The sparse .grad stays readable meanwhile.
                 grad, sparse = grad.to_dense(), True
         else:
             grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
@@ -278,6 +284,9 @@ class Reducer:
     def close(self) -> None:
         """Ends the iteration: zeros for trainable parameters with no gradient here, then the used counts."""
         if self._closed:
+            return
+        if not self.options.member:
+            self._closed = True
             return
         self.settle_previous()
         counts = [0] * len(self.slots)
@@ -377,7 +386,7 @@ class Reducer:
         slot.record = None
         if record.guard is not None:
             _guard.release(record.guard)
-        if record.sparse and not self.options.sparse_as_dense:
+        if record.sparse:
             reduced = reduced.to_sparse()
         if record.used or self._used_anywhere(record.iteration, slot):
             return reduced, True
@@ -400,7 +409,7 @@ class Reducer:
             return None, False
         view = slot.flight_view
         assert view is not None
-        if slot.flight_sparse and not self.options.sparse_as_dense:
+        if slot.flight_sparse:
             return view.to_sparse(), True
         return view, True
 

@@ -23,6 +23,7 @@ from commsched.torch.compression import Compression
 
 import commsched
 import torch
+from commsched import _horovod
 from commsched._horovod import Average, global_process_set
 
 _instances = itertools.count()
@@ -115,6 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ranks=how.ranks,
             core=how.core,
             sparse_as_dense=sparse_as_dense,
+            member=_horovod.is_global(process_set) or commsched.rank() in _horovod.ranks_of(process_set),
         )
         self._synchronized = False  # synchronize() ran since the last step()
         self._skip_synchronize = False
@@ -223,6 +225,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._waits is not None:
             self._waits.set_reached(order, self._unowned())
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each parameter's wire name, as Horovod's DistributedOptimizer keeps them (the same on every rank)."""
+        return {slot.param: slot.label for slot in self._reducer.slots}
+
     def buckets(self) -> list[list[str]]:
         """The parameters of each gradient bucket, by name, in the order they are sent (empty in the first step)."""
         return list(self._reducer.buckets().values())
@@ -271,6 +278,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Barrier mode: waits for all gradients, then steps. Overlap mode: closes the iteration."""
+        if not self._options.member:  # outside the process set: a plain optimizer on its own gradients
+            step = self._inner.step if closure is None else lambda: self._inner.step(closure)
+            return self._updating([p for g in self._inner.param_groups for p in g["params"]], step)
         if self._overlap:
             if closure is not None:
                 raise ValueError("step(closure) needs every gradient at once; use overlap_forward=False")

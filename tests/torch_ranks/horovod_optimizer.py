@@ -2,7 +2,8 @@
 
 Horovod-style wrapping (named_parameters=, no model=): the predivide factor, op=Sum, clipping
 between synchronize() and step() inside skip_synchronize() (and the warning without it),
-sparse embedding gradients (kept sparse, or dense with sparse_as_dense), Compression
+sparse embedding gradients (sparse again after the reduction, with or without sparse_as_dense, as
+Horovod gives them back), Compression
 objects, num_groups/groups, and refusals of bad arguments. Prints PASS/FAIL per check.
 """
 
@@ -222,18 +223,14 @@ def main() -> int:
     def sparse(as_dense: bool) -> Callable[[], None]:
         def test() -> None:
             model = fresh(EmbedNet)
-            make = (
-                (lambda p: torch.optim.Adam(p, lr=0.05))
-                if as_dense
-                else (lambda p: torch.optim.SGD(p, lr=0.5))
-            )
+            make = lambda p: torch.optim.SGD(p, lr=0.5)  # takes sparse and dense gradients
             optimizer = hvd.DistributedOptimizer(
                 make(model.parameters()), named_parameters=model.named_parameters(), sparse_as_dense=as_dense
             )
             want = reference(model, make)
             seen: list[torch.Tensor] = []
             train(model, optimizer, seen=seen)
-            assert all(g.is_sparse != as_dense for g in seen), [g.layout for g in seen]
+            assert seen and all(g.is_sparse for g in seen), [g.layout for g in seen]
             compare("sparse", model, want)
 
         return test
@@ -286,7 +283,44 @@ def main() -> int:
                     f"state {index}.{key} differs from rank 0"
                 )
 
+    def parameter_names() -> None:
+        # Horovod's optimizer keeps {parameter: name}; without named_parameters the names are
+        # made up, unique, and the same on every rank.
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+        names = optimizer._parameter_names
+        assert len(names) == 4 and len(set(names.values())) == 4, names
+        assert set(names) == set(model.parameters())
+        everyone = hvd.allgather_object(sorted(names.values()))
+        assert all(theirs == everyone[0] for theirs in everyone), everyone
+
+    def outside_the_process_set() -> None:
+        # A rank outside the optimizer's process set keeps its own gradients (Horovod's rule): with
+        # a set of rank 0 alone, every rank ends where a plain optimizer on its own shard ends.
+        rank = hvd.rank()
+        first = hvd.add_process_set([0])
+        try:
+            model = fresh()
+            local = copy.deepcopy(model)
+            optimizer = hvd.DistributedOptimizer(
+                sgd(model.parameters()), named_parameters=model.named_parameters(), process_set=first
+            )
+            plain = sgd(local.parameters())
+            x, y = data(hvd.size())
+            for step in range(ITERATIONS):
+                for m, opt in ((model, optimizer), (local, plain)):
+                    opt.zero_grad()
+                    loss_of(m, x, y, rank, step).backward()
+                    opt.step()
+            compare("outside-the-process-set", model, local, 1e-6)
+        finally:
+            hvd.barrier()
+            hvd.remove_process_set(first)
+
     for label, test in [
+        ("parameter-names", parameter_names),
+        ("outside-the-process-set", outside_the_process_set),
         ("named-parameters-missing", named_parameters_missing),
         ("arguments-refused", arguments_refused),
         ("predivide", predivide),
