@@ -55,6 +55,8 @@ COMPILE_TOLERANCE = {"cuda": 1e-4, "cpu": 1e-5}
 # A worker normally takes 10-30 s (inductor's first compile up to a minute); a hung one must not eat
 # the GPU session.
 WORKER_TIMEOUT_S = {"full": 180, "quick": 120}
+# Errors of torch.compile's backend, not of commsched: the compile rows retry with aot_eager.
+BACKEND_FAILURES = ("BackendCompilerFailed", "InductorError", "CppCompileError", "CUDACompileError")
 
 Row = dict[str, Any]
 
@@ -519,6 +521,17 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_compile:
             for mode in COMPILE_MODES:
                 row = {"mode": mode, **_spawn(args, env, folder, "--variant", f"compile-{mode}")}
+                if row.get("error", "").startswith(BACKEND_FAILURES) and args.compile_backend != "aot_eager":
+                    # The backend itself (a compiler, Triton) is broken here: say so, and still find out
+                    # whether commsched trains a compiled model, with the backend that needs neither.
+                    problem = f"{args.compile_backend} failed: {row['error'][:300]}"
+                    retry = (
+                        "--variant",
+                        f"compile-{mode}",
+                        "--compile-backend",
+                        "aot_eager",
+                    )  # the last wins
+                    row = {"mode": mode, **_spawn(args, env, folder, *retry), "backend_problem": problem}
                 row["tolerance"] = COMPILE_TOLERANCE[args.device]
                 # Barrier mode is judged; overlap mode is reported (see the module docstring).
                 row["judged"] = mode == "barrier"
@@ -601,6 +614,8 @@ def table_lines(result: dict[str, Any]) -> list[str]:
                 f"max loss difference {row['max_loss_difference']:.2e} over {row['steps']} steps "
                 f"(tolerance {row['tolerance']:.0e}), {row['launches']} launches"
             )
+        if row.get("backend_problem"):
+            detail += f"; {row['backend_problem'][:200]}"
         lines.append(
             f"  torch.compile ({row.get('backend')}), commsched {row['mode']}: {verdict}{judged} {detail}"
         )
