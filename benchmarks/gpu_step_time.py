@@ -196,7 +196,12 @@ def build(model: str, quick: bool, device: Any) -> tuple[Any, Callable[[Any], An
 
     generator = torch.Generator().manual_seed(1)
     if model == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except Exception as error:  # installed but broken (built for another torch, say)
+            raise Unavailable(
+                f"transformers cannot be imported here: {type(error).__name__}: {error}"
+            ) from error
 
         if quick:
             config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
@@ -217,18 +222,26 @@ def build(model: str, quick: bool, device: Any) -> tuple[Any, Callable[[Any], An
         batch, image, classes = 4, 32, 10
     else:
         batch, image, classes = (64 if model == "resnet50" else 32), 224, 1000
+        module, why = None, "torchvision is not installed"
         if importlib.util.find_spec("torchvision") is not None:
-            import torchvision
+            try:
+                import torchvision
 
-            module = getattr(torchvision.models, model)(weights=None)
-            source = f"torchvision {torchvision.__version__}"
-        else:
+                module = getattr(torchvision.models, model)(weights=None)
+                source = f"torchvision {torchvision.__version__}"
+            except Exception as error:  # noqa: BLE001 - a torchvision built for another torch fails here
+                why = f"torchvision failed: {type(error).__name__}: {str(error)[:200]}"
+        if module is None:
             module = resnet50_replica() if model == "resnet50" else vit_b_16_replica()
-            source = "replica with torchvision's parameter tensors (torchvision is not installed)"
+            source = f"replica with torchvision's parameter tensors ({why})"
     module = module.to(device)
     x = torch.randn(batch, 3, image, image, generator=generator).to(device)
     y = torch.randint(0, classes, (batch,), generator=generator).to(device)
     return module, lambda net: F.cross_entropy(net(x), y), source
+
+
+class Unavailable(Exception):
+    """A model this machine cannot build (its package is missing or broken): a skipped row, not a failure."""
 
 
 def parameter_tensors(module: Any) -> int:
@@ -408,6 +421,8 @@ def worker_main(args: argparse.Namespace) -> int:
     try:
         row = run_compile(args) if args.variant.startswith("compile-") else run_variant(args)
         code = 0
+    except Unavailable as reason:
+        row, code = {"skipped": str(reason)[:400]}, 0
     except Exception as error:  # noqa: BLE001 - the parent reports it as this row's failure
         traceback.print_exc()
         row, code = _failure(error), 1
@@ -436,6 +451,8 @@ def child_env() -> dict[str, str]:
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"
+    # The models are built from configs; nothing may wait on a network the GPU machine does not have.
+    env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
 
@@ -480,10 +497,13 @@ def _summarise(rows: list[Row]) -> None:
 
 
 def _git_commit() -> str | None:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+    except OSError:  # no git on the machine
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -514,6 +534,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             rows = []
             for variant in args.variants:
                 row = _spawn(args, env, folder, "--model", model, "--variant", variant)
+                if row.get("skipped"):  # found out in the worker: the other variants would find the same
+                    rows = [{"model": model, "variant": None, "skipped": row["skipped"]}]
+                    break
                 rows.append({"model": model, "variant": variant, **row})
                 _report_progress(rows[-1])
             _summarise(rows)
