@@ -91,16 +91,8 @@ def test_compiled_model_in_barrier_mode_matches_eager() -> None:
 
 
 @pytest.mark.usefixtures("loopback")
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="overlap_forward's per-module forward pre-hooks run inside the compiled call, where Dynamo "
-    "tries to compile the frames they call (Reducer.settle -> _guard.release) and probes the in-flight "
-    "gradient (InFlightGrad._is_view), which the guard treats as a read and refuses in overlap mode; "
-    "the hooks need torch.compiler.disable",
-)
 def test_compiled_model_in_overlap_mode_matches_eager() -> None:
-    """Overlap mode with a compiled model; aot_eager, since the failure is in Dynamo, before any backend."""
+    """Overlap mode with a compiled model: its per-module waits run eagerly between compiled pieces."""
     _compiled_run("aot_eager", overlap=True)
 
 

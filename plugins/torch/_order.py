@@ -41,6 +41,20 @@ class _Hook:
         return _make_inert, ()
 
 
+class _EagerHook(_Hook):
+    """A _Hook that torch.compile runs eagerly, outside the compiled graph.
+
+    The per-module waits of overlap mode finish reductions and run the optimizer: host work that
+    Dynamo would otherwise try to trace, probing the in-flight gradients it finds (their guard
+    takes any such probe for a read of values still being reduced). A graph break per module with
+    parameters is the price, in overlap mode only.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        super().__init__(disable(function) if disable is not None else function)
+
+
 class ForwardOrder:
     """Records, during the model's next forward pass, the order in which parameters are reached."""
 
@@ -90,9 +104,13 @@ class ModuleWaits:
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in params]
             if module is model:
-                self._handles.append(module.register_forward_pre_hook(_Hook(self._before_root), prepend=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(_EagerHook(self._before_root), prepend=True)
+                )
             elif own:
-                self._handles.append(module.register_forward_pre_hook(_Hook(self._before(own)), prepend=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(_EagerHook(self._before(own)), prepend=True)
+                )
         self._extra: list[torch.Tensor] = []
 
     def _before(self, own: list[torch.Tensor]) -> Callable[[torch.nn.Module, Any], None]:
