@@ -47,6 +47,17 @@ def test_uneven_epochs_end_in_join(transport: str, ranks: int) -> None:
             assert f"rank {rank}: TORCH JOIN OK" in output, output[-6000:]
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_join_takes_part_in_process_sets(transport: str) -> None:
+    """Sets {0,1}, {1,2}, {0,1,2}; rank 0 joins: allreduces on its sets get its zeros, the kinds that
+    cannot take zeros fail at once naming rank 0, a barrier completes; nothing waits for the stall limit."""
+    if not TRANSPORTS[transport]:
+        pytest.skip(f"{transport} is not available here")
+    output = _run(transport, 3, ["--sets"])
+    for rank in range(3):
+        assert f"rank {rank}: JOIN IN SETS OK" in output, output[-6000:]
+
+
 @pytest.mark.skipif(not HAVE_TF or not TRANSPORTS["grpc"], reason="needs tensorflow and grpcio")
 def test_tensorflow_eager_join() -> None:
     """commsched.tensorflow: the ranks still stepping reduce with the joined rank's zeros; join() agrees."""

@@ -593,10 +593,13 @@ std::vector<StalledTensor> Agreement::stalled(double now_s, double older_than_s)
   std::vector<StalledTensor> result;
   for (const auto& [name, entry] : pending_) {
     if (now_s - entry.first_seen_s < older_than_s) continue;
-    StalledTensor stalled{name, {}, {}, now_s - entry.first_seen_s};
+    StalledTensor stalled{name, {}, {}, now_s - entry.first_seen_s, {}};
     auto set = process_sets_.find(entry.process_set);
     const std::vector<int>& ranks = set == process_sets_.end() ? all_ranks_ : set->second;  // removed: say all
-    for (int r : ranks) (entry.by_rank[r] ? stalled.ready_ranks : stalled.missing_ranks).push_back(r);
+    for (int r : ranks) {
+      (entry.by_rank[r] ? stalled.ready_ranks : stalled.missing_ranks).push_back(r);
+      if (!entry.by_rank[r] && joined_[r]) stalled.joined_ranks.push_back(r);
+    }
     result.push_back(std::move(stalled));
   }
   return result;

@@ -81,6 +81,7 @@ struct StalledTensor {
   std::vector<int> ready_ranks;
   std::vector<int> missing_ranks;
   double waiting_s = 0;
+  std::vector<int> joined_ranks;  // of missing_ranks, those that joined: they wait for the others too
 };
 
 class Agreement {
@@ -115,8 +116,8 @@ class Agreement {
   // True while `rank` has joined and not every rank has yet.
   bool has_joined(int rank) const { return joined_[static_cast<size_t>(rank)] != 0; }
 
-  // Process sets: a collective on one is agreed once every member reported it, and only they
-  // launch it. Every rank registers the same sets under the same ids before any report names them.
+  // Process sets: a collective on one is agreed once every member reported it (or joined), and only
+  // they launch it. Every rank registers the same sets under the same ids before any report names them.
   void add_process_set(int32_t id, std::vector<int> ranks);
   void remove_process_set(int32_t id);
   // The ranks of process set `id`, ascending (0: every rank). Throws CommError for an unknown id.
@@ -157,7 +158,7 @@ class Agreement {
   // report that could name it by its old meaning has been applied.
   void cache_agreed();
   void forget_least_recent();
-  // True once every rank has announced the entry or joined.
+  // True once every member of the entry's process set has announced it or joined.
   bool covered(const Pending& entry) const;
   // Records `rank`'s join: closes what it alone held back, and ends the join once every rank has.
   void mark_joined(int rank, CycleOutcome& outcome);

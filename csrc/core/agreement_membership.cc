@@ -1,5 +1,5 @@
-// Who takes part in an entry: the members of its process set, and on the set of every rank, the
-// ranks that joined() stand in for what they did not announce.
+// Who takes part in an entry: the members of its process set; of them, the ranks that joined() stand
+// in for what they did not announce (zeros for an allreduce; the other kinds fail naming them).
 #include <algorithm>
 
 #include "agreement.h"
@@ -24,8 +24,14 @@ const std::vector<int>& Agreement::members(int32_t id) const {
 }
 
 bool Agreement::covered(const Pending& entry) const {
-  if (entry.process_set != 0) return false;  // join() covers the set of every rank only
-  for (int r = 0; r < size_; ++r) {
+  const std::vector<int>* ranks = &all_ranks_;
+  if (entry.process_set != 0) {
+    auto set = process_sets_.find(entry.process_set);
+    if (set == process_sets_.end()) return false;  // removed meanwhile: nobody stands in for it
+    ranks = &set->second;
+  }
+  // A joined rank stands in for the collectives of every set it is a member of.
+  for (int r : *ranks) {
     if (!entry.by_rank[r] && !joined_[r]) return false;
   }
   return true;

@@ -459,9 +459,13 @@ void Runtime::check_stalls(double now) {
   std::string worst;
   for (const StalledTensor& tensor : stalled) {
     auto warned = stall_warned_at_s_.find(tensor.name);
-    const std::string line = "'" + tensor.name + "' ready on ranks " + join_ranks(tensor.ready_ranks) +
-                             " but not on ranks " + join_ranks(tensor.missing_ranks) + " for " +
-                             std::to_string(static_cast<int>(tensor.waiting_s)) + "s";
+    std::string line = "'" + tensor.name + "' ready on ranks " + join_ranks(tensor.ready_ranks) +
+                       " but not on ranks " + join_ranks(tensor.missing_ranks) + " for " +
+                       std::to_string(static_cast<int>(tensor.waiting_s)) + "s";
+    if (!tensor.joined_ranks.empty()) {
+      line += " (ranks " + join_ranks(tensor.joined_ranks) +
+              " called join() and stand in for it; it waits for the others)";
+    }
     if (settings_.stall_shutdown_s > 0 && tensor.waiting_s >= settings_.stall_shutdown_s && worst.empty()) {
       worst = line;
     }

@@ -82,7 +82,10 @@ void Runtime::apply_outcome(const CycleOutcome& outcome) {
     const TensorSpec& agreed = outcome.agreed[i];
     const uint64_t id = outcome.agreed_ids[i];
     if (id == kNoLocalTensor) {
-      if (agreed.process_set != 0) continue;  // a set this rank is not in (join() covers every rank only)
+      if (agreed.process_set != 0) {
+        const std::vector<int>& members = agreement_.members(agreed.process_set);
+        if (!std::binary_search(members.begin(), members.end(), rank_)) continue;  // a set this rank is not in
+      }
       // This rank joined: an inline result needs nothing from it, a collective its zeros.
       if (outcome.inline_payloads[i].empty()) queue_stand_in(agreed);
       continue;
@@ -115,7 +118,9 @@ void Runtime::queue_stand_in(const TensorSpec& agreed) {
   LocalTensor stand_in;
   stand_in.spec = agreed;
   // An allgather's own part is empty (the agreed layout says 0 for this rank); an allreduce's is all of it.
-  if (agreed.kind == CollectiveKind::kAllgather) stand_in.spec.count = agreed.layout.at(static_cast<size_t>(rank_));
+  if (agreed.kind == CollectiveKind::kAllgather) {
+    stand_in.spec.count = agreed.layout.at(static_cast<size_t>(position_in(agreement_.members(agreed.process_set), rank_)));
+  }
   stand_in.zeros.assign(stand_in.spec.bytes() / sizeof(uint64_t) + 1, 0);
   stand_in.data = stand_in.zeros.data();
   stand_in.handle = std::make_shared<HandleState>(agreed.name);
@@ -124,7 +129,7 @@ void Runtime::queue_stand_in(const TensorSpec& agreed) {
   stand_in.stand_in = true;
   stand_in.launched = true;  // keeps it off the timeline, which shows this rank's own tensors
   stand_in.layout = agreed.layout;
-  stand_in.chunks_left = scheduler_.add(id, agreed);
+  stand_in.chunks_left = scheduler_for(agreed.process_set).add(id, agreed);
   tensor_nodes_.try_insert(tensors_, id, std::move(stand_in));
 }
 

@@ -199,3 +199,43 @@ TEST_CASE(joining_twice_in_one_epoch_is_a_malformed_report) {
   }
   EXPECT(threw);
 }
+
+TEST_CASE(a_joined_member_stands_in_for_the_collectives_of_its_process_sets) {
+  JoinWorld world(3);
+  for (Agreement& agreement : world.ranks) {
+    agreement.add_process_set(1, {0, 1});
+    agreement.add_process_set(2, {1, 2});
+  }
+  world.cycle({0});
+  TensorSpec pair = tensor("pair", 8);
+  pair.process_set = 1;
+  world.ranks[1].announce(pair, {}, 11);
+  TensorSpec right = tensor("right", 8);
+  right.process_set = 2;
+  world.ranks[1].announce(right, {}, 12);
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  // {0,1} is agreed at once: rank 0 joined and launches it with zeros; {1,2} waits for rank 2.
+  for (const CycleOutcome& outcome : outcomes) EXPECT(agreed_names(outcome) == std::vector<std::string>{"pair"});
+  EXPECT_EQ(outcomes[0].agreed_ids[0], kNoLocalTensor);
+  EXPECT_EQ(outcomes[1].agreed_ids[0], 11u);
+  EXPECT_EQ(world.ranks[1].pending(), 1u);
+  world.ranks[2].announce(right, {}, 22);
+  outcomes = world.cycle();
+  for (const CycleOutcome& outcome : outcomes) EXPECT(agreed_names(outcome) == std::vector<std::string>{"right"});
+}
+
+TEST_CASE(a_set_allgather_fails_at_once_naming_its_joined_member) {
+  JoinWorld world(3);
+  for (Agreement& agreement : world.ranks) agreement.add_process_set(1, {0, 1});
+  TensorSpec gathered = tensor("rows", 3, CollectiveKind::kAllgather);
+  gathered.process_set = 1;
+  world.ranks[1].announce(gathered, {}, 7);
+  std::vector<CycleOutcome> outcomes = world.cycle({0});  // rank 0 joins in the same round
+  for (const CycleOutcome& outcome : outcomes) {
+    EXPECT(outcome.agreed.empty());
+    EXPECT_EQ(outcome.failures.size(), 1u);
+    EXPECT(outcome.failures[0].message.find("cannot run while rank 0 joined") != std::string::npos);
+  }
+  EXPECT_EQ(outcomes[1].failures[0].local_id, 7u);
+  EXPECT_EQ(world.ranks[1].pending(), 0u);
+}

@@ -8,13 +8,19 @@ uneven one follow. With --torch, a commsched.torch DistributedOptimizer trains o
 batches ending in join on every rank and matches SGD on the data of the ranks still stepping.
 Last, a rank that joined hears of another rank's shutdown instead of waiting.
 
-Run as: mpiexec -n N python join_suite.py [--transport grpc] [--torch | --tensorflow-only]  (tests/test_join.py)
+With --sets (3 ranks), join() in process sets: rank 0 joins while rank 1 allreduces on {0,1} (rank 0's
+zeros, average over both members), on {1,2} and on {0,1,2} with rank 2; allgather, broadcast,
+reducescatter and alltoall on {0,1} fail at once naming rank 0, a barrier on {0,1} completes; none
+may wait for the stall limit.
+
+Run as: mpiexec -n N python join_suite.py [--transport grpc] [--torch | --tensorflow-only | --sets]  (tests/test_join.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -179,14 +185,78 @@ def shutdown_while_joined(rank: int) -> None:
     print(f"rank {rank}: SHUTDOWN WHILE JOINED OK", flush=True)
 
 
+def join_in_process_sets(rank: int) -> None:
+    """Rank 0 joins; ranks 1 and 2 go on with collectives on the sets rank 0 is a member of."""
+    prompt = 20.0  # far below the stall limit: a set collective must not wait for a joined member
+    pair, right, everyone = (commsched.add_process_set(ranks) for ranks in ([0, 1], [1, 2], [0, 1, 2]))
+    small, large = contribution(rank, 0, 5, 31), contribution(rank, 0, LARGE, 32)
+    if rank == 0:
+        last = commsched.join(timeout=60)
+    else:
+        if rank == 1:
+            summed = commsched.allreduce(small.copy(), name="sets.sum", process_set=pair, timeout=prompt)
+            np.testing.assert_array_equal(summed, small)  # rank 0 adds zeros
+            averaged = commsched.allreduce(
+                large.astype(np.float32), name="sets.average", op="average", process_set=pair, timeout=prompt
+            )
+            np.testing.assert_allclose(averaged, large / 2, rtol=1e-6)  # divided by both members
+            refused = {
+                "allgather": lambda: commsched.allgather(
+                    rows_of(rank, 0), name="sets.allgather", process_set=pair
+                ),
+                "broadcast": lambda: commsched.broadcast(
+                    np.ones(4), root=1, name="sets.broadcast", process_set=pair
+                ),
+                "reducescatter": lambda: commsched.reducescatter(
+                    np.ones((4, 2)), name="sets.rs", process_set=pair
+                ),
+                "alltoall": lambda: commsched.alltoall(
+                    np.ones((2, 3)), name="sets.alltoall", process_set=pair
+                ),
+            }
+            for kind, run in refused.items():
+                started = time.monotonic()
+                try:
+                    run()
+                except commsched.CollectiveError as error:
+                    assert "cannot run while rank 0 joined" in str(error), error
+                    assert time.monotonic() - started < prompt, (
+                        f"the {kind} failed only after the stall limit"
+                    )
+                else:
+                    raise AssertionError(f"a {kind} on {{0,1}} while rank 0 joined did not fail")
+            commsched.barrier(name="sets.barrier", process_set=pair, timeout=prompt)
+        both = commsched.allreduce(small.copy(), name="sets.right", process_set=right, timeout=prompt)
+        np.testing.assert_array_equal(both, contribution(1, 0, 5, 31) + contribution(2, 0, 5, 31))
+        all_three = commsched.allreduce(large.copy(), name="sets.all", process_set=everyone, timeout=prompt)
+        np.testing.assert_array_equal(
+            all_three, contribution(1, 0, LARGE, 32) + contribution(2, 0, LARGE, 32)
+        )
+        last = commsched.join(timeout=60)
+    assert last in (1, 2), f"rank {rank}: join() returned {last}"
+    agreed_everywhere(last, 3)
+    # Every rank stepped again: the set of rank 0 and 1 has both members' data once more.
+    if rank in (0, 1):
+        again = commsched.allreduce(small.copy(), name="sets.sum", process_set=pair, timeout=prompt)
+        np.testing.assert_array_equal(again, contribution(0, 0, 5, 31) + contribution(1, 0, 5, 31))
+    commsched.barrier(name="sets.end")  # nobody shuts down under the others' last collective
+    print(f"rank {rank}: JOIN IN SETS OK", flush=True)
+
+
 def main() -> int:
     """Runs every scenario on this rank."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--transport", default="")
     parser.add_argument("--torch", action="store_true")
     parser.add_argument("--tensorflow-only", action="store_true")
+    parser.add_argument("--sets", action="store_true")
     args = parser.parse_args()
     settings = {"transport": args.transport} if args.transport else {}
+    if args.sets:
+        commsched.init(**settings)
+        join_in_process_sets(commsched.rank())
+        commsched.shutdown()
+        return 0
     if args.tensorflow_only:
         tensorflow_eager(settings)
         return 0
