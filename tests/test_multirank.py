@@ -28,6 +28,14 @@ def test_mismatched_tensor_fails_on_every_rank(ranks: int) -> None:
     assert result.stdout.count("SCENARIO-OK") == ranks
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_grouped_allreduce_of_another_length_fails_on_every_rank(ranks: int) -> None:
+    """One rank passes fewer (or more) tensors to grouped_allreduce: every rank fails at once naming the lengths."""
+    result = run_ranks(ranks, "error_scenarios.py", "grouped_lengths", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SCENARIO-OK") == ranks
+
+
 def test_duplicate_in_flight_name_is_refused() -> None:
     """A name already in flight is refused at submission."""
     result = run_ranks(2, "error_scenarios.py", "duplicate", timeout=120)

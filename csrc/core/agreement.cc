@@ -27,6 +27,7 @@ constexpr uint8_t kExtraPostscale = 2;
 constexpr uint8_t kExtraRowShape = 4;
 constexpr uint8_t kExtraSplits = 8;
 constexpr uint8_t kExtraProcessSet = 16;
+constexpr uint8_t kExtraGroup = 32;  // a member of grouped_allreduce(): the group's length and its index
 // A row of an allgather, reducescatter or alltoall has at most this many dimensions.
 constexpr size_t kMaxRowDims = 64;
 // Abort and refusal messages are cut to this; they name tensors, so they may run long.
@@ -211,9 +212,13 @@ std::string Agreement::build_report(const ReportStatus& status) {
     // What most tensors leave at their defaults travels only when set, behind one flags byte.
     const uint8_t extras = (spec.prescale != 1.0 ? kExtraPrescale : 0) | (spec.postscale != 1.0 ? kExtraPostscale : 0) |
                            (spec.row_shape.empty() ? 0 : kExtraRowShape) | (spec.splits.empty() ? 0 : kExtraSplits) |
-                           (spec.process_set == 0 ? 0 : kExtraProcessSet);
+                           (spec.process_set == 0 ? 0 : kExtraProcessSet) | (spec.group_size == 0 ? 0 : kExtraGroup);
     writer.put_byte(extras);
     if (extras & kExtraProcessSet) writer.put_signed(spec.process_set);
+    if (extras & kExtraGroup) {
+      writer.put_varint(spec.group_size);
+      writer.put_varint(spec.group_index);
+    }
     if (extras & kExtraPrescale) writer.put_double(spec.prescale);
     if (extras & kExtraPostscale) writer.put_double(spec.postscale);
     if (extras & kExtraRowShape) writer.put_varints(spec.row_shape);
@@ -315,10 +320,18 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
         spec.count = reader.get_varint();
         spec.priority = reader.get_int32();
         const uint8_t extras = reader.get_byte();
-        if (extras & ~(kExtraPrescale | kExtraPostscale | kExtraRowShape | kExtraSplits | kExtraProcessSet)) {
+        if (extras & ~(kExtraPrescale | kExtraPostscale | kExtraRowShape | kExtraSplits | kExtraProcessSet | kExtraGroup)) {
           reader.fail("bad extras");
         }
         if (extras & kExtraProcessSet) spec.process_set = reader.get_int32();
+        if (extras & kExtraGroup) {
+          spec.group_size = reader.get_uint32();
+          spec.group_index = reader.get_uint32();
+          if (spec.group_size == 0 || spec.group_index >= spec.group_size) {
+            reader.fail("bad group member '" + spec.name + "' (" + std::to_string(spec.group_index) + " of " +
+                        std::to_string(spec.group_size) + ")");
+          }
+        }
         if (extras & kExtraPrescale) spec.prescale = reader.get_double();
         if (extras & kExtraPostscale) spec.postscale = reader.get_double();
         if (extras & kExtraRowShape) spec.row_shape = reader.get_varints(kMaxRowDims);
@@ -354,6 +367,7 @@ void Agreement::apply(const std::vector<std::string>& reports, double now_s, Cyc
                     std::to_string(outcome.root_settings_epoch) + " without its settings");
   }
   agreed_settings_epoch_ = std::max(agreed_settings_epoch_, outcome.min_settings_epoch);
+  fail_broken_groups(outcome);
   cache_agreed();
 }
 
@@ -417,6 +431,10 @@ void Agreement::close(PendingMap::iterator it, CycleOutcome& outcome) {
   } else {
     finish(it->first, entry, outcome);
   }
+  release(it);
+}
+
+void Agreement::release(PendingMap::iterator it) {
   spare_ = pending_.extract(it);
   Pending& reused = spare_.mapped();
   reused.reported = 0;
@@ -424,6 +442,62 @@ void Agreement::close(PendingMap::iterator it, CycleOutcome& outcome) {
   for (std::optional<TensorSpec>& spec_of_rank : reused.by_rank) spec_of_rank.reset();
   reused.payloads.assign(size_, std::string());
   reused.refusals.assign(size_, std::string());
+}
+
+void Agreement::fail_group_lengths(const std::string& name, const Pending& entry, CycleOutcome& outcome) {
+  // Ranks grouped by the length of their grouped call, shortest first.
+  std::map<uint32_t, std::vector<int>> by_length;
+  const TensorSpec* member = nullptr;
+  for (int r = 0; r < size_; ++r) {
+    if (!entry.by_rank[r]) continue;
+    by_length[entry.by_rank[r]->group_length()].push_back(r);
+    if (entry.by_rank[r]->group_size != 0) member = &*entry.by_rank[r];
+  }
+  // The group's name, as the callers gave it: the members' names without ".<index>" (which
+  // grouped_allreduce adds; a caller of the C ABI may name its members otherwise).
+  std::string prefix;
+  if (member != nullptr) {
+    const std::string suffix = "." + std::to_string(member->group_index);
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      prefix = name.substr(0, name.size() - suffix.size() + 1);
+    }
+  }
+  const std::string group = prefix.empty() ? name : prefix.substr(0, prefix.size() - 1);
+  std::string message = "grouped_allreduce '" + group + "' was called with";
+  size_t i = 0;
+  for (const auto& [length, ranks] : by_length) {
+    message += std::string(i == 0 ? " " : i + 1 == by_length.size() ? " and " : ", ") + std::to_string(length) +
+               (length == 1 ? " tensor on " : " tensors on ") + rank_list(ranks);
+    ++i;
+  }
+  message += ": every rank must pass the same number of tensors to one grouped_allreduce. Every member of the "
+             "group failed on every rank.";
+  outcome.failures.push_back({name, message, entry.local_id, -1});
+  if (!prefix.empty()) {
+    const uint32_t longest = by_length.rbegin()->first;
+    auto known = std::find_if(broken_groups_.begin(), broken_groups_.end(),
+                              [&](const BrokenGroup& broken) { return broken.prefix == prefix; });
+    if (known == broken_groups_.end()) {
+      broken_groups_.push_back({prefix, longest, message});
+    } else {
+      known->longest = std::max(known->longest, longest);
+    }
+  }
+}
+
+void Agreement::fail_broken_groups(CycleOutcome& outcome) {
+  // Every rank's members of one grouped call ride in one report, so by the end of the round that
+  // found the lengths differ, the longer groups' members are all pending: none is agreed again.
+  for (const BrokenGroup& broken : broken_groups_) {
+    for (uint32_t index = 0; index < broken.longest; ++index) {
+      auto it = pending_.find(broken.prefix + std::to_string(index));
+      if (it == pending_.end()) continue;
+      if (it->second.by_rank[rank_]) --own_pending_;
+      outcome.failures.push_back({it->first, broken.message, it->second.local_id, -1});
+      release(it);
+    }
+  }
+  broken_groups_.clear();
 }
 
 void Agreement::fail_refused(const std::string& name, const Pending& entry, CycleOutcome& outcome) {
@@ -452,11 +526,17 @@ void Agreement::finish(const std::string& name, Pending& entry, CycleOutcome& ou
   }
   TensorSpec agreed = *entry.by_rank[first];
   bool consistent = true;
+  bool group_lengths_differ = false;
   for (int r : ranks) {
     if (r == first || !entry.by_rank[r]) continue;
     const TensorSpec& other = *entry.by_rank[r];
     consistent = consistent && other.agrees_with(agreed);
+    group_lengths_differ = group_lengths_differ || other.group_length() != agreed.group_length();
     agreed.priority = std::min(agreed.priority, other.priority);
+  }
+  if (group_lengths_differ) {
+    fail_group_lengths(name, entry, outcome);
+    return;
   }
   // As Horovod: a joined rank adds zeros to an allreduce and needs no data for a barrier; every
   // other collective (allgather too: its output shape would change with who joined) fails.

@@ -150,6 +150,14 @@ class Agreement {
   // Ends a pending entry (every rank reported, or a refusing rank submits the name again) and
   // keeps its node for the next name.
   void close(PendingMap::iterator it, CycleOutcome& outcome);
+  // Removes a pending entry without an outcome of its own, keeping its node for the next name.
+  void release(PendingMap::iterator it);
+  // A member of a grouped call whose length differs across ranks: the failure naming the lengths,
+  // and the group's other members remembered for fail_broken_groups().
+  void fail_group_lengths(const std::string& name, const Pending& entry, CycleOutcome& outcome);
+  // After a round: fails the pending members of groups whose lengths differed, which the ranks with
+  // the shorter group will never submit.
+  void fail_broken_groups(CycleOutcome& outcome);
   void finish(const std::string& name, Pending& entry, CycleOutcome& outcome);
   // The per-rank element counts of an allgather, reducescatter or alltoall (TensorSpec::layout).
   void fill_layout(const Pending& entry, TensorSpec& agreed) const;
@@ -184,6 +192,12 @@ class Agreement {
   std::vector<char> joined_;  // by rank: joined, and not every rank has yet
   int joined_count_ = 0;
   int last_joined_ = -1;
+  struct BrokenGroup {
+    std::string prefix;  // "<group>.", the members' names without their index
+    uint32_t longest = 0;
+    std::string message;
+  };
+  std::vector<BrokenGroup> broken_groups_;  // found this round; failed at its end
 };
 
 }  // namespace commsched

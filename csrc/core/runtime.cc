@@ -218,7 +218,16 @@ std::shared_ptr<HandleState> Runtime::enqueue(const TensorSpec& spec, void* data
 std::vector<std::shared_ptr<HandleState>> Runtime::enqueue_group(const std::vector<GroupMember>& members,
                                                                  bool wake_core) {
   if (members.empty()) return {};
-  return submit(members, wake_core);
+  // The group's length travels with each member, so ranks that pass different numbers of tensors
+  // fail at once instead of waiting for members that never come.
+  // A group of one is any tensor submitted alone: it needs no tag.
+  if (members.size() == 1) return submit(members, wake_core);
+  std::vector<GroupMember> tagged(members);
+  for (size_t i = 0; i < tagged.size(); ++i) {
+    tagged[i].spec.group_size = static_cast<uint32_t>(tagged.size());
+    tagged[i].spec.group_index = static_cast<uint32_t>(i);
+  }
+  return submit(tagged, wake_core);
 }
 
 std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<GroupMember>& members, bool wake_core) {

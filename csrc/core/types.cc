@@ -110,7 +110,8 @@ bool TensorSpec::agrees_with(const TensorSpec& other) const {
   const bool counts_may_differ = kind == CollectiveKind::kAllgather || kind == CollectiveKind::kAlltoall;
   return dtype == other.dtype && op == other.op && kind == other.kind && root == other.root &&
          (counts_may_differ || count == other.count) && prescale == other.prescale &&
-         postscale == other.postscale && row_shape == other.row_shape && process_set == other.process_set;
+         postscale == other.postscale && row_shape == other.row_shape && process_set == other.process_set &&
+         group_length() == other.group_length();
 }
 
 namespace {
@@ -143,6 +144,7 @@ std::string TensorSpec::describe() const {
     text += "]";
   }
   if (process_set != 0) text += " process_set=" + std::to_string(process_set);
+  if (group_length() > 1) text += " in a group of " + std::to_string(group_size);
   return text;
 }
 

@@ -68,6 +68,11 @@ struct TensorSpec {
   // The process set the collective runs on (0: every rank). Once the set is registered, every
   // rank-indexed field above (root excepted: a global rank) counts the set's members in rank order.
   int32_t process_set = 0;
+  // A member of grouped_allreduce(): `group_size` tensors submitted together, this one named
+  // "<group>.<group_index>". 0: submitted alone (agrees with a group of one). The group's length
+  // is agreed like the shape, so a rank that passes another number of tensors fails at once.
+  uint32_t group_size = 0;
+  uint32_t group_index = 0;
 
   uint64_t bytes() const { return count * dtype_size(dtype); }
   uint64_t row_elements() const;
@@ -75,8 +80,11 @@ struct TensorSpec {
   bool same_shape_as(const TensorSpec& other) const {
     return dtype == other.dtype && op == other.op && kind == other.kind && root == other.root &&
            count == other.count && prescale == other.prescale && postscale == other.postscale &&
-           row_shape == other.row_shape && splits == other.splits && process_set == other.process_set;
+           row_shape == other.row_shape && splits == other.splits && process_set == other.process_set &&
+           group_size == other.group_size && group_index == other.group_index;
   }
+  // The number of tensors in the grouped call this one came with (1 when submitted alone).
+  uint32_t group_length() const { return group_size == 0 ? 1 : group_size; }
   // The submissions of one collective agree across ranks: like same_shape_as, except that the
   // element counts (and alltoall's splits) of an allgather or alltoall may differ.
   bool agrees_with(const TensorSpec& other) const;

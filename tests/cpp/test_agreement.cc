@@ -389,3 +389,68 @@ TEST_CASE(the_name_cache_forgets_the_least_recently_agreed_names_alike_on_every_
   EXPECT(reports[0].size() <= 14u);
   for (Agreement& rank : ranks) EXPECT_EQ(rank.apply(reports, 0).agreed.size(), 2u);
 }
+
+TEST_CASE(a_grouped_call_of_another_length_fails_every_member_on_every_rank) {
+  World world(3);
+  const auto member = [](const std::string& group, uint32_t index, uint32_t size) {
+    TensorSpec result = spec(group + "." + std::to_string(index), 4);
+    if (size > 1) {  // a group of one goes untagged, as Runtime::enqueue_group sends it
+      result.group_size = size;
+      result.group_index = index;
+    }
+    return result;
+  };
+  world.ranks[0].announce(member("g", 0, 1), {}, 100);
+  for (int r = 1; r < 3; ++r) {
+    world.ranks[r].announce(member("g", 0, 2), {}, 10 * r);
+    world.ranks[r].announce(member("g", 1, 2), {}, 10 * r + 1);
+  }
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  const std::string expected = "grouped_allreduce 'g' was called with 1 tensor on rank 0 and 2 tensors on ranks 1,2";
+  for (int r = 0; r < 3; ++r) {
+    EXPECT(outcomes[r].agreed.empty());
+    EXPECT_EQ(outcomes[r].failures.size(), 2u);  // g.0, and g.1 that rank 0 will never send
+    for (const TensorFailure& failure : outcomes[r].failures) {
+      EXPECT(failure.message.find(expected) != std::string::npos);
+    }
+    EXPECT_EQ(world.ranks[r].pending(), 0u);
+    EXPECT(!world.ranks[r].waiting_on_others());
+  }
+  EXPECT_EQ(outcomes[0].failures[0].local_id, 100u);
+  EXPECT_EQ(outcomes[0].failures[1].local_id, kNoLocalTensor);
+  EXPECT_EQ(outcomes[2].failures[0].local_id, 20u);
+  EXPECT_EQ(outcomes[2].failures[1].local_id, 21u);
+  // The same lengths agree, also when the group is submitted in later rounds and cached.
+  for (int round = 0; round < 2; ++round) {
+    for (int r = 0; r < 3; ++r) {
+      world.ranks[r].announce(member("g", 0, 2), {}, 1);
+      world.ranks[r].announce(member("g", 1, 2), {}, 2);
+    }
+    outcomes = world.cycle();
+    for (const CycleOutcome& outcome : outcomes) EXPECT((names(outcome) == std::vector<std::string>{"g.0", "g.1"}));
+  }
+}
+
+TEST_CASE(a_longer_group_reported_rounds_before_the_shorter_one_is_failed_when_it_comes) {
+  World world(2);
+  TensorSpec first = spec("h.0", 4), second = spec("h.1", 4), third = spec("h.2", 4);
+  first.group_size = second.group_size = third.group_size = 3;
+  second.group_index = 1;
+  third.group_index = 2;
+  world.ranks[0].announce(first, {}, 1);
+  world.ranks[0].announce(second, {}, 2);
+  world.ranks[0].announce(third, {}, 3);
+  world.cycle();
+  EXPECT_EQ(world.ranks[1].pending(), 3u);
+  TensorSpec other_first = spec("h.0", 4), other_second = spec("h.1", 4);
+  other_first.group_size = other_second.group_size = 2;
+  other_second.group_index = 1;
+  world.ranks[1].announce(other_first, {}, 4);
+  world.ranks[1].announce(other_second, {}, 5);
+  std::vector<CycleOutcome> outcomes = world.cycle();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(outcomes[r].failures.size(), 3u);
+    EXPECT(outcomes[r].failures[0].message.find("2 tensors on rank 1 and 3 tensors on rank 0") != std::string::npos);
+    EXPECT_EQ(world.ranks[r].pending(), 0u);
+  }
+}

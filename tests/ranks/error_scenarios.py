@@ -32,6 +32,39 @@ def mismatch() -> None:
     commsched.shutdown()
 
 
+def grouped_lengths() -> None:
+    """grouped_allreduce with another number of tensors on one rank: every rank's call fails at once
+    naming the lengths, whichever side is shorter; nothing is left pending (with a stall limit of 2 s,
+    a leftover member would stop the job before the checks after it), and the job goes on."""
+    commsched.init(stall_timeout=1, stall_shutdown=2)
+    rank, size = commsched.rank(), commsched.size()
+    others = "ranks " + ",".join(map(str, range(1, size))) if size > 2 else "rank 1"
+    for name, mine, theirs in (("short", 1, 2), ("long", 3, 2)):
+        length = mine if rank == 0 else theirs
+        arrays = [np.full(4, rank + 1.0) for _ in range(length)]
+        started = time.monotonic()
+        try:
+            commsched.grouped_allreduce(arrays, name=name, timeout=20)
+        except commsched.CollectiveError as error:
+            text = str(error)
+            shorter, longer = sorted([(mine, "rank 0"), (theirs, others)])
+            expected = (
+                f"grouped_allreduce '{name}' was called with {shorter[0]} tensor{'s' * (shorter[0] > 1)} on "
+                f"{shorter[1]} and {longer[0]} tensors on {longer[1]}"
+            )
+            assert expected in text, text
+            assert time.monotonic() - started < 10, "the mismatch was found only after a wait"
+        else:
+            raise AssertionError(
+                f"rank {rank}: a grouped_allreduce of {length} tensors against another length returned"
+            )
+    time.sleep(2.5)  # past the stall limit: a member still pending anywhere would have stopped the job
+    same = commsched.grouped_allreduce([np.ones(3), np.ones(2)], name="short", timeout=20)
+    assert all((array == size).all() for array in same), same
+    assert (commsched.allreduce(np.ones(4), "after", timeout=20) == size).all()
+    commsched.shutdown()
+
+
 def duplicate() -> None:
     """A second in-flight use of one name is refused at once."""
     commsched.init()
