@@ -1,5 +1,6 @@
-"""Fault-injection matrix: at 3 ranks, rank 1 is SIGKILLed, SIGSTOPped, raises, skips a tensor or
-calls shutdown() early, under every transport and launcher. Every other rank must exit within
+"""Fault-injection matrix: at 3 ranks, rank 1 is SIGKILLed, SIGSTOPped (before a collective, or while
+a 64 MiB allreduce is on the wire), raises, skips a tensor or calls shutdown() early, under every
+transport and launcher. Every other rank must exit within
 COMMSCHED_STALL_SHUTDOWN + 10 s of the fault, with an error naming rank 1 and the tensor (or be
 ended by its launcher, which names rank 1), and no process of the job may be left behind.
 
@@ -45,7 +46,7 @@ PASSED_THROUGH = (
     "COMMSCHED_CONTROL_CHANNEL",
 )  # settings the matrix may run under, from the test's environment
 
-FAULTS = ("kill", "stop", "raise", "skip", "shutdown")
+FAULTS = ("kill", "stop", "raise", "skip", "shutdown", "stop-in-flight")
 LAUNCHES = {  # cell name -> (transport, launcher)
     "mpi/mpiexec": ("mpi", "mpiexec"),
     "gloo/torchrun": ("gloo", "torchrun"),
@@ -201,11 +202,14 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, floa
     yield results
     path = tmp_path_factory.getbasetemp() / "fault_matrix.json"
     path.write_text(json.dumps(results, indent=2, sort_keys=True))
-    header = f"{'transport/launcher':<20}" + "".join(f"{fault:>10}" for fault in FAULTS)
+    widths = {fault: max(10, len(fault) + 2) for fault in FAULTS}
+    header = f"{'transport/launcher':<20}" + "".join(f"{fault:>{widths[fault]}}" for fault in FAULTS)
     lines = [header] + [
         f"{cell:<20}"
         + "".join(
-            f"{results[cell][fault]:>9.1f}s" if results[cell].get(fault) is not None else f"{'-':>10}"
+            f"{results[cell][fault]:>{widths[fault] - 1}.1f}s"
+            if results[cell].get(fault) is not None
+            else f"{'-':>{widths[fault]}}"
             for fault in FAULTS
         )
         for cell in LAUNCHES

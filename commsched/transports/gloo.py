@@ -57,6 +57,13 @@ class GlooError(RuntimeError):
     """A Gloo collective or agreement exchange failed; the message names the ranks that stopped answering."""
 
 
+def keep_forever(group: Any) -> None:
+    """Keeps a process group alive until the process exits: one reference never given back, so
+    neither dist.destroy_process_group() nor the garbage collector at exit runs its destructor, which
+    would wait for a collective whose peer is gone (ProcessGroupGloo waits for its queue to drain)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
 def _rank_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
@@ -247,17 +254,25 @@ class GlooTransport:
         self._in_flight: weakref.WeakSet[_Pending] = weakref.WeakSet()
         self._callbacks = threading.Condition()
         self._callbacks_running = 0  # completion callbacks registered and not yet finished
+        self._callbacks_begun = 0  # of those, the ones Gloo's thread has begun to run
 
     def close(self) -> None:
         """Ends what waits for a lost rank and destroys the groups this transport created."""
         stuck = [op for op in self._in_flight if not op.finished()]
-        if self.lost or stuck:
-            # A work waiting for a rank that is gone holds its group's destructor (and the process's
-            # exit) until Gloo's own timeout, 30 minutes by default: abort the groups instead.
-            log.debug("gloo: aborting the process groups (%d collectives in flight)", len(stuck))
-            for group in {id(g): g for g in (self._control, self._data)}.values():
+        with self._callbacks:  # a collective whose completion callback has not begun is still running
+            unfinished = self._callbacks_running - self._callbacks_begun
+        if self.lost or stuck or unfinished:
+            # A work waiting for a rank that is gone (or stopped) holds its group's destructor (and
+            # the process's exit) until Gloo's own timeout, 30 minutes by default, and
+            # Backend.abort() does nothing for Gloo: the groups are kept for the life of the process.
+            log.debug(
+                "gloo: keeping the process groups (%d collectives in flight)", max(len(stuck), unfinished)
+            )
+            groups = [self._control, self._data] + [group for group, _ in self._sets.values()]
+            for group in {id(g): g for g in groups}.values():
                 self._abort(group)
-        self._wait_for_callbacks()
+                keep_forever(group)
+        self._wait_for_callbacks(only_begun=bool(self.lost or stuck or unfinished))
         # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
         # when their threads can no longer take the GIL.
         for group in reversed(self._owned):
@@ -268,8 +283,8 @@ class GlooTransport:
     def _abort(self, group: Any) -> None:
         try:
             group._get_backend(self._torch.device("cpu")).abort()
-        except (AttributeError, RuntimeError) as error:  # a PyTorch without ProcessGroupGloo.abort()
-            log.warning("gloo: could not abort a process group (%s); exit may wait for Gloo's timeout", error)
+        except (AttributeError, RuntimeError) as error:  # a PyTorch without Backend.abort(): kept anyway
+            log.debug("gloo: could not abort a process group (%s)", error)
 
     def run_on_completion(self, future: Any, callback: Any) -> None:
         """Calls callback() from Gloo's thread when `future` completes, counted so close() can wait for it."""
@@ -277,21 +292,29 @@ class GlooTransport:
             self._callbacks_running += 1
 
         def fire(_future: Any) -> None:
+            with self._callbacks:
+                self._callbacks_begun += 1
             try:
                 callback()
             finally:
                 with self._callbacks:
                     self._callbacks_running -= 1
+                    self._callbacks_begun -= 1
                     self._callbacks.notify_all()
 
         future.add_done_callback(fire)
 
-    def _wait_for_callbacks(self) -> None:
+    def _wait_for_callbacks(self, only_begun: bool = False) -> None:
         # A callback still to run when the interpreter finalizes would make Gloo's thread take the
         # GIL then, which ends the thread inside Gloo's code: "terminate called without an active
         # exception". A future is done before its callbacks run, so the core may be through first.
+        # With a rank lost, collectives still waiting for it may never complete: only the callbacks
+        # already running are waited for.
+        def done() -> bool:
+            return (self._callbacks_begun if only_begun else self._callbacks_running) == 0
+
         with self._callbacks:
-            if not self._callbacks.wait_for(lambda: self._callbacks_running == 0, _CALLBACK_WAIT_S):
+            if not self._callbacks.wait_for(done, _CALLBACK_WAIT_S):
                 log.warning(
                     "gloo: %d completion callbacks still pending after %.0fs at shutdown",
                     self._callbacks_running,

@@ -180,13 +180,23 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrus
 
 GlooTransport::~GlooTransport() {
   if (exchange_abandoned_ || in_flight_->load() > 0 || !probe_->lost().empty()) {
-    // Work waiting for a rank that is gone holds its group's destructor until Gloo's own timeout
-    // (30 minutes by default): abort the groups instead.
-    for (auto* backend : {&data_, &control_}) {
+    // Work waiting for a rank that is gone (or stopped) holds its group's destructor until Gloo's
+    // own timeout (30 minutes by default): ProcessGroupGloo::~ProcessGroupGloo waits for its queue
+    // to drain, and Backend::abort() does nothing for Gloo. So the groups are aborted where a
+    // backend can, and then kept for the life of the process: whoever drops the last other
+    // reference (dist.destroy_process_group(), the garbage collector at exit) never runs the
+    // destructor that would wait. Their threads stay blocked until the process exits.
+    std::vector<c10::intrusive_ptr<c10d::Backend>> stuck{data_, control_};
+    {
+      std::lock_guard<std::mutex> lock(sets_mutex_);
+      for (const auto& [id, group] : sets_) stuck.push_back(group.backend);
+    }
+    for (c10::intrusive_ptr<c10d::Backend>& backend : stuck) {
       try {
-        (*backend)->abort();
-      } catch (const std::exception&) {  // a backend that cannot abort: its destructor waits, as before
+        backend->abort();
+      } catch (const std::exception&) {  // kept below in any case
       }
+      new c10::intrusive_ptr<c10d::Backend>(backend);  // deliberately never freed
     }
   }
   // The backends go first: the groups the Python side destroys in on_close_ are then unreferenced.

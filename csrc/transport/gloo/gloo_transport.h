@@ -93,7 +93,8 @@ class GlooTransport : public Transport {
   c10::intrusive_ptr<c10d::Backend> control_;
   std::shared_ptr<PeerProbe> probe_;  // shared with the collectives in flight, which name lost ranks too
   // Collectives whose completion callback has not run: a work waiting for a lost rank holds its
-  // group's destructor (and the process's exit) until Gloo's own timeout, so close aborts then.
+  // group's destructor (and the process's exit) until Gloo's own timeout, so close keeps the groups
+  // alive for the rest of the process then.
   std::shared_ptr<std::atomic<int>> in_flight_ = std::make_shared<std::atomic<int>>(0);
   bool exchange_abandoned_ = false;  // an agreement round failed with its allgather still pending
   std::shared_ptr<GlooCounters> counters_;
