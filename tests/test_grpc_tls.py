@@ -9,6 +9,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,144 @@ def test_tls_on_one_side_only_is_named(tmp_path: Path, tls_rank: int) -> None:
     threads[0].join(20)  # rank 0 gives up once its join window is over
     assert made == [None, None] and errors[0] is not None
     assert "COMMSCHED_GRPC_TLS_*" in str(errors[0]), errors[0]
+
+
+def _authority(days: tuple[int, int] = (-30, 30)) -> tuple[Any, Any]:
+    """A CA certificate and its key, valid from days[0] to days[1] from now."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    # Each its own name: OpenSSL finds a certificate's issuer among the trusted ones by name.
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"test CA {x509.random_serial_number()}")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=days[0]))
+        .not_valid_after(now + datetime.timedelta(days=days[1]))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return ca, key
+
+
+def _rank_files(authority: tuple[Any, Any], *trusted: Any, expired: bool = False) -> TlsFiles:
+    """A rank's TLS files: a certificate for 127.0.0.1 from `authority` (expired yesterday, if asked)
+    and, as its CA file, the authorities in `trusted` (the issuer's alone by default)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca, ca_key = authority
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "a test rank")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=10))
+        .not_valid_after(now + datetime.timedelta(days=-1 if expired else 1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    return TlsFiles(
+        b"".join(c.public_bytes(pem) for c in (trusted or (ca,))),
+        cert.public_bytes(pem),
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        ca_path="ca.pem",
+        cert_path="rank.pem",
+    )
+
+
+def _join_pair(files: list[TlsFiles], join_timeout_s: float = 8.0) -> list[tuple[float, str]]:
+    """Ranks 0 and 1 with these TLS files try to meet; per rank, seconds until it gave up and its error."""
+    port = free_port()
+    outcome: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        endpoint = endpoint_from(rank, 2, "127.0.0.1", port, [], "", False)
+        started = time.monotonic()
+        try:
+            GrpcTransport(
+                endpoint, TOKEN, timeout_s=1.0, join_timeout_s=join_timeout_s, tls=files[rank]
+            ).close()
+        except GrpcError as error:
+            outcome[rank] = (time.monotonic() - started, str(error))
+        else:
+            outcome[rank] = (time.monotonic() - started, "")
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(outcome), outcome
+    return outcome
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_an_expired_certificate_is_named_at_once(bad_rank: int) -> None:
+    """The rank with an expired certificate fails at start, naming the expiry and the setting; the
+    other hears of no join and names the TLS settings, never only MASTER_ADDR and the token."""
+    pytest.importorskip("cryptography")
+    authority = _authority()
+    files = [_rank_files(authority) for _ in range(2)]
+    files[bad_rank] = _rank_files(authority, expired=True)
+    outcome = _join_pair(files)
+    seconds, error = outcome[bad_rank]
+    assert seconds < 3, outcome
+    assert f"rank {bad_rank}: this rank's certificate (COMMSCHED_GRPC_TLS_CERT=rank.pem)" in error, error
+    assert "certificate has expired" in error and "valid from" in error, error
+    other = outcome[1 - bad_rank][1]
+    assert "COMMSCHED_GRPC_TLS_" in other, other
+    if bad_rank == 1:
+        assert "is refused in the handshake" in other and "COMMSCHED_GRPC_TLS_CA=ca.pem" in other, other
+
+
+def test_a_certificate_of_another_ca_is_named_with_grpcs_reason() -> None:
+    """Rank 1 with a consistent set of another CA: it refuses rank 0's certificate within about a
+    second, with Python's and gRPC's reason and the setting; rank 0 names the TLS settings."""
+    pytest.importorskip("cryptography")
+    outcome = _join_pair([_rank_files(_authority()), _rank_files(_authority())])
+    seconds, error = outcome[1]
+    assert seconds < 5, outcome
+    assert "rank 1: this rank does not accept the certificate of rank 0 at 127.0.0.1:" in error, error
+    assert "certificate verify failed" in error and "COMMSCHED_GRPC_TLS_CA=ca.pem" in error, error
+    assert "(gRPC: " in error and "andshake failed" in error, error
+    assert "is refused in the handshake" in outcome[0][1], outcome[0]
+
+
+def test_a_refused_client_certificate_is_named_by_the_client() -> None:
+    """Rank 1 trusts both CAs, but rank 0 only its own: rank 0 closes the connection after the
+    handshake, and rank 1 says its certificate was refused there, naming the settings."""
+    pytest.importorskip("cryptography")
+    job, other = _authority(), _authority()
+    outcome = _join_pair([_rank_files(job), _rank_files(other, job[0], other[0])])
+    seconds, error = outcome[1]
+    assert seconds < 5, outcome
+    assert "rank 1: rank 0 at 127.0.0.1:" in error and "refused this rank's certificate" in error, error
+    assert "COMMSCHED_GRPC_TLS_CERT=rank.pem" in error and "COMMSCHED_GRPC_TLS_CA" in error, error
 
 
 def test_tls_settings_are_checked(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """Who may talk to a gRPC rank: refused attempts, logged without flooding the log, telling a peer
-that uses TLS from one that does not, and joining rank 0's rendezvous."""
+that uses TLS from one that does not, why a TLS handshake with rank 0 fails, and joining rank 0's
+rendezvous."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -12,7 +14,7 @@ import grpc
 
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_stream import JOIN_METHOD
-from commsched.transports.grpc_tls import speaks_tls
+from commsched.transports.grpc_tls import TlsFiles, handshake_refusal, speaks_tls
 
 log = logging.getLogger("commsched")
 
@@ -69,17 +71,26 @@ def join_rendezvous(
     request: Any,
     metadata: list[tuple[str, str]],
     deadline: float,
-    uses_tls: bool,
+    tls: TlsFiles | None,
 ) -> list[str]:
     """Joins rank 0 at `master`; returns every rank's server address. Raises TimeoutError with the
     last answer when rank 0 does not take the join in time, ConnectionRefusedError naming a TLS
-    mismatch."""
+    mismatch or why the TLS handshake with rank 0 fails (with gRPC's own reason)."""
     join = channel.unary_unary(
         JOIN_METHOD,
         request_serializer=wire.JoinRequest.SerializeToString,
         response_deserializer=wire.JoinReply.FromString,
     )
-    _wait_until_reachable(channel, master, request.rank, deadline, uses_tls)
+
+    def grpc_reason() -> str:
+        """gRPC's reason the channel is not up: a call that does not wait for it says."""
+        try:
+            join(request, timeout=1.0, metadata=metadata)
+        except grpc.RpcError as error:
+            return _last_error(error.details() or "")
+        return ""
+
+    _wait_until_reachable(channel, master, request.rank, deadline, tls, grpc_reason)
     last = "no answer"
     while time.monotonic() < deadline:
         try:
@@ -99,18 +110,36 @@ def join_rendezvous(
 
 
 def _wait_until_reachable(
-    channel: grpc.Channel, master: str, rank: int, deadline: float, uses_tls: bool
+    channel: grpc.Channel,
+    master: str,
+    rank: int,
+    deadline: float,
+    tls: TlsFiles | None,
+    grpc_reason: Any,
 ) -> None:
     """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
 
-    A TLS server and a plaintext client (or the reverse) only ever see a connection that does not
-    come up; asking the server what it speaks turns that into an error naming the mismatch.
+    A TLS server and a plaintext client (or the reverse), or a certificate one side refuses, only
+    ever see a connection that does not come up: asking the server what it speaks, and trying the
+    TLS handshake with Python's ssl, turns that into an error naming the cause and the setting.
     """
     while (left := deadline - time.monotonic()) > 0:
         try:
             grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
             return
         except grpc.FutureTimeoutError:
-            mismatch = tls_mismatch(master, rank, uses_tls)
-            if mismatch:
-                raise ConnectionRefusedError(mismatch) from None
+            problem = tls_mismatch(master, rank, tls is not None)
+            if not problem and tls is not None:
+                problem = handshake_refusal(master, tls, "rank 0")
+                if problem:
+                    said = grpc_reason()
+                    problem = f"rank {rank}: {problem}" + (f" (gRPC: {said})" if said else "")
+            if problem:
+                raise ConnectionRefusedError(problem) from None
+
+
+def _last_error(details: str) -> str:
+    """The cause in a gRPC connection failure's details, without the words around it."""
+    text = details.split("last error: ", 1)[-1]
+    text = re.sub(r"^(UNKNOWN|UNAVAILABLE): ", "", text)
+    return re.sub(r": OK$", "", text).strip()

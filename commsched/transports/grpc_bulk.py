@@ -22,13 +22,11 @@ import logging
 import socket
 import ssl
 import struct
-import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -93,20 +91,7 @@ def _split(address: str) -> tuple[str, int]:
 
 def _contexts(tls: TlsFiles) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) contexts with the gRPC transport's CA and certificate, each requiring the other's."""
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # checks the certificate and host name
-    server.verify_mode = ssl.CERT_REQUIRED
-    # load_cert_chain reads files only: the PEM bytes pass through a private directory, gone at once.
-    with tempfile.TemporaryDirectory(prefix="commsched-tls-") as folder:
-        cert, key = Path(folder) / "rank.pem", Path(folder) / "rank.key"
-        key.touch(mode=0o600)
-        key.write_bytes(tls.key)
-        cert.write_bytes(tls.cert)
-        for context in (server, client):
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_verify_locations(cadata=tls.ca.decode())
-            context.load_cert_chain(str(cert), str(key))
-    return server, client
+    return tls.ssl_contexts()
 
 
 @contextmanager

@@ -1,5 +1,7 @@
 """TLS for the gRPC transport: credentials from COMMSCHED_GRPC_TLS_*, a throwaway CA for local jobs,
-and telling a peer that speaks TLS from one that does not, so a mismatch gets a clear error."""
+telling a peer that speaks TLS from one that does not, and why a TLS handshake fails (this rank's own
+certificate checked at start, a peer's refusal found by a handshake of its own), so a mismatch or a
+bad certificate gets a clear error instead of a timeout."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import ipaddress
 import os
 import shutil
 import socket
+import ssl
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ class TlsFiles:
     cert: bytes
     key: bytes
     server_name: str = ""  # checked against the peers' certificates instead of the address dialled
+    ca_path: str = ""  # where they came from, for messages
+    cert_path: str = ""
 
     @classmethod
     def from_settings(cls, settings: Any) -> TlsFiles | None:
@@ -41,6 +47,8 @@ class TlsFiles:
             Path(settings.grpc_tls_cert).read_bytes(),
             Path(settings.grpc_tls_key).read_bytes(),
             settings.grpc_tls_server_name,
+            settings.grpc_tls_ca,
+            settings.grpc_tls_cert,
         )
 
     def server_credentials(self) -> Any:
@@ -62,6 +70,157 @@ class TlsFiles:
     def channel_options(self) -> list[tuple[str, Any]]:
         """gRPC channel options: the name the server certificates carry, when one is set."""
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def ssl_contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        """(server, client) Python contexts with this CA and certificate, each requiring the other's;
+        the client checks the host name."""
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        server.verify_mode = ssl.CERT_REQUIRED
+        # load_cert_chain reads files only: the PEM bytes pass through a private directory, gone at once.
+        with tempfile.TemporaryDirectory(prefix="commsched-tls-") as folder:
+            cert, key = Path(folder) / "rank.pem", Path(folder) / "rank.key"
+            key.touch(mode=0o600)
+            key.write_bytes(self.key)
+            cert.write_bytes(self.cert)
+            for context in (server, client):
+                context.minimum_version = ssl.TLSVersion.TLSv1_2
+                context.load_verify_locations(cadata=self.ca.decode())
+                context.load_cert_chain(str(cert), str(key))
+        return server, client
+
+    def named(self, variable: str) -> str:
+        """`variable`, with the file it names where known."""
+        path = {CA_VARIABLE: self.ca_path, CERT_VARIABLE: self.cert_path}.get(variable, "")
+        return f"{variable}={path}" if path else variable
+
+    def own_certificate_problem(self) -> str:
+        """Why a peer would refuse this rank's certificate, found by a TLS handshake of this rank with
+        itself in memory (the certificate shown as server and as client, checked against the CA as
+        every peer checks it); "" if none. Expired, not yet valid, signed by another CA, or a key that
+        does not belong to it: every peer would refuse it, so the rank says so at start."""
+        try:
+            server_context, client_context = self.ssl_contexts()
+        except ssl.SSLError as error:
+            return (
+                f"{self.named(CERT_VARIABLE)} and {KEY_VARIABLE} cannot be used together ({_reason(error)}): "
+                "the key must be the certificate's"
+            )
+        client_context.check_hostname = False  # the name is checked against each address dialled
+        bios = [ssl.MemoryBIO() for _ in range(4)]
+        server = server_context.wrap_bio(bios[0], bios[1], server_side=True)
+        client = client_context.wrap_bio(bios[2], bios[3], server_side=False)
+        sides = [(client, bios[3], bios[0]), (server, bios[1], bios[2])]
+        done = [False, False]
+        for _ in range(16):
+            for index, (side, outgoing, peer_incoming) in enumerate(sides):
+                if not done[index]:
+                    try:
+                        side.do_handshake()
+                        done[index] = True
+                    except ssl.SSLWantReadError:
+                        pass
+                    except ssl.SSLError as error:
+                        return (
+                            f"this rank's certificate ({self.named(CERT_VARIABLE)}) does not verify against "
+                            f"{self.named(CA_VARIABLE)}: {_reason(error)}{_validity(self.cert)}; every peer would "
+                            "refuse it in the TLS handshake"
+                        )
+                peer_incoming.write(outgoing.read())
+            if all(done):
+                return ""
+        return ""  # no verdict: the peers' handshakes will tell
+
+
+def check_own_certificate(tls: TlsFiles, rank: int) -> None:
+    """Raises ValueError naming the setting when `tls` holds a certificate every peer would refuse."""
+    problem = tls.own_certificate_problem()
+    if problem:
+        raise ValueError(
+            f"rank {rank}: {problem}. Give every rank a valid certificate signed by the job's CA in "
+            f"{CERT_VARIABLE}, its key in {KEY_VARIABLE} and that CA in {CA_VARIABLE} "
+            "(commsched-run --grpc-tls makes a fresh set for a local job)"
+        )
+
+
+def handshake_refusal(address: str, tls: TlsFiles, peer: str, timeout_s: float = 2.0) -> str:
+    """Why a TLS handshake between this rank and the gRPC server at host:port fails, tried with
+    Python's ssl and this rank's TLS files as gRPC uses them; "" if it succeeds or cannot be tried.
+
+    This rank refusing the peer's certificate shows as a verification error; the peer refusing this
+    rank's shows, with a gRPC server, as the connection closed right after the handshake.
+    """
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return ""
+    host = host.strip("[]")
+    try:
+        _, context = tls.ssl_contexts()
+    except ssl.SSLError:
+        return ""  # check_own_certificate names it
+    context.set_alpn_protocols(["h2"])  # as gRPC: a server that negotiates no HTTP/2 closes at once
+    name = tls.server_name or host
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=name) as secure,
+        ):
+            secure.settimeout(timeout_s)
+            try:
+                answer = secure.recv(16)
+            except TimeoutError:
+                return ""  # taken, and quiet: not a refusal
+            except ssl.SSLError as error:  # an alert on this rank's certificate
+                return (
+                    f"{peer} at {address} refused this rank's certificate ({tls.named(CERT_VARIABLE)}) in the "
+                    f"TLS handshake: {_reason(error)}{_validity(tls.cert)}; it must verify against {peer}'s "
+                    f"{CA_VARIABLE}"
+                )
+    except ssl.SSLCertVerificationError as error:
+        if "hostname" in _reason(error).lower() or "ip address mismatch" in _reason(error).lower():
+            return (
+                f"this rank does not accept the certificate of {peer} at {address}: {_reason(error)} (the name "
+                f"checked is {name!r}); give the certificates that name, or set {SERVER_NAME_VARIABLE} to the name "
+                "they carry"
+            )
+        return (
+            f"this rank does not accept the certificate of {peer} at {address}: {_reason(error)}; it must be "
+            f"valid and signed by the CA in this rank's {tls.named(CA_VARIABLE)} (check {CERT_VARIABLE} on {peer})"
+        )
+    except ssl.SSLError as error:
+        return f"the TLS handshake with {peer} at {address} failed: {_reason(error)}; check {CA_VARIABLE}, {CERT_VARIABLE} and {KEY_VARIABLE} on both"
+    except OSError:
+        return ""  # not there (yet): no TLS verdict
+    if answer:
+        return ""
+    return (
+        f"{peer} at {address} closed the connection right after the TLS handshake: it refused this rank's "
+        f"certificate ({tls.named(CERT_VARIABLE)}{_validity(tls.cert)}), which must verify against {peer}'s "
+        f"{CA_VARIABLE} (signed by the same CA, and not expired); {peer}'s gRPC log says why"
+    )
+
+
+def _reason(error: ssl.SSLError) -> str:
+    """OpenSSL's words for a failed handshake, without Python's source location."""
+    text = getattr(error, "verify_message", "") or ""
+    if text:
+        return f"certificate verify failed: {text}"
+    text = str(error.args[1]) if len(error.args) > 1 else str(error)
+    return text.split(" (_ssl.c:")[0]
+
+
+def _validity(cert_pem: bytes) -> str:
+    """ " (valid from ... until ...)" for the first certificate in `cert_pem`, or "" without `cryptography`."""
+    try:
+        from cryptography import x509
+    except ImportError:
+        return ""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    except (ValueError, AttributeError):
+        return ""
+    return f" (valid from {start:%Y-%m-%d %H:%M} until {end:%Y-%m-%d %H:%M} UTC)"
 
 
 def speaks_tls(host: str, port: int, timeout_s: float = 2.0) -> bool | None:

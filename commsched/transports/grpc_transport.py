@@ -37,7 +37,7 @@ from commsched.transports.grpc_ops import GrpcError, PendingOp
 from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
-from commsched.transports.grpc_tls import TlsFiles
+from commsched.transports.grpc_tls import TlsFiles, check_own_certificate
 
 log = logging.getLogger("commsched")
 
@@ -118,6 +118,11 @@ class _Node:
 
     def open(self) -> None:
         """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
+        if self.tls is not None:
+            try:
+                check_own_certificate(self.tls, self.rank)
+            except ValueError as error:
+                raise GrpcError(str(error)) from None
         bound = self._bind()
         deadline = time.monotonic() + self.join_timeout_s
         if self.endpoint.peers:
@@ -131,6 +136,14 @@ class _Node:
                         f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
                         f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
                         f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
+                        + (
+                            ". With TLS, a rank whose certificate does not verify against this rank's "
+                            f"{self.tls.named('COMMSCHED_GRPC_TLS_CA')} (another CA, expired) is refused in the "
+                            "handshake: its own error names the reason (gRPC logs it here as 'Handshake failed' at "
+                            "GRPC_VERBOSITY=INFO)"
+                            if self.tls
+                            else ""
+                        )
                     )
                 self.addresses = [self._joined[r] for r in range(self.size)]
         else:
@@ -141,12 +154,17 @@ class _Node:
             channel = self._open_channel(master)
             try:
                 self.addresses = join_rendezvous(
-                    channel, master, request, self._metadata("join"), deadline, self.tls is not None
+                    channel, master, request, self._metadata("join"), deadline, self.tls
                 )
             except TimeoutError as error:
                 raise GrpcError(
                     f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s "
-                    f"({error}); check MASTER_ADDR/MASTER_PORT, WORLD_SIZE and COMMSCHED_JOB_TOKEN"
+                    f"({error}); check MASTER_ADDR/MASTER_PORT, WORLD_SIZE"
+                    + (
+                        ", COMMSCHED_JOB_TOKEN and COMMSCHED_GRPC_TLS_*"
+                        if self.tls
+                        else " and COMMSCHED_JOB_TOKEN"
+                    )
                 ) from None
             except ConnectionRefusedError as error:
                 raise GrpcError(str(error)) from None
