@@ -9,8 +9,9 @@ rank one process, torchrun-style variables, Gloo underneath DDP and commsched al
     python benchmarks/torch_param_cost.py                   # 1 and 2 ranks, table, JSON
     python benchmarks/torch_param_cost.py --ranks 2 --json out.json
 
-The figure reported is (median step of the variant - median step of a plain optimizer) / parameters,
-each median over --windows windows of --steps steps.
+Per round, the figure is (median step of the variant - median step of a plain optimizer) / parameters,
+each median over --windows windows of --steps steps; the table gives the median over --repeats rounds
+and its range.
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="steps per window")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds of every variant; medians across rounds"
+    )
     parser.add_argument("--json", default="torch_param_cost.json", help="where the results go")
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args(argv)
@@ -165,17 +169,32 @@ def main(argv: list[str] | None = None) -> int:
         variants.insert(0, "plain")
     rows = []
     for ranks in (int(r) for r in args.ranks.split(",")):
-        results = {v: run_variant(v, ranks, args) for v in variants}
-        plain = results["plain"]["step_seconds"]
-        for result in results.values():
-            spread = result["window_step_seconds"]
-            result["us_per_parameter"] = 1e6 * (result["step_seconds"] - plain) / result["parameters"]
-            result["range_us_per_parameter"] = [
-                1e6 * (min(spread) - plain) / result["parameters"],
-                1e6 * (max(spread) - plain) / result["parameters"],
-            ]
-            rows.append(result)
-    print(f"{'ranks':>5s}  {'variant':<48s} {'ms/step':>8s} {'us/param over plain':>20s}")
+        # Rounds interleave the variants, so a loaded stretch of the host hits them all alike.
+        per_round = []
+        for _ in range(args.repeats):
+            results = {v: run_variant(v, ranks, args) for v in variants}
+            plain = results["plain"]["step_seconds"]
+            for result in results.values():
+                result["us_per_parameter"] = 1e6 * (result["step_seconds"] - plain) / result["parameters"]
+            per_round.append(results)
+        for variant in variants:
+            costs = [round_[variant]["us_per_parameter"] for round_ in per_round]
+            steps = [round_[variant]["step_seconds"] for round_ in per_round]
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "variant": variant,
+                    "parameters": per_round[0][variant]["parameters"],
+                    "step_seconds": statistics.median(steps),
+                    "us_per_parameter": statistics.median(costs),
+                    "range_us_per_parameter": [min(costs), max(costs)],
+                    "rounds": [round_[variant] for round_ in per_round],
+                }
+            )
+    print(
+        f"median of {args.repeats} round(s), each the median of {args.windows} windows of {args.steps} steps"
+    )
+    print(f"{'ranks':>5s}  {'variant':<48s} {'ms/step':>8s} {'us/param over plain (range)':>28s}")
     for row in rows:
         low, high = row["range_us_per_parameter"]
         print(
@@ -187,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "windows": args.windows,
         "steps_per_window": args.steps,
+        "repeats": args.repeats,
         "results": rows,
     }
     Path(args.json).write_text(json.dumps(report, indent=2))
