@@ -53,19 +53,23 @@ _GRACE_S = 5.0  # after a failure: before SIGTERM to the ranks still there, and 
 _POLL_S = 0.05
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m commsched.run -n N script.py ...`: N local ranks, torchrun-style variables and a
-    fresh COMMSCHED_JOB_TOKEN (unless one is set), so gRPC peers accept only this job. When a rank
-    fails, the others are ended (SIGTERM, then SIGKILL), as torchrun does."""
-    import argparse
-    import secrets
-    import sys
-    import tempfile
+def _prog(argv0: str) -> str:
+    """The name usage lines give: the command as started (commsched-run, or a wrapper's own name);
+    "commsched-run" when started as a module or file (python -m commsched.run, python run.py)."""
+    name = os.path.basename(argv0 or "")
+    return name if name and not name.endswith(".py") and name not in ("-c", "-m") else "commsched-run"
 
-    parser = argparse.ArgumentParser(prog="python -m commsched.run", description=main.__doc__)
+
+def _parser(prog: str) -> Any:
+    """The launcher's flags; `prog` names it in usage lines and errors."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("-n", "--nproc", type=int, required=True, help="ranks to start on this host")
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
-    parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module")
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="run PROGRAM as a module (python -m PROGRAM)"
+    )
     parser.add_argument(
         "--grace",
         type=float,
@@ -86,8 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="gRPC over TLS with a throwaway CA and certificate made for this job (sets COMMSCHED_GRPC_TLS_*)",
     )
-    parser.add_argument("program")
-    parser.add_argument("arguments", nargs=argparse.REMAINDER)
+    parser.add_argument("program", help="the script each rank runs with this Python (a module with -m)")
+    parser.add_argument("arguments", nargs=argparse.REMAINDER, help="arguments passed on to PROGRAM")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`commsched-run -n N script.py ...` (or `python -m commsched.run`): N local ranks, torchrun-style
+    variables and a fresh COMMSCHED_JOB_TOKEN (unless one is set), so gRPC peers accept only this job.
+    When a rank fails, the others are ended (SIGTERM, then SIGKILL), as torchrun does."""
+    import secrets
+    import sys
+    import tempfile
+
+    parser = _parser(_prog(sys.argv[0]))
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("-n must be at least 1")
