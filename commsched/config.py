@@ -214,8 +214,11 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "credit_bytes": (
         "COMMSCHED_CREDIT_BYTES",
         parse_size,
-        _SIZE_FORM
-        + " (unset: fitted to the link, see default_sizes; one partition per rank, 2 to 16, without one)",
+        (
+            "a byte count above 0 with an optional unit, e.g. 8MiB, 512KB or 8388608; or leave it unset: "
+            "commsched then fits it to the link (measured, or COMMSCHED_LINK_BANDWIDTH and "
+            "COMMSCHED_LINK_LATENCY), else takes one partition per rank, 2 to 16"
+        ),
     ),
     "fusion_bytes": ("COMMSCHED_FUSION_BYTES", parse_size, _SIZE_FORM + " (0 turns fusion off)"),
     "bucket_bytes": (
