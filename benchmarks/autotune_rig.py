@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> int:
     layers = schedule.timed_layers(profile, 100.0, args.scale)
     total = schedule.gradient_bytes(layers)
     comm_s = schedule._raw_allreduce_s(comm, total, 3)
-    layers = schedule.rescale_compute(layers, args.compute_ratio * comm_s / schedule.compute_s(layers))
+    layers = schedule.rescale_compute(layers, args.compute_over_comm * comm_s / schedule.compute_s(layers))
     grads = [np.random.default_rng(rank).random(n, dtype=np.float32) for l in layers for _, n in l.params]
 
     def agreed(values: list[float]) -> float:
@@ -144,7 +144,7 @@ def worker(args: argparse.Namespace) -> int:
                 {
                     "model": args.model,
                     "scale": args.scale,
-                    "compute_ratio": args.compute_ratio,
+                    "compute_over_comm": args.compute_over_comm,
                     "raw_allreduce_s": comm_s,
                     "gradient_bytes": total,
                     "grid": rows,
@@ -185,11 +185,13 @@ def _describe(settings: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Builds the rig, runs every model's worker in it, prints the table and writes JSON."""
+    from commsched.bench import schedule
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="vgg16,bert-base")
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--scale", type=float, default=32.0, help="divide sizes and compute by this")
-    parser.add_argument("--compute-ratio", type=float, default=1.0, help="compute = this x raw comm time")
+    schedule.add_compute_over_comm(parser, "one raw MPI allreduce of all gradients (default 1)", default=1.0)
     parser.add_argument("--grid-iterations", type=int, default=4)
     parser.add_argument("--budget", type=int, default=100, help="iterations the tuner may use")
     parser.add_argument("--after", type=int, default=20, help="iterations measured after tuning")
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for flag in (
                 "scale",
-                "compute_ratio",
+                "compute_over_comm",
                 "grid_iterations",
                 "budget",
                 "after",
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results.append(json.loads(lines[-1][len("AUTOTUNE_RIG ") :]))
     print(
-        f"# 2 ranks, {args.rate} tbf links, sizes and compute / {args.scale:g}, compute = {args.compute_ratio:g} x comm"
+        f"# 2 ranks, {args.rate} tbf links, sizes and compute / {args.scale:g}, compute = {args.compute_over_comm:g} x comm"
     )
     print(
         f"{'model':10} {'grid best':28} {'grid ms':>8} {'autotune choice':28} {'iters':>5} {'after ms':>8}"

@@ -44,6 +44,19 @@ def test_allreduce_table_on_two_ranks(tmp_path):
         assert row["time_ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
 
 
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec")
+def test_allreduce_json_to_stdout_is_only_json():
+    """--json - leaves stdout to the JSON; the header and the table go to stderr."""
+    pytest.importorskip("mpi4py")
+    argv = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "commsched.bench.cli", "allreduce"]
+    argv += ["-b", "4", "-e", "256", "-f", "64", "-n", "2", "-w", "1", "--repeats", "1", "--json", "-"]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert [row["size"] for row in data["results"]] == [4, 256]
+    assert "# commsched allreduce on 2 ranks over mpi" in proc.stderr and "busbw" in proc.stderr
+
+
 def test_grpc_allreduce_table_against_the_ring_without_the_core(tmp_path):
     pytest.importorskip("grpc")
     out = tmp_path / "allreduce.json"

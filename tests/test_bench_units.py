@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -146,3 +147,68 @@ def test_size_cost_calibration_keeps_in_flight_bounded(monkeypatch):
     assert all(1 <= in_flight <= 64 for _, _, in_flight in calls), calls
     assert {nbytes: in_flight for nbytes, _, in_flight in calls}[4 << 20] == 2  # credit / size
     assert all(factor == pytest.approx(1.0, rel=1e-2) for _, factor in costs)  # linear fake: flat costs
+
+
+def test_schedule_takes_compute_over_comm_and_refuses_the_old_flag(capsys):
+    """compute = R x communication under one name in both tools; the old name is refused, naming the new."""
+    from commsched.bench import cli
+
+    parser = cli._parser()
+    args = parser.parse_args(["schedule", "--model", "vgg16", "--compute-over-comm", "10"])
+    assert args.compute_over_comm == 10.0
+    assert parser.parse_args(["schedule", "--model", "vgg16"]).compute_over_comm is None
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["schedule", "--model", "vgg16", "--compute-ratio", "10"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--compute-ratio was renamed --compute-over-comm (compute = R x communication" in error
+    assert "e.g. --compute-over-comm 10" in error
+
+
+def _replay_header_and_rows():
+    header = {
+        "model": "tiny",
+        "ranks": 2,
+        "scale": 1.0,
+        "gradient_bytes": 1 << 20,
+        "compute_s": 0.01,
+        "device_tflops": 1.0,
+        "time_scale": 1.0,
+        "communication_s": 0.012,
+        "least_communication_s": 0.009,
+        "bandwidth_bytes_per_s": 1.25e8,
+        "latency_s": 2e-5,
+        "size_costs": [(16384, 0.75), (1 << 20, 1.0)],
+        "settings": {"partition_bytes": 1 << 18, "credit_bytes": 1 << 20, "fusion_bytes": 1 << 20},
+    }
+    row = {
+        "policy": "priority",
+        "mode": "overlap",
+        "iteration_s": 0.0125,
+        "slowest_iteration_s": 0.013,
+        "bound_s": 0.01,
+        "best_s": 0.011,
+        "sum_s": 0.019,
+        "hidden": 0.7,
+        "vs_best": 1.1,
+        "speedup": None,
+        "sim_s": 0.012,
+        "sim_error": -0.04,
+    }
+    return header, [row]
+
+
+def test_text_goes_to_stderr_when_json_takes_stdout(capsys):
+    """With --json - the header and table go to stderr, so stdout holds the JSON alone."""
+    assert report.text_stream("-") is sys.stderr
+    assert report.text_stream("out.json") is sys.stdout and report.text_stream(None) is sys.stdout
+    header, rows = _replay_header_and_rows()
+    schedule.print_schedule(header, rows, report.text_stream("-"))
+    args = SimpleNamespace(transport="mpi", policy="priority", repeats=3)
+    table = [{"size": 4, "count": 1, "type": "float", "redop": "sum", "time_us": 2.0}]
+    allreduce.print_table(args, {"size": 2, "transport": "mpi"}, table, None, report.text_stream("-"))
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "# model tiny on 2 ranks" in captured.err and "max(c,m) ms" in captured.err
+    assert "# m: every gradient byte at the best cost per byte" in captured.err
+    assert "# commsched allreduce on 2 ranks over mpi" in captured.err and "busbw" in captured.err

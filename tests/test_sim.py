@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from commsched import _core
@@ -244,3 +247,92 @@ def test_bad_inputs_are_refused(change):
 def test_empty_profile_is_refused():
     with pytest.raises(ValueError, match="no layers"):
         sim([])
+
+
+# -- commsched-sim, the command ------------------------------------------------------------------
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guide.md"
+
+
+def _guide_command(flag: str) -> list[str]:
+    """The arguments of the commsched-sim line in docs/guide.md that uses `flag`."""
+    guide = GUIDE
+    lines = [
+        line for line in guide.read_text().splitlines() if line.startswith("commsched-sim ") and flag in line
+    ]
+    assert len(lines) == 1, lines
+    return lines[0].split()[1:]
+
+
+def test_the_guides_size_costs_example_has_consistent_columns(tmp_path):
+    """The guide's --size-costs example: every row's iteration is at least the best schedule, which is at
+    least max(c, m), m moving every byte at the smallest factor; the figures the guide quotes are these."""
+    from commsched.bench import schedule, sim_cli
+
+    out = tmp_path / "sim.json"
+    assert sim_cli.main(_guide_command("--size-costs") + ["--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    layers = schedule.timed_layers(schedule.load_model(data["model"]), schedule.DEFAULT_DEVICE_TFLOPS)
+    total, ranks = schedule.gradient_bytes(layers), 8
+    rate, latency = 25e9 / 8, 20e-6
+    least = 2 * (ranks - 1) / ranks * total * 0.4 / rate + 2 * (ranks - 1) * latency
+    one_allreduce = 2 * (ranks - 1) / ranks * total * 0.94 / rate + 2 * (ranks - 1) * latency
+    for row in data["results"]:
+        assert row["iteration_s"] >= row["best_s"] >= row["bound_s"] * (1 - 1e-12), row
+        assert row["communication_s"] == pytest.approx(least, rel=1e-9)
+        assert row["bound_s"] == pytest.approx(max(row["compute_s"], least), rel=1e-9)
+        assert row["sum_s"] == pytest.approx(row["compute_s"] + least, rel=1e-9)
+        assert 0.0 <= row["hidden"] <= 1.0
+    first = data["results"][0]
+    assert (first["policy"], first["mode"]) == ("priority", "overlap")
+    guide = GUIDE.read_text()
+    quoted = (
+        f"takes {one_allreduce * 1e3:.1f} ms where m is {least * 1e3:.1f} ms",
+        f"(iter {first['iteration_s'] * 1e3:.1f} ms)",
+    )
+    for text in quoted:
+        assert text in " ".join(guide.split()), text
+
+
+def test_json_to_stdout_is_only_json(capsys):
+    """--json - writes the JSON alone to stdout; the header and the table go to stderr."""
+    from commsched.bench import sim_cli
+
+    argv = ["--model", "resnet50", "--ranks", "8", "--policies", "priority", "--modes", "overlap"]
+    assert sim_cli.main(argv + ["--json", "-"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert [row["ranks"] for row in data["results"]] == [8]
+    assert "max(c,m) ms" in captured.err and captured.err.startswith("# resnet50:")
+    assert sim_cli.main(argv) == 0
+    assert "max(c,m) ms" in capsys.readouterr().out  # without --json - the table stays on stdout
+
+
+def test_compute_over_comm_sets_compute_to_that_multiple_of_communication(tmp_path):
+    """--compute-over-comm R picks the rate at which compute is R times one ring allreduce of all
+    gradients (its bandwidth term), as in commsched-bench schedule; R = 4 leaves a quarter."""
+    from commsched.bench import sim_cli
+
+    out = tmp_path / "sim.json"
+    argv = ["--model", "resnet50", "--ranks", "2,16", "--latency", "0", "--compute-over-comm", "4"]
+    assert sim_cli.main(argv + ["--modes", "overlap", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for row in data["results"]:
+        n = row["ranks"]
+        communication = 2 * (n - 1) / n * data["gradient_bytes"] / row["bandwidth_bytes_per_s"]
+        assert data["compute_s"] == pytest.approx(4 * communication, rel=1e-9)
+        assert row["communication_s"] == pytest.approx(communication, rel=1e-9)  # no size costs, no latency
+
+
+def test_the_old_compute_flag_is_refused_with_its_new_name(capsys):
+    from commsched.bench import sim_cli
+
+    with pytest.raises(SystemExit) as exited:
+        sim_cli.main(["--model", "resnet50", "--compute-ratio", "2"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--compute-ratio was renamed --compute-over-comm" in error
+    assert "compute = R x communication" in error and "--compute-over-comm 2" in error
+    with pytest.raises(SystemExit):
+        sim_cli.main(["--model", "resnet50", "--compute-over-comm", "0"])
+    assert "not a number above 0" in capsys.readouterr().err

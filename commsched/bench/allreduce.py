@@ -314,13 +314,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = settings["size"]
     if settings["rank"] != 0:
         return 0
-    print(
-        f"# commsched allreduce on {ranks} ranks over {settings['transport']} (raw: "
-        f"{RAW_LABELS[args.transport]}){'; tcp: ' + tcp.label if tcp else ''}; policy {args.policy}; "
-        "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
-        f"{args.repeats} loops per size"
-    )
-    print(report.format_table(COLUMNS + (TCP_COLUMNS if tcp else []), rows))
+    print_table(args, settings, rows, tcp.label if tcp else None, report.text_stream(args.json))
     if args.json:
         report.dump_json(
             {
@@ -336,6 +330,20 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot_allreduce(rows, args.plot, f"allreduce on {ranks} ranks ({settings['transport']})")
     return 0
+
+
+def print_table(
+    args: argparse.Namespace, settings: dict[str, Any], rows: list[dict[str, Any]], tcp: str | None, out: Any
+) -> None:
+    """The header line and the table, to `out` (stderr when --json - takes stdout)."""
+    print(
+        f"# commsched allreduce on {settings['size']} ranks over {settings['transport']} (raw: "
+        f"{RAW_LABELS[args.transport]}){'; tcp: ' + tcp if tcp else ''}; policy {args.policy}; "
+        "time in us, algbw and busbw in GB/s, busbw = algbw * 2(n-1)/n; best of "
+        f"{args.repeats} loops per size",
+        file=out,
+    )
+    print(report.format_table(COLUMNS + (TCP_COLUMNS if tcp else []), rows), file=out)
 
 
 def _measure(
@@ -456,12 +464,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time a ring allreduce over plain TCP sockets between the same processes "
         "(default: on for --transport grpc)",
     )
-    parser.add_argument("--policy", choices=("priority", "fifo"), default="priority")
-    parser.add_argument("--partition-bytes", default=None)
-    parser.add_argument("--credit-bytes", default=None)
-    parser.add_argument("--fusion-bytes", default=None)
-    parser.add_argument("--cycle-time", default=None)
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    parser.add_argument(
+        "--policy",
+        choices=("priority", "fifo"),
+        default="priority",
+        help="commsched's scheduling policy (COMMSCHED_POLICY; default priority)",
+    )
+    unset = "unset: COMMSCHED_{} or commsched's default"
+    parser.add_argument(
+        "--partition-bytes", default=None, help=f"e.g. 4MiB or 0 ({unset.format('PARTITION_BYTES')})"
+    )
+    parser.add_argument("--credit-bytes", default=None, help=f"e.g. 8MiB ({unset.format('CREDIT_BYTES')})")
+    parser.add_argument(
+        "--fusion-bytes", default=None, help=f"e.g. 1MiB or 0 ({unset.format('FUSION_BYTES')})"
+    )
+    parser.add_argument(
+        "--cycle-time", default=None, help=f"the core's cycle time, e.g. 1ms ({unset.format('CYCLE_TIME')})"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="write busbw against size")
 
 

@@ -15,7 +15,12 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split(":", 1)[1].strip(),
         epilog="Launch on the ranks to measure, e.g. mpiexec -n 2 commsched-bench allreduce -e 64MiB",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="allreduce or schedule (COMMAND --help for its flags)",
+    )
     allreduce.add_arguments(commands.add_parser("allreduce", help="allreduce table against the raw library"))
     schedule.add_arguments(commands.add_parser("schedule", help="replay a model's training step per policy"))
     return parser

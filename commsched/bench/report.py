@@ -35,8 +35,14 @@ def format_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> s
     return "\n".join(text)
 
 
+def text_stream(json_path: str | None) -> TextIO:
+    """Where a command prints its header and table: stdout, unless `--json -` claims stdout for the
+    JSON alone (then stderr, so `... --json - | jq` reads nothing but JSON)."""
+    return sys.stderr if json_path == "-" else sys.stdout
+
+
 def dump_json(payload: Any, path: str) -> None:
-    """Writes JSON to `path`, or to stdout when path is '-'."""
+    """Writes JSON to `path`, or to stdout when path is '-' (print the text to text_stream(path))."""
     text = json.dumps(payload, indent=2, sort_keys=False)
     if path == "-":
         print(text)

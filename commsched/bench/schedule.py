@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from commsched.bench import report
 from commsched.config import parse_size, resolve
@@ -27,6 +27,61 @@ from commsched.link_defaults import default_inline_bytes, default_sizes
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
 DEFAULT_DEVICE_TFLOPS = 100.0
+# What m of the max(c,m), c+m and hidden columns is, in both tools' tables.
+LEAST_COMMUNICATION = (
+    "m: every gradient byte at the best cost per byte the link showed at any message size (the best "
+    "schedule's rate) plus one reduction's latency, the least communication any schedule has; "
+    "hidden: the share of m hidden behind compute"
+)
+# compute = R x communication, in `commsched-bench schedule` and `commsched-sim` alike.
+COMPUTE_FLAG = "--compute-over-comm"
+_OLD_COMPUTE_FLAG = "--compute-ratio"
+_COMPUTE_MEANING = (
+    "compute = R x communication: 1 makes them equal, 10 leaves communication a tenth of compute"
+)
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: refused with a message that names the new one and what it means."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, meaning: str, **kwargs: Any):
+        super().__init__(
+            option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
+        )
+        self.replacement, self.meaning = replacement, meaning
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        parser.error(
+            f"{option_string} was renamed {self.replacement} ({self.meaning}); "
+            f"e.g. {self.replacement} {values if values is not None else 1}"
+        )
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+    return value
+
+
+def add_compute_over_comm(
+    parser: argparse.ArgumentParser, communication: str, default: float | None = None
+) -> None:
+    """--compute-over-comm R (compute = R x `communication`), and --compute-ratio refused with its new name."""
+    parser.add_argument(
+        COMPUTE_FLAG,
+        dest="compute_over_comm",
+        type=_positive,
+        default=default,
+        metavar="R",
+        help=f"{_COMPUTE_MEANING}; communication is {communication}",
+    )
+    parser.add_argument(
+        _OLD_COMPUTE_FLAG, action=_Renamed, replacement=COMPUTE_FLAG, meaning=_COMPUTE_MEANING
+    )
 
 
 @dataclass
@@ -292,9 +347,9 @@ def run(args: argparse.Namespace) -> int:
     comm_s = _raw_allreduce_s(comm, total_bytes, args.calibration_repeats)
     small_s = _raw_allreduce_s(comm, 4, 20)
     time_scale = args.time_scale
-    if args.compute_ratio:
+    if args.compute_over_comm:
         # Sets compute to a chosen multiple of the measured communication time.
-        factor = args.compute_ratio * comm_s / compute_s(layers)
+        factor = args.compute_over_comm * comm_s / compute_s(layers)
         layers = rescale_compute(layers, factor)
         time_scale *= factor
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
@@ -370,17 +425,22 @@ def run(args: argparse.Namespace) -> int:
     ]
     best_s = predicted[0]["best_s"]
     compute = compute_s(layers)
+    # m of the columns, as in commsched-sim: every gradient byte at the best cost per byte the link
+    # showed (the size costs), one reduction's latency: no schedule communicates in less, so
+    # max(c, m) <= best. The raw allreduce of everything (comm_s) can be slower than commsched's
+    # partitioned collectives, and is kept in the header.
+    least_s = predicted[0]["communication_s"]
     baseline = next((r["iteration_s"] for r in rows if (r["policy"], r["mode"]) == ("fifo", "barrier")), None)
     for row, sim, settings_used in zip(rows, predicted, used):
         row.update(
             compute_s=compute,
-            communication_s=comm_s,
-            bound_s=max(compute, comm_s),
+            communication_s=least_s,
+            bound_s=max(compute, least_s),
             best_s=best_s,
-            sum_s=compute + comm_s,
+            sum_s=compute + least_s,
             sim_s=sim["iteration_s"],
         )
-        row["hidden"] = min(1.0, max(0.0, (compute + comm_s - row["iteration_s"]) / comm_s))
+        row["hidden"] = min(1.0, max(0.0, (compute + least_s - row["iteration_s"]) / least_s))
         row["vs_best"] = row["iteration_s"] / best_s
         row["speedup"] = baseline / row["iteration_s"] if baseline else None
         # Against the median: raw MPI on the rig stalls 30-100 ms in ~3% of iterations by itself
@@ -398,6 +458,7 @@ def run(args: argparse.Namespace) -> int:
         "gradient_bytes": total_bytes,
         "compute_s": compute,
         "communication_s": comm_s,
+        "least_communication_s": least_s,
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
         "size_costs": size_costs,
@@ -405,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
         "iterations": args.iterations,
         "warmup": args.warmup,
     }
-    print_schedule(header, rows)
+    print_schedule(header, rows, report.text_stream(args.json))
     if args.json:
         report.dump_json({"run": header, "results": rows}, args.json)
     if args.plot:
@@ -431,13 +492,18 @@ COLUMNS: list[report.Column] = [
 ]
 
 
-def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Prints the replay's settings and one row per policy and mode."""
-    print(
+def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    """Prints the replay's settings and one row per policy and mode (to stdout, or `out`)."""
+    out = out or sys.stdout
+
+    def say(text: str) -> None:
+        print(text, file=out)
+
+    say(
         f"# model {header['model']} on {header['ranks']} ranks, sizes and compute scaled down by {header['scale']:g}"
         f" ({report.human_size(header['gradient_bytes'])} of gradients per iteration)"
     )
-    print(
+    say(
         f"# compute {header['compute_s'] * 1e3:.1f} ms (FLOPs at {header['device_tflops']:g} TFLOP/s,"
         f" time scale {header['time_scale']:.4g}); communication {header['communication_s'] * 1e3:.1f} ms"
         f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
@@ -445,9 +511,9 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     )
     if header["size_costs"]:
         costs = ", ".join(f"{report.human_size(size)} {factor:.2f}" for size, factor in header["size_costs"])
-        print(f"# simulator's cost per byte by message size, relative to that: {costs}")
+        say(f"# simulator's cost per byte by message size, relative to that: {costs}")
     chosen = header["settings"]
-    print(
+    say(
         f"# partition {report.human_size(chosen['partition_bytes'])}, credit {report.human_size(chosen['credit_bytes'])},"
         f" fusion {report.human_size(chosen['fusion_bytes'])} (sizes not given are commsched's defaults for this link / scale)"
     )
@@ -460,12 +526,14 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         )
         for row in rows
     ]
-    print(report.format_table(COLUMNS, table))
-    print("# slowest: the slowest measured iteration; sim err: the simulator against the median iteration")
+    say(report.format_table(COLUMNS, table))
+    say("# slowest: the slowest measured iteration; sim err: the simulator against the median iteration")
+    if "least_communication_s" in header:
+        say(f"# {LEAST_COMMUNICATION} ({header['least_communication_s'] * 1e3:.1f} ms)")
     for row in rows:
         if "settings" in row:
             used = row["settings"]
-            print(
+            say(
                 f"# autotune chose for {row['mode']}: {used['policy']}, partition {report.human_size(used['partition_bytes'])},"
                 f" credit {report.human_size(used['credit_bytes'])}, fusion {report.human_size(used['fusion_bytes'])}"
             )
@@ -495,11 +563,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device rate that turns the profile's FLOPs into compute time",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
-    parser.add_argument(
-        "--compute-ratio",
-        type=float,
-        default=None,
-        help="instead, set compute to this multiple of the measured communication time",
+    add_compute_over_comm(
+        parser, "one raw MPI allreduce of all gradients, measured first (overrides --time-scale)"
     )
     parser.add_argument("--partition-bytes", default=None, help="e.g. 4MiB (default: commsched's)")
     parser.add_argument("--credit-bytes", default=None, help="e.g. 8MiB")
@@ -518,9 +583,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size-costs",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="measure the cost per byte by message size for the simulator's column (a few seconds)",
+        help="measure the cost per byte by message size, for the simulator's column and for m and best "
+        "(a few seconds; without it every size costs what the raw allreduce of all gradients does)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart")
 
 

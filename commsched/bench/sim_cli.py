@@ -85,6 +85,10 @@ def predict(
     `size_costs` is [(bytes, factor)]: the cost per byte of a collective of that size relative to
     the bandwidth (see parse_size_costs). A size of None is commsched's default for the link
     (link_defaults.default_sizes), for a model `scale` times larger, divided by `scale`, as the replay does.
+    The rows' communication_s (m), bound_s (max(c, m)), sum_s (c + m) and hidden count every byte at
+    the best cost per byte the size costs give, as the best schedule does, so that
+    bound_s <= best_s <= iteration_s: one allreduce of everything, at its own size's cost, can take
+    longer than the partitioned collectives the scheduler sends.
     `algorithm` is the allreduce the transport runs (collective_model.ALGORITHMS); the defaults and
     the best schedule use the same one. `rounds` is where agreement rounds travel: "channel" (their
     own connection, the default across hosts) or "data" (behind the collectives' bytes); the
@@ -131,6 +135,8 @@ def predict(
                 rounds,
             )
             result.pop("iteration_starts_s")
+            # The columns' c and m: those of the best schedule (see the docstring).
+            result.update({name: best[name] for name in ("compute_s", "communication_s", "bound_s", "sum_s")})
             comm = result["communication_s"]
             hidden = (result["sum_s"] - result["iteration_s"]) / comm if comm else 1.0
             rows.append(
@@ -213,30 +219,51 @@ def _parser() -> argparse.ArgumentParser:
         "--size-costs",
         default="",
         help="measured cost per byte by collective size, relative to --bandwidth, e.g. 64KiB:0.6,4MiB:0.9 "
-        "(commsched-bench schedule measures it; linear in log size between, flat outside)",
+        "(commsched-bench schedule measures it; linear in log size between, flat outside); the best "
+        "schedule and m move every byte at the smallest factor",
     )
-    parser.add_argument("--device-tflops", type=float, default=schedule.DEFAULT_DEVICE_TFLOPS)
+    parser.add_argument(
+        "--device-tflops",
+        type=float,
+        default=schedule.DEFAULT_DEVICE_TFLOPS,
+        help=f"device rate that turns the profile's FLOPs into compute time (default {schedule.DEFAULT_DEVICE_TFLOPS:g})",
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every compute time by this")
     parser.add_argument("--scale", type=float, default=1.0, help="divide tensor sizes and compute by this")
+    schedule.add_compute_over_comm(
+        parser,
+        "one ring allreduce of all gradients, its bandwidth term (2(n-1)/n of the bytes at the link rate), "
+        "as commsched-bench schedule measures it: ignores --bandwidth and picks that rate per rank count",
+    )
     parser.add_argument(
-        "--compute-ratio",
-        type=float,
-        default=None,
-        help="ignore --bandwidth: pick, per rank count, the rate where communication is this "
-        "fraction of compute (1 = equal)",
+        "--policies",
+        type=schedule._list(schedule.POLICIES),
+        default=list(schedule.POLICIES),
+        help="comma list: priority, fifo (default both)",
     )
-    parser.add_argument("--policies", type=schedule._list(schedule.POLICIES), default=list(schedule.POLICIES))
-    parser.add_argument("--modes", type=schedule._list(schedule.MODES), default=list(schedule.MODES))
-    link_default = (
-        "default: commsched's for each link (ranks, bandwidth, latency; link_defaults.default_sizes)"
+    parser.add_argument(
+        "--modes",
+        type=schedule._list(schedule.MODES),
+        default=list(schedule.MODES),
+        help="comma list: overlap (each layer's next forward waits for its own parameters), barrier "
+        "(the next iteration waits for every reduction); default both",
     )
-    parser.add_argument("--partition-bytes", default=None, help=link_default)
-    parser.add_argument("--credit-bytes", default=None, help=link_default)
-    parser.add_argument("--fusion-bytes", default=None, help=link_default)
-    parser.add_argument("--cycle-time", default="1ms")
-    parser.add_argument("--iterations", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    link_default = "default: what commsched fits to each link (ranks, bandwidth, latency), as init() does"
+    parser.add_argument("--partition-bytes", default=None, help=f"e.g. 4MiB; {link_default}")
+    parser.add_argument("--credit-bytes", default=None, help=f"e.g. 16MiB; {link_default}")
+    parser.add_argument("--fusion-bytes", default=None, help=f"e.g. 4MiB; {link_default}")
+    parser.add_argument(
+        "--cycle-time", default="1ms", help="the core's cycle time (COMMSCHED_CYCLE_TIME; default 1ms)"
+    )
+    parser.add_argument(
+        "--iterations", type=int, default=6, help="simulated iterations averaged per row (default 6)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="simulated iterations before those measured (default 2)"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart")
     return parser
 
@@ -270,9 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     compute = schedule.compute_s(layers)
     rows: list[dict[str, Any]] = []
     for ranks in rank_counts:
-        if args.compute_ratio:
-            # Comm = ratio * compute, counting only the bandwidth term of one ring allreduce of everything.
-            rates_here = [2.0 * (ranks - 1) / ranks * total / (args.compute_ratio * compute)]
+        if args.compute_over_comm:
+            # compute = R x comm, comm the bandwidth term of one ring allreduce of every gradient (as
+            # commsched-bench schedule measures it: a raw allreduce of all gradients).
+            rates_here = [2.0 * (ranks - 1) / ranks * total * args.compute_over_comm / compute]
         else:
             rates_here = rates
         for rate in rates_here:
@@ -293,11 +321,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.algorithm,
                 args.rounds,
             )
+    out = report.text_stream(args.json)
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
         f"latency {latency * 1e6:g} us, {args.algorithm} allreduce, agreement rounds "
-        f"{'on their own channel' if args.rounds == 'channel' else 'behind the data'}; simulated with the real scheduler"
+        f"{'on their own channel' if args.rounds == 'channel' else 'behind the data'}; simulated with the real scheduler",
+        file=out,
     )
     sizes = {
         (row["ranks"], row["bandwidth_bytes_per_s"]): "/".join(
@@ -312,10 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ""
             if args.partition_bytes and args.credit_bytes and args.fusion_bytes
             else " (unset: commsched's for the link)"
-        )
+        ),
+        file=out,
     )
     table = [dict(report.timing_fields(row), gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9) for row in rows]
-    print(report.format_table(COLUMNS, table))
+    print(report.format_table(COLUMNS, table), file=out)
+    print(f"# {schedule.LEAST_COMMUNICATION}", file=out)
     if args.json:
         report.dump_json(
             {
