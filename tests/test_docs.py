@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -305,3 +307,271 @@ def test_docs_speak_of_the_product_not_of_its_making() -> None:
         if HISTORY_WORDING.search(line)
     ]
     assert not hits, "reword as facts about the product:\n" + "\n".join(hits)
+
+
+# -- The guide's settings tables against the code: defaults, messages, figures --------------------
+
+# Phrases that mark, inside a default that depends on the link, the value at one rank on loopback.
+ONE_RANK_CLAUSE = re.compile(
+    r"`([^`]+)`(?:[^;`|]*?)\b(?:at one rank|where no link is known|where nothing is measured)\b"
+    r"|\b(?:at one rank)[^;`|]*?`([^`]+)`"
+)
+# Settings whose default `auto` config() shows as what it chose; the row must name that choice.
+CHOSEN_ON_ONE_RANK = {"transport": "loopback for one rank"}
+UNSET_WORDS = ("off", "unset", "none")
+
+
+def _default_cells() -> dict[str, str]:
+    """Variable -> the default column of its row in docs/guide.md's settings tables."""
+    cells = {}
+    for variable, row in _guide_rows().items():
+        columns = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        cells[variable] = columns[1]
+    return cells
+
+
+def _stated_on_one_rank(cell: str, parse) -> tuple[bool, object]:
+    """(True, value) when the default cell states a value that holds at one rank; (False, None) when
+    it describes what happens left unset."""
+
+    def parsed(text: str) -> tuple[bool, object]:
+        try:
+            return True, parse(text)
+        except (TypeError, ValueError):
+            return False, None
+
+    if cell.lower().startswith(UNSET_WORDS):
+        return False, None
+    first = re.match(r"`([^`]+)`", cell)
+    if first:
+        found, value = parsed(first.group(1))
+        if found:
+            return True, value
+    for match in ONE_RANK_CLAUSE.finditer(cell):
+        found, value = parsed(match.group(1) or match.group(2))
+        if found:
+            return True, value
+    return False, None
+
+
+def _loopback_config() -> dict:
+    """commsched.config() of one process on loopback, with no COMMSCHED_* variable set."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("COMMSCHED_")
+        and name
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "PMI_RANK",
+            "PMI_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+            "PMIX_RANK",
+        )
+    }
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
+    script = "import json, commsched; commsched.init(); print(json.dumps(commsched.config())); commsched.shutdown()"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=environment,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_guides_defaults_are_what_config_shows_on_loopback() -> None:
+    """Every default the guide's settings tables state is what commsched.config() shows in one process
+    on loopback (no COMMSCHED_* set), and the Checkpointer's defaults are CHECKPOINT_DEFAULTS.
+
+    A default cell states a value when it starts with one in backticks (`1ms`), or when a value in
+    backticks sits in a clause for one rank ("`0` at one rank", "`1MiB` where no link is known",
+    "`4KiB` where nothing is measured"); a cell that starts with off, unset or none, or only
+    describes what happens when the setting is left unset (fitted to the link, the transport's own),
+    must find config() showing the setting unset (None or ""). Only loopback is checked: the
+    defaults fitted to a link measured over MPI or Gloo need several ranks, and those are checked
+    against the fitted rule in tests/test_link_defaults.py. Rows of variables that are not
+    init() settings (the job token, library paths, build switches) have no config() entry.
+    """
+    config = _loopback_config()
+    assert config["transport"] == "loopback" and config["size"] == 1, config
+    cells = _default_cells()
+    problems = []
+    checked = set()
+    specs = {
+        variable: (field, parse, config) for field, (variable, parse, _) in settings_module._SPECS.items()
+    }
+    specs.update(
+        {
+            variable: (name, parse, settings_module.CHECKPOINT_DEFAULTS)
+            for name, (variable, parse, _) in settings_module.CHECKPOINT_SPECS.items()
+        }
+    )
+    for variable, (field, parse, shown) in specs.items():
+        cell = cells.get(variable)
+        if cell is None:
+            continue  # a missing row is test_the_guide_documents_every_setting_and_its_options' failure
+        checked.add(variable)
+        stated, value = _stated_on_one_rank(cell, parse)
+        actual = shown[field]
+        if field in CHOSEN_ON_ONE_RANK and stated and value == "auto":
+            if CHOSEN_ON_ONE_RANK[field] not in _guide_rows()[variable] or not CHOSEN_ON_ONE_RANK[
+                field
+            ].startswith(str(actual)):
+                problems.append(
+                    f"  {variable}: `auto` chose {actual!r}; the row must say '{CHOSEN_ON_ONE_RANK[field]}'"
+                )
+        elif stated and value != actual:
+            problems.append(
+                f"  {variable}: the guide gives {value!r}, config() shows {actual!r} ({cell[:120]})"
+            )
+        elif not stated and actual not in (None, ""):
+            problems.append(
+                f"  {variable}: config() shows {actual!r} on loopback, but the guide's default states no value "
+                f'for one rank ({cell[:120]}); add e.g. "`{actual}` at one rank"'
+            )
+    assert len(checked) == len(specs), sorted(set(specs) - checked)
+    assert not problems, "docs/guide.md's defaults against commsched.config() on loopback:\n" + "\n".join(
+        problems
+    )
+
+
+def test_the_guides_quoted_setting_error_is_the_real_one() -> None:
+    """The errors table quotes the SettingError a bad COMMSCHED_POLICY gives, word for word."""
+    with pytest.raises(settings_module.SettingError) as caught:
+        settings_module.resolve({}, {"COMMSCHED_POLICY": "lifo"})
+    quoted = f"`SettingError: {caught.value}`"
+    assert quoted in GUIDE.read_text(), f"docs/guide.md's errors table should quote {quoted}"
+
+
+def test_setting_errors_name_settings_not_functions() -> None:
+    """The accepted forms a SettingError gives name COMMSCHED_* variables and values, never one of
+    commsched's Python functions (the user cannot set a function)."""
+    functions = set()
+    for path in (ROOT / "commsched").glob("*.py"):
+        functions.update(re.findall(r"^def (\w+)\(", path.read_text(), re.MULTILINE))
+    named = [
+        f"  {variable}: {function}"
+        for variable, _, form in [
+            *settings_module._SPECS.values(),
+            *settings_module.CHECKPOINT_SPECS.values(),
+        ]
+        for function in sorted(functions)
+        if "_" in function and re.search(rf"\b{function}\b", form)
+    ]
+    assert not named, "SettingError forms that name functions:\n" + "\n".join(named)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under `heading` up to the next heading of the same or a higher level."""
+    level = len(heading) - len(heading.lstrip("#"))
+    start = text.index(heading + "\n")
+    following = re.search(rf"^#{{1,{level}}} ", text[start + len(heading) :], re.MULTILINE)
+    return text[start : start + len(heading) + following.start()] if following else text[start:]
+
+
+FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?: ?(?:µs|ms|GB/s|Gbit/s))|(?<![\w.])\d+\.\d+-\d+\.\d+"
+)
+COMMIT = re.compile(r"`([0-9a-f]{7,40})`")
+
+
+def test_the_guides_transport_figures_are_recorded() -> None:
+    """The figures the guide's transport table quotes (times, rates, ratios) are recorded in
+    docs/measurements.md on one line with the commit the row cites. docs/data/ holds no transport
+    figures (only the headline MPI allreduce, the replays and the simulator's defaults), so
+    measurements.md is the record checked."""
+    table = [
+        line for line in _section(GUIDE.read_text(), "## Transports").splitlines() if line.startswith("| `")
+    ]
+    recorded = MEASUREMENTS.read_text().splitlines()
+    problems = []
+    quoted = 0
+    for row in table:
+        figures = [match.group(0) for match in FIGURE.finditer(row)]
+        if not figures:
+            continue
+        quoted += 1
+        commits = COMMIT.findall(row)
+        if not commits:
+            problems.append(f"  {row[:60]}...: quotes {figures} but cites no commit")
+            continue
+        lines = [line for line in recorded if any(commit in line for commit in commits)]
+        missing = [figure for figure in figures if not any(figure in line for line in lines)]
+        if missing:
+            problems.append(f"  {row[:60]}...: {missing} not recorded with {', '.join(commits)}")
+    assert quoted, "the guide's transport table quotes no measured figure"
+    assert not problems, "transport figures in docs/guide.md not in docs/measurements.md:\n" + "\n".join(
+        problems
+    )
+
+
+def test_tables_have_no_blank_line_inside() -> None:
+    """A blank line between two rows of a Markdown table ends the table: the rows after it show as text."""
+    broken = []
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        for index in range(1, len(lines) - 1):
+            if (
+                lines[index].strip()
+                or not lines[index - 1].startswith("|")
+                or not lines[index + 1].startswith("|")
+            ):
+                continue
+            starts_table = index + 2 < len(lines) and re.match(r"^\|[-:| ]+\|$", lines[index + 2].strip())
+            if not starts_table:
+                broken.append(f"  {path.relative_to(ROOT)}:{index + 1}")
+    assert not broken, "blank lines inside tables:\n" + "\n".join(broken)
+
+
+def _command_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """The argument parsers of commsched-bench (and its subcommands), commsched-sim and commsched-run."""
+    from commsched import run
+    from commsched.bench import cli, sim_cli
+
+    bench = cli._parser()
+    parsers = [("commsched-bench", bench)]
+    for action in bench._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parsers += [(f"commsched-bench {name}", parser) for name, parser in action.choices.items()]
+    return parsers + [("commsched-sim", sim_cli._parser()), ("commsched-run", run._parser("commsched-run"))]
+
+
+def test_every_cli_option_has_help() -> None:
+    """Each option and argument of the three commands says what it does in --help (a renamed flag,
+    kept only to be refused with its new name, is hidden)."""
+    parsers = _command_parsers()
+    assert len(parsers) == 5, [name for name, _ in parsers]
+    missing = [
+        f"  {name}: {'/'.join(action.option_strings) or action.dest}"
+        for name, parser in parsers
+        for action in parser._actions
+        if action.help is None or not str(action.help).strip()
+    ]
+    assert not missing, "options without help:\n" + "\n".join(missing)
+
+
+def test_commsched_run_names_itself() -> None:
+    """commsched-run's usage names commsched-run, however it was started."""
+    from commsched import run
+
+    assert run._prog("/venv/bin/commsched-run") == "commsched-run"
+    for started_as in ("/repo/commsched/run.py", "-c", "-m", ""):
+        assert run._prog(started_as) == "commsched-run"
+    result = subprocess.run(
+        [sys.executable, "-m", "commsched.run", "--help"],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: commsched-run "), result.stdout[:200]
+    assert "python -m commsched.run [" not in result.stdout
