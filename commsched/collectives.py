@@ -346,8 +346,9 @@ def join(timeout: float | None = None) -> int:
 
     Until then this rank takes part in the other ranks' allreduces with zeros (op="average" still
     divides by every rank) and barriers; as in Horovod, allgather, broadcast, reducescatter and
-    alltoall fail on every rank that asked for them while a rank has joined. Of ranks joining in the same agreement round, the highest
-    counts as last. Afterwards every rank may go on (a new epoch).
+    alltoall fail on every rank that asked for them while a rank has joined. The same holds for the
+    collectives of every process set this rank is a member of. Of ranks joining in the same agreement
+    round, the highest counts as last. Afterwards every rank may go on (a new epoch).
     """
     if _api._state.pending is not None:
         _api._start_pending(False)  # a joined rank contributes from host memory
@@ -366,7 +367,8 @@ def grouped_allreduce_async(
     process_set: Any = None,
 ) -> GroupHandle:
     """Starts in-place allreduces of several arrays that every rank (of process_set) agrees on and
-    launches together (one fused launch when they fit the fusion size)."""
+    launches together (one fused launch when they fit the fusion size). Every rank passes the same
+    number of arrays: another length on one rank fails every rank's call at once, naming the lengths."""
     from commsched import buffers
 
     if process_set is not None:
