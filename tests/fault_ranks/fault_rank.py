@@ -27,7 +27,8 @@ import commsched
 from commsched.launch import detect
 
 ELEMENTS = 64 * 1024  # 256 KiB per tensor: above the inline size, so each step is a real collective
-LARGE_ELEMENTS = 16 * 1024 * 1024  # 64 MiB: the step of stop-in-flight, long enough on the wire to be stopped in
+# 64 MiB: the step of stop-in-flight, long enough on the wire to be stopped in.
+LARGE_ELEMENTS = 16 * 1024 * 1024
 IN_FLIGHT_S = 0.05  # from submitting it until the victim stops: the agreement is through, the bytes are not
 
 
