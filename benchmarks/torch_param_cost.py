@@ -93,9 +93,13 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
         result = {"variant": variant, "parameters": params, "window_step_seconds": per_window}
         print(RESULT_TAG + json.dumps(result), flush=True)
     if variant == "ddp":
+        # Tearing DDP down can deadlock inside torch (~ProcessGroupGloo joins its loop thread, which
+        # waits for the GIL this thread holds); the result is out, so leave without the teardown.
         import torch.distributed as dist
 
-        dist.destroy_process_group()
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(0)
     elif finish is not None:
         import commsched
 
