@@ -463,6 +463,20 @@ def run_rank(arguments: argparse.Namespace) -> int:
     return 1 if tally.wrong or tally.hangs else 0
 
 
+def read_results(output: str) -> list[dict]:
+    """Each rank's SOAK-RESULT object, one per rank; the launcher may forward two ranks' lines as one."""
+    decoder, found = json.JSONDecoder(), {}
+    start = output.find(RESULT)
+    while start >= 0:
+        try:
+            result, _ = decoder.raw_decode(output, start + len(RESULT))
+            found.setdefault(result["rank"], result)
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut by another rank's output: that rank counts as silent
+        start = output.find(RESULT, start + 1)
+    return [found[rank] for rank in sorted(found)]
+
+
 def launch(arguments: argparse.Namespace, passthrough: list[str]) -> int:
     """Starts the ranks (mpiexec for MPI, commsched-run otherwise) and sums up their results."""
     program = [str(Path(__file__).resolve()), "--rank-program", *passthrough]
@@ -501,7 +515,7 @@ def launch(arguments: argparse.Namespace, passthrough: list[str]) -> int:
     finally:
         if made_directory is not None:
             shutil.rmtree(made_directory, ignore_errors=True)
-    results = [json.loads(line.split(RESULT, 1)[1]) for line in output.splitlines() if RESULT in line]
+    results = read_results(output)
     checked = sum(r["checked"] for r in results)
     wrong = sum(r["wrong"] for r in results)
     hangs = sum(r["hangs"] for r in results) + (arguments.ranks - len(results))  # a silent rank hung too
