@@ -107,12 +107,9 @@ def main() -> int:
     args = parser.parse_args()
     device = "auto"
     if args.fake_gpu:
-        from fake_gpu import device_view
+        from fake_gpu import route_through
 
-        from commsched import buffers
-
-        os.environ["COMMSCHED_NCCL_LIBRARY"] = os.environ["COMMSCHED_CUDART_LIBRARY"] = args.fake_gpu
-        buffers._gpu_view = device_view
+        route_through(args.fake_gpu)
         device = "cuda"
     failed = 0
     for case in args.cases.split(","):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 
 import commsched.torch as ct
@@ -104,12 +103,9 @@ def main() -> int:
     args = parser.parse_args()
     device = "auto"
     if args.fake_gpu:
-        from fake_gpu import claim_cuda, device_view
+        from fake_gpu import claim_cuda, route_through
 
-        from commsched import buffers
-
-        os.environ["COMMSCHED_NCCL_LIBRARY"] = os.environ["COMMSCHED_CUDART_LIBRARY"] = args.fake_gpu
-        buffers._gpu_view = device_view
+        route_through(args.fake_gpu)
         device = "cuda"
     configs = [
         (policy, name, mode == "overlap", 1, None, None)

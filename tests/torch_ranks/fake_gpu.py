@@ -29,6 +29,14 @@ def claim_cuda(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def route_through(library: str) -> None:
+    """Points commsched's NCCL and CUDA runtime at the fake `library` and presents torch tensors as device memory."""
+    import os
+
+    os.environ["COMMSCHED_NCCL_LIBRARY"] = os.environ["COMMSCHED_CUDART_LIBRARY"] = library
+    buffers._gpu_view = device_view
+
+
 def device_view(array: Any, name: str) -> buffers.BufferView | None:
     """commsched.buffers._gpu_view for this setting: a torch tensor is device memory (of the rank's own
     device: -1, unknown) ready on the legacy default stream; anything else is left to the usual parsing."""
