@@ -30,6 +30,10 @@ class Bucket:
     flat: torch.Tensor
     slots: list[Slot]
     priority: int
+    # Each member's gradient home in `flat` and the guard over it, in `slots` order; fixed at build,
+    # so a bucket still in flight after a new layout rebound its members settles from its own.
+    views: list[torch.Tensor] = field(default_factory=list)
+    guards: list[Any] = field(default_factory=list)
     waiting: int = 0  # members whose gradient this iteration has not reported yet
     # While in flight: the collective, its iteration, and per member whether this rank used it and
     # (unused here) the gradient to restore if no rank used it either.
@@ -88,5 +92,7 @@ def build(members: list[Slot], name: str, priority: int) -> Bucket:
         view = flat[offset : offset + numel].view(slot.param.shape)
         offset += numel
         slot.bind(bucket, view)
+        bucket.views.append(view)
+        bucket.guards.append(slot.guard)
     bucket.reset()
     return bucket

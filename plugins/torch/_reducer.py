@@ -56,9 +56,6 @@ class Slot:
     flight: _buckets.Bucket | None = None
     flight_used: bool = False
     flight_sparse: bool = False
-    # That bucket's view and guard: a new layout may rebind `view` and `guard` while it is in flight.
-    flight_view: torch.Tensor | None = None
-    flight_guard: _guard.InFlightGrad | None = None
 
     def bind(self, bucket: _buckets.Bucket, view: torch.Tensor) -> None:
         """Makes `view` (in `bucket`) this parameter's gradient storage from the next iteration on."""
@@ -243,36 +240,34 @@ class Reducer:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         zeros: list[torch.Tensor] = []
-        for slot in bucket.slots:
+        for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
             param = slot.param
             grad = param.grad
             slot.flight = bucket
-            slot.flight_view = slot.view
-            slot.flight_guard = slot.guard
             slot.flight_used = slot.used
             slot.flight_sparse = False
             if slot.used:
-                if grad is slot.guard or grad is slot.view:
+                if grad is guard or grad is view:
                     pass
                 elif grad is None:  # set to None after backward: it counts as zeros
-                    zeros.append(slot.view)
+                    zeros.append(view)
                 elif grad.is_sparse:
-                    targets.append(slot.view)
+                    targets.append(view)
                     sources.append(grad.to_dense())
                     slot.flight_sparse = True  # the sparse .grad stays readable meanwhile
                 else:
-                    targets.append(slot.view)
+                    targets.append(view)
                     sources.append(
                         grad.as_subclass(torch.Tensor) if isinstance(grad, _guard.InFlightGrad) else grad
                     )
                 if not slot.flight_sparse:
-                    slot.guard._cs_settle = self._on_touch  # type: ignore[union-attr]
-                    param.grad = slot.guard
+                    guard._cs_settle = self._on_touch  # type: ignore[union-attr]
+                    param.grad = guard
             else:
                 # Not used here: whatever .grad holds stays untouched unless another rank used it.
-                if grad is not None and (grad is slot.view or grad is slot.guard):
-                    param.grad = slot.view.clone()
-                zeros.append(slot.view)
+                if grad is not None and (grad is view or grad is guard):
+                    param.grad = view.clone()
+                zeros.append(view)
             slot.used = False
         if targets:
             torch._foreach_copy_(targets, sources)
@@ -400,15 +395,14 @@ class Reducer:
         bucket.out = None
         bucket.reset()
 
-    def _member_result(self, slot: Slot, iteration: int) -> tuple[torch.Tensor | None, bool]:
+    def _member_result(
+        self, slot: Slot, iteration: int, view: torch.Tensor, guard: _guard.InFlightGrad
+    ) -> tuple[torch.Tensor | None, bool]:
         """(gradient to use, whether to replace .grad) for a member of a bucket that just finished."""
         slot.flight = None
-        if slot.flight_guard is not None:
-            slot.flight_guard._cs_settle = None  # type: ignore[assignment]
+        guard._cs_settle = None  # type: ignore[assignment]
         if not slot.flight_used and not self._used_anywhere(iteration, slot):
             return None, False
-        view = slot.flight_view
-        assert view is not None
         if slot.flight_sparse:
             return view.to_sparse(), True
         return view, True
@@ -444,11 +438,11 @@ class Reducer:
             after.append((slot, keep))
         for bucket in buckets:
             self._finish_bucket(bucket)
-            for slot in bucket.slots:
+            for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
                 current = slot.param.grad
                 sparse = slot.flight_sparse
-                in_flight = slot.flight_used and not sparse and current is slot.flight_guard
-                grad, replace = self._member_result(slot, bucket.iteration)
+                in_flight = slot.flight_used and not sparse and current is guard
+                grad, replace = self._member_result(slot, bucket.iteration, view, guard)
                 keep = grad if in_flight or (sparse and current is not None) else current
                 if replace:
                     slot.param.grad = grad
@@ -459,18 +453,23 @@ class Reducer:
             for slot, keep in after:
                 slot.param.grad = keep
 
-    def _pending_buckets(self) -> list[_buckets.Bucket]:
+    def _flying_buckets(self, closed_only: bool = True) -> list[_buckets.Bucket]:
+        """Buckets in flight (of closed iterations only, by default), in priority order."""
         found: list[_buckets.Bucket] = []
         for slot in self._order:
             bucket = slot.flight
-            if bucket is not None and bucket.iteration < self._iteration and bucket not in found:
+            if (
+                bucket is not None
+                and (bucket.iteration < self._iteration or not closed_only)
+                and bucket not in found
+            ):
                 found.append(bucket)
         return found
 
     def settle_previous(self) -> None:
         """Finishes every reduction of already closed iterations (their updates too, in overlap mode)."""
         pending = [s for s in self._order if s.record is not None and s.record.iteration < self._iteration]
-        buckets = self._pending_buckets()
+        buckets = self._flying_buckets()
         if self.options.overlap:
             if pending or buckets:
                 self._settle_overlap(pending, buckets)
@@ -481,8 +480,8 @@ class Reducer:
                 slot.param.grad = grad
         for bucket in buckets:
             self._finish_bucket(bucket)
-            for slot in bucket.slots:
-                grad, replace = self._member_result(slot, bucket.iteration)
+            for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
+                grad, replace = self._member_result(slot, bucket.iteration, view, guard)
                 if replace:
                     slot.param.grad = grad
         # Counts are waited for only where a gradient was missing here (_used_anywhere): when every
@@ -529,8 +528,10 @@ class Reducer:
             if record is not None and record.guard is not None and slot.param.grad is record.guard:
                 grad = record.out.target
                 slot.param.grad = None if set_to_none else torch.zeros_like(grad)
-            elif slot.flight is not None and slot.param.grad is slot.flight_guard:
-                slot.param.grad = None if set_to_none else torch.zeros_like(slot.param)
+        for bucket in self._flying_buckets(closed_only=False):
+            for slot, guard in zip(bucket.slots, bucket.guards):
+                if slot.param.grad is guard:
+                    slot.param.grad = None if set_to_none else torch.zeros_like(slot.param)
 
     def remove(self) -> None:
         """Detaches the gradient hooks."""
