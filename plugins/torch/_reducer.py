@@ -187,9 +187,9 @@ class Reducer:
         )
 
     def _start(self, tensor: torch.Tensor, name: str, priority: int) -> _wire.Outgoing:
+        """Starts a gradient's (or bucket's) reduction: the optimizer's op, compression and scales."""
         options = self.options
-        self._free_name(name)
-        out = _wire.start_allreduce(
+        return self._send(
             tensor,
             name,
             priority,
@@ -198,8 +198,14 @@ class Reducer:
             prescale_factor=options.prescale,
             postscale_factor=options.postscale,
             ranks=options.ranks,
-            **options.core,
         )
+
+    def _send(
+        self, tensor: torch.Tensor, name: str, priority: int, op: str, *args: Any, **kwargs: Any
+    ) -> _wire.Outgoing:
+        """Starts an allreduce under `name` once its last collective is done, and remembers this one."""
+        self._free_name(name)
+        out = _wire.start_allreduce(tensor, name, priority, op, *args, **kwargs, **self.options.core)
         self._sent[name] = out.work
         return out
 
@@ -316,10 +322,7 @@ class Reducer:
         self._relayout()
 
     def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
-        self._free_name(name)
-        out = _wire.start_allreduce(counts, name, -1, "sum", **self.options.core)
-        self._sent[name] = out.work
-        return out
+        return self._send(counts, name, -1, "sum")
 
     # -- buckets ----------------------------------------------------------------------------
     def _relayout(self) -> None:
