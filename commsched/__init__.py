@@ -30,13 +30,13 @@ import logging
 import operator
 import sys
 import threading
-import time
 from typing import Any
 
 from commsched import _core, buffers, link_probe, transports
 from commsched import config as _config
 from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
+from commsched.handles import Handle, _timed_out
 
 __all__ = [
     "Average",
@@ -93,7 +93,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 log = logging.getLogger("commsched")
-_WAIT_SLICE_S = 0.2
 _OPS = ("sum", "average", "min", "max", "product")
 # Reduction ops, as Horovod names them (hvd.Average, ...); op= takes these or the strings, in any case.
 Average, Sum, Min, Max, Product = "average", "sum", "min", "max", "product"
@@ -120,65 +119,6 @@ class _State:
 
 
 _state = _State()
-
-
-class Handle:
-    """A collective in flight; wait() returns the reduced array.
-
-    Dropping a handle (and the array) before it finishes is safe: the core keeps the array's
-    memory alive until the collective ends.
-    """
-
-    def __init__(self, core_handle: Any, array: Any, view: buffers.BufferView) -> None:
-        self._core_handle = core_handle
-        self._array = array
-        self._view = view
-
-    @property
-    def name(self) -> str:
-        """The tensor name the collective was submitted under."""
-        return self._core_handle.name
-
-    def done(self) -> bool:
-        """True once the collective finished (or failed)."""
-        return self._core_handle.done()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until done and returns the array; raises TimeoutError or a CommschedError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            # Wait in slices so Ctrl-C and other signals are handled while a collective hangs.
-            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
-            if self._core_handle.wait(max(left, 0.0)):
-                return self._array
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        raise _timed_out(self.name, timeout)
-
-    def wait_stream(self, stream: int, timeout: float | None = None) -> Any:
-        """Makes CUDA `stream` wait for the collective on the GPU and returns the array (on device transports).
-
-        The host waits only until the collective is launched on commsched's stream; work queued on
-        `stream` afterwards sees the result. On host transports this is wait().
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
-            if self._core_handle.wait_stream(stream, max(left, 0.0)):
-                return self._array
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        raise _timed_out(self.name, timeout)
-
-
-def _timed_out(name: str, timeout: float | None) -> TimeoutError:
-    """The error for a collective that did not finish in time, saying where it stands."""
-    where = _core.describe(name) if _core.running() else "commsched is not running"
-    return TimeoutError(
-        f"collective on '{name}' did not finish within {timeout}s"
-        + (f" (it is {where})" if where else "")
-        + "; COMMSCHED_STALL_TIMEOUT warnings name the ranks that have not submitted it"
-    )
 
 
 def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
