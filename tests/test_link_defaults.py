@@ -340,3 +340,44 @@ def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_
         concrete = collective_model.resolve(algorithm, doubled, ranks, rate, latency)
         added = (ranks - 1) * doubled - collective_model.wire_bytes(concrete, doubled, ranks)
         assert added > collective_model.steps(concrete, ranks) * latency * rate + credit
+
+
+def test_commsched_s_cost_per_collective_sets_a_floor_under_partition_and_fusion() -> None:
+    """On a fast link the fixed cost per collective, not the wire, bounds the partition from below:
+    at 2 GB/s and 80 us a partition must carry 32 x 160 KB; a slow link keeps the fitted sizes."""
+    from commsched.link_defaults import OVERHEAD_FLOOR_FACTOR, overhead_floor_bytes
+
+    fitted = default_sizes(2, 2e9, 2e-6)
+    floored = default_sizes(2, 2e9, 2e-6, collective_overhead_s=80e-6)
+    floor = overhead_floor_bytes(2e9, 80e-6)
+    assert floor >= OVERHEAD_FLOOR_FACTOR * 2e9 * 80e-6 / 2**0.5  # nearest power of two, in log scale
+    assert floored["partition_bytes"] == max(fitted["partition_bytes"], floor) > fitted["partition_bytes"]
+    assert floored["fusion_bytes"] >= floor
+    # The credit still spans as many partitions as the rule gave.
+    ratio = fitted["credit_bytes"] // fitted["partition_bytes"]
+    assert floored["credit_bytes"] == floored["partition_bytes"] * ratio
+    # A partition the user gave is kept; no cost, or a slow link, leaves the rule alone.
+    assert (
+        default_sizes(2, 2e9, 2e-6, partition_bytes=65536, collective_overhead_s=80e-6)["partition_bytes"]
+        == 65536
+    )
+    assert default_sizes(2, 2e9, 2e-6, collective_overhead_s=0.0) == fitted
+    assert default_sizes(4, 1.2e8, 40e-6, collective_overhead_s=20e-6) == default_sizes(4, 1.2e8, 40e-6)
+
+
+def test_the_replay_counts_the_cost_per_collective_at_full_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At --scale 16 a collective carries 1/16 of the full model's bytes at the same fixed cost, so the
+    floor the replay applies is the one for 16 x that cost at full size, divided by 16."""
+    import argparse
+
+    from commsched.bench.schedule import _replay_sizes
+
+    for name in ("PARTITION", "CREDIT", "FUSION", "INLINE"):
+        monkeypatch.delenv(f"COMMSCHED_{name}_BYTES", raising=False)
+    args = argparse.Namespace(
+        partition_bytes=None, credit_bytes=None, fusion_bytes=None, inline_bytes=None, scale=16.0
+    )
+    full = default_sizes(2, 2e9, 2e-6, collective_overhead_s=16 * 20e-6)
+    sizes = _replay_sizes(args, 2, 2e9, 2e-6, 20e-6)
+    assert sizes["partition_bytes"] == full["partition_bytes"] // 16
+    assert sizes["partition_bytes"] > _replay_sizes(args, 2, 2e9, 2e-6)["partition_bytes"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from commsched.bench import report
+from commsched.bench.overhead import measure_collective_overhead
 from commsched.config import parse_size, resolve
 from commsched.link_defaults import default_inline_bytes, default_sizes
 
@@ -297,19 +298,27 @@ _PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
 _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
-def _replay_sizes(args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float) -> dict[str, Any]:
+def _replay_sizes(
+    args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float, overhead_s: float = 0.0
+) -> dict[str, Any]:
     """Sizes for the replay: each flag as given; else, unless COMMSCHED_* sets it, the default
     commsched fits to this link (link_defaults.default_sizes) divided by --scale.
 
     Shrinking tensors by --scale without shrinking the chunk sizes would change how many
     chunks each tensor has, so the replay would no longer stand for the full-size model.
+    commsched's fixed cost per collective (`overhead_s`) does not shrink with the bytes: against
+    the full-size model's collectives it weighs --scale times as much.
     """
     given = {name: getattr(args, name) for name in _SCALED_SETTINGS}
     # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
     partition = given["partition_bytes"] or os.environ.get("COMMSCHED_PARTITION_BYTES")
     full_partition = parse_size(partition) * args.scale if partition else None
     fitted: dict[str, int] = default_sizes(
-        ranks, bandwidth, latency_s, partition_bytes=int(full_partition or 0) or None
+        ranks,
+        bandwidth,
+        latency_s,
+        partition_bytes=int(full_partition or 0) or None,
+        collective_overhead_s=overhead_s * args.scale,
     )
     credit = given["credit_bytes"] or os.environ.get("COMMSCHED_CREDIT_BYTES")
     full_credit = int(parse_size(credit) * args.scale) if credit else fitted["credit_bytes"]
@@ -354,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
         time_scale *= factor
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
     latency = small_s / (2 * (ranks - 1))
-    sizes = _replay_sizes(args, ranks, bandwidth, latency)
+    overhead_s = measure_collective_overhead(comm)
+    sizes = _replay_sizes(args, ranks, bandwidth, latency, overhead_s)
     credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_for(ranks)
     size_costs = (
         measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
@@ -461,6 +471,7 @@ def run(args: argparse.Namespace) -> int:
         "least_communication_s": least_s,
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
+        "collective_overhead_s": overhead_s,
         "size_costs": size_costs,
         "settings": settings,
         "iterations": args.iterations,
@@ -507,7 +518,8 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: Text
         f"# compute {header['compute_s'] * 1e3:.1f} ms (FLOPs at {header['device_tflops']:g} TFLOP/s,"
         f" time scale {header['time_scale']:.4g}); communication {header['communication_s'] * 1e3:.1f} ms"
         f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
-        f" {header['latency_s'] * 1e6:.0f} us per message)"
+        f" {header['latency_s'] * 1e6:.0f} us per message; commsched adds"
+        f" {header.get('collective_overhead_s', 0.0) * 1e6:.0f} us per collective)"
     )
     if header["size_costs"]:
         costs = ", ".join(f"{report.human_size(size)} {factor:.2f}" for size, factor in header["size_costs"])
