@@ -105,9 +105,9 @@ extensions.append(
 )
 
 
-# --- The native Gloo transport (commsched._gloo) -------------------------------------------------
-# Built against PyTorch's C++ headers and libraries when torch is importable here; without it (or
-# when its build fails) commsched uses its Python Gloo transport, so this extension never fails an install.
+# --- Parts built against PyTorch's C++ side: native Gloo (commsched._gloo), gradient hooks ---------
+# Built when torch is importable here; without it (or when a build fails) commsched uses its Python
+# Gloo transport and Python gradient hooks, so these extensions never fail an install.
 GLOO_SOURCES = [
     "csrc/transport/gloo/gloo_transport.cc",
     "csrc/transport/gloo/peer_probe.cc",
@@ -115,51 +115,48 @@ GLOO_SOURCES = [
     "csrc/core/elementwise.cc",
     "csrc/core/types.cc",
 ]
-OPTIONAL_EXTENSIONS = {"commsched._gloo"}
+TORCH_HOOKS_SOURCES = ["csrc/torch/grad_counter.cc"]
+# What commsched does without each optional extension, for the message when one is not built.
+OPTIONAL_EXTENSIONS = {
+    "commsched._gloo": "COMMSCHED_TRANSPORT=gloo then uses the Python transport",
+    "commsched._torch_hooks": "commsched.torch then counts gradients with Python hooks",
+}
 
 
-def gloo_extension() -> Extension | None:
-    """commsched._gloo, or None (with the reason on stderr) when PyTorch's C++ side is not usable here."""
+def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extension | None:
+    """An extension built against PyTorch's headers and libraries, or None (with the reason on
+    stderr) when PyTorch's C++ side is not usable here."""
+    part = f"{name} ({OPTIONAL_EXTENSIONS[name]})"
     if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
-        print(
-            "commsched: COMMSCHED_WITHOUT_TORCH is set; building without the native Gloo transport",
-            file=sys.stderr,
-        )
+        print(f"commsched: COMMSCHED_WITHOUT_TORCH is set; building without {part}", file=sys.stderr)
         return None
     try:
         import torch
         from torch.utils import cpp_extension
     except ImportError:
-        print(
-            "commsched: PyTorch is not importable; building without the native Gloo transport",
-            file=sys.stderr,
-        )
+        print(f"commsched: PyTorch is not importable; building without {part}", file=sys.stderr)
         return None
     includes = cpp_extension.include_paths()
-    if not any(
+    if needs_c10d and not any(
         (Path(d) / "torch" / "csrc" / "distributed" / "c10d" / "Backend.hpp").exists() for d in includes
     ):
-        print(
-            "commsched: this PyTorch has no c10d headers; building without the native Gloo transport",
-            file=sys.stderr,
-        )
+        print(f"commsched: this PyTorch has no c10d headers; building without {part}", file=sys.stderr)
         return None
-    # The core and this module pass std::string and std::vector across the Transport interface, and
-    # the core is built with the compiler's default (new) libstdc++ ABI: torch must match it.
+    # The core and these modules pass std::string and std::vector across their interfaces, and the
+    # core is built with the compiler's default (new) libstdc++ ABI: torch must match it.
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     if abi != 1:
         print(
-            "commsched: PyTorch was built with the pre-C++11 libstdc++ ABI; "
-            "building without the native Gloo transport (the Python one is used)",
+            f"commsched: PyTorch was built with the pre-C++11 libstdc++ ABI; building without {part}",
             file=sys.stderr,
         )
         return None
     libdirs = cpp_extension.library_paths()
     return Extension(
-        "commsched._gloo",
-        GLOO_SOURCES,
+        name,
+        sources,
         # torch's include directories come first: its bundled pybind11 is the one whose casters
-        # know torch's ProcessGroup types.
+        # know torch's types.
         include_dirs=[*includes, "csrc"],
         library_dirs=libdirs,
         runtime_library_dirs=[*libdirs, "$ORIGIN/../torch/lib"],
@@ -167,7 +164,7 @@ def gloo_extension() -> Extension | None:
         define_macros=[
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
             ("TORCH_API_INCLUDE_EXTENSION_H", None),
-            # c10d's classes change between releases: the module refuses to serve another torch.
+            # torch's C++ classes change between releases: each module refuses to serve another torch.
             ("COMMSCHED_BUILT_FOR_TORCH", f'"{torch.__version__}"'),
         ],
         # Spelled out: the Pybind11Extensions above extend the COMPILE_ARGS list with their own -std.
@@ -194,7 +191,7 @@ class build_optional_ext(build_ext):
         except (CCompilerError, CompileError, ExecError, LinkError, OSError) as error:
             print(
                 f"commsched: building {ext.name} failed ({error}); continuing without it "
-                "(COMMSCHED_TRANSPORT=gloo then uses the Python transport)",
+                f"({OPTIONAL_EXTENSIONS[ext.name]})",
                 file=sys.stderr,
             )
             # Out of the list, so neither --inplace's copy nor the install looks for its output
@@ -202,8 +199,11 @@ class build_optional_ext(build_ext):
             self.extensions = [other for other in self.extensions if other is not ext]
 
 
-gloo = gloo_extension()
-if gloo is not None:
-    extensions.append(gloo)
+for optional in (
+    torch_extension("commsched._gloo", GLOO_SOURCES, needs_c10d=True),
+    torch_extension("commsched._torch_hooks", TORCH_HOOKS_SOURCES, needs_c10d=False),
+):
+    if optional is not None:
+        extensions.append(optional)
 
 setup(ext_modules=extensions, cmdclass={"build_ext": build_optional_ext})

@@ -34,17 +34,12 @@ class Bucket:
     # so a bucket still in flight after a new layout rebound its members settles from its own.
     views: list[torch.Tensor] = field(default_factory=list)
     guards: list[Any] = field(default_factory=list)
-    waiting: int = 0  # members whose gradient this iteration has not reported yet
-    # While in flight: the collective, its iteration, and per member whether this rank used it and
-    # (unused here) the gradient to restore if no rank used it either.
+    indices: list[int] = field(default_factory=list)  # the members' slot indices
+    layout: int = 0  # which of the reducer's layouts built it
+    # While in flight: the collective and its iteration.
     out: Outgoing | None = None
     iteration: int = -1
-    used: list[bool] = field(default_factory=list)
-    kept: list[Any] = field(default_factory=list)
-
-    def reset(self) -> None:
-        """Readies the bucket for the next iteration's gradients."""
-        self.waiting = len(self.slots)
+    position: int = 0  # its place in its layout's list of buckets
 
 
 def group_key(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
@@ -80,12 +75,12 @@ def plan(slots: list[Slot], limit: int, priority: list[int]) -> list[list[Slot]]
     return sorted(done, key=lambda members: (priority[members[0].index], members[0].index))
 
 
-def build(members: list[Slot], name: str, priority: int) -> Bucket:
+def build(members: list[Slot], name: str, priority: int, layout: int = 0) -> Bucket:
     """Allocates one bucket and gives each member its view of it (the gradient's home from now on)."""
     first = members[0].param
     total = sum(slot.param.numel() for slot in members)
     flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-    bucket = Bucket(name, flat, list(members), priority)
+    bucket = Bucket(name, flat, list(members), priority, layout=layout)
     offset = 0
     for slot in members:
         numel = slot.param.numel()
@@ -94,5 +89,5 @@ def build(members: list[Slot], name: str, priority: int) -> Bucket:
         slot.bind(bucket, view)
         bucket.views.append(view)
         bucket.guards.append(slot.guard)
-    bucket.reset()
+        bucket.indices.append(slot.index)
     return bucket

@@ -7,9 +7,8 @@ parameter that no rank used keeps its gradient untouched (DDP's find_unused_para
 
 The first iteration sends each gradient as a collective of its own; it also measures the
 order the forward pass needs the parameters in. From then on gradients live in priority
-buckets (see _buckets): a post-accumulate-grad hook only counts the bucket's members down,
-and the last member's hook submits the whole bucket, so the host spends no more per gradient
-than one hook call.
+buckets (see _buckets): a hook only counts the bucket's members down (in C++ where built, see
+_counter), and the last member's hook submits the whole bucket, so Python runs once per bucket.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from commsched.torch import _buckets, _guard, _wire
+from commsched.torch import _buckets, _counter, _guard, _wire
 
 import commsched
 import torch
@@ -44,14 +43,12 @@ class Slot:
     index: int
     group: int
     priority: int
-    passes: int = 0
     record: _Record | None = None
     # The bucket path: this slot's bucket in the current layout, its gradient's home there, and the
     # guard that stands in .grad while the bucket is in flight (same memory, made once).
     bucket: _buckets.Bucket | None = None
     view: torch.Tensor | None = None
     guard: _guard.InFlightGrad | None = None
-    used: bool = False  # reported a gradient this iteration
     # The bucket carrying this slot's gradient now (maybe of an older layout), and what it carries.
     flight: _buckets.Bucket | None = None
     flight_used: bool = False
@@ -133,10 +130,12 @@ class Reducer:
         self._order = sorted(slots, key=lambda s: (s.priority, s.index))
         self._passes = options.backward_passes_per_step
         self._iteration = 0
-        self._closed = False  # the current iteration's submissions are complete
+        # The current iteration's submissions are complete (until the counter sees a gradient).
+        self._closed = False
         self._masks: dict[int, _Mask] = {}
         self._sent: dict[str, commsched.Handle] = {}  # the last collective under each gradient name
-        self._hooks: dict[int, Any] = {}
+        # Counts each gradient's backward passes and each bucket's members down; calls _on_event.
+        self._counter = _counter.make(len(slots), self._passes, self._on_event)
         self._buckets: list[_buckets.Bucket] = []
         self._layout_trainable: tuple[bool, ...] | None = None  # what the buckets were built for
         self._layouts = 0
@@ -148,8 +147,8 @@ class Reducer:
         if not self.options.member:
             return
         for slot in self.slots:
-            if slot.param.requires_grad and slot.index not in self._hooks:
-                self._hooks[slot.index] = slot.param.register_post_accumulate_grad_hook(self._on_grad)
+            if slot.param.requires_grad and not self._counter.hooked(slot.index):
+                self._counter.hook(slot.param, slot.index)
 
     # -- priorities -------------------------------------------------------------------------
     def set_priorities(self, order: list[torch.Tensor]) -> None:
@@ -161,23 +160,14 @@ class Reducer:
         self._layout_trainable = None  # the next close lays the buckets out in this order
 
     # -- submission -------------------------------------------------------------------------
-    def _on_grad(self, param: torch.Tensor) -> None:
-        slot = self._by_id[id(param)]
-        self._closed = False
-        slot.passes += 1
-        if slot.passes < self._passes:
-            return
-        bucket = slot.bucket
-        if bucket is None:
-            self._submit(slot, used=True)
-            return
-        if slot.flight is not None:
-            raise self._again(slot)
-        if slot.passes == self._passes:  # later passes accumulate into the same, unsent bucket
-            slot.used = True
-            bucket.waiting -= 1
-            if bucket.waiting == 0:
-                self._submit_bucket(bucket)
+    def _on_event(self, kind: int, index: int, bucket: int) -> None:
+        """What the counter leaves to Python: an unbucketed gradient, an early one, a full bucket."""
+        if kind == _counter.BUCKET_FULL:
+            self._submit_bucket(self._buckets[bucket])
+        elif kind == _counter.AGAIN:
+            raise self._again(self.slots[index])
+        else:
+            self._submit(self.slots[index], used=True)
 
     def _again(self, slot: Slot) -> RuntimeError:
         return RuntimeError(
@@ -241,18 +231,24 @@ class Reducer:
             param.grad = record.guard
         slot.record = record
 
-    def _submit_bucket(self, bucket: _buckets.Bucket) -> None:
-        """Sends a bucket: gradients that live elsewhere (after zero_grad(set_to_none)) are copied in first."""
+    def _submit_bucket(self, bucket: _buckets.Bucket, used: list[bool] | None = None) -> None:
+        """Sends a bucket: gradients that live elsewhere (after zero_grad(set_to_none)) are copied in first.
+
+        `used`: whether each member had a gradient this iteration (default: what the counter saw).
+        """
+        if used is None:
+            used = self._counter.take_used(bucket.indices)
+        self._counter.set_flying(bucket.indices, True)
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         zeros: list[torch.Tensor] = []
-        for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
+        for slot, view, guard, slot_used in zip(bucket.slots, bucket.views, bucket.guards, used):
             param = slot.param
             grad = param.grad
             slot.flight = bucket
-            slot.flight_used = slot.used
+            slot.flight_used = slot_used
             slot.flight_sparse = False
-            if slot.used:
+            if slot_used:
                 if grad is guard or grad is view:
                     pass
                 elif grad is None:  # set to None after backward: it counts as zeros
@@ -274,7 +270,6 @@ class Reducer:
                 if grad is not None and (grad is view or grad is guard):
                     param.grad = view.clone()
                 zeros.append(view)
-            slot.used = False
         if targets:
             torch._foreach_copy_(targets, sources)
         if zeros:
@@ -284,30 +279,31 @@ class Reducer:
 
     def close(self) -> None:
         """Ends the iteration: zeros for trainable parameters with no gradient here, then the used counts."""
-        if self._closed:
+        if self._closed and not self._counter.opened():
             return
         if not self.options.member:
             self._closed = True
             return
         self.settle_previous()
         counts = [0] * len(self.slots)
+        passes = self._counter.take_passes()
         for slot in self._order:
             if slot.bucket is None:
                 if slot.record is None and slot.param.requires_grad:
-                    unhooked = slot.index not in self._hooks  # unfrozen since: its gradient is unseen
-                    used = (slot.passes > 0 or unhooked) and slot.param.grad is not None
+                    unhooked = not self._counter.hooked(slot.index)  # unfrozen since: its gradient is unseen
+                    used = (passes[slot.index] > 0 or unhooked) and slot.param.grad is not None
                     self._submit(slot, used=used)
                 if slot.record is not None and slot.record.used:
                     counts[slot.index] = 1
-            elif slot.passes > 0 and slot.bucket.out is None:
-                slot.used = True  # fewer passes than backward_passes_per_step still count
-            slot.passes = 0
+            elif passes[slot.index] > 0 and slot.bucket.out is None:
+                self._counter.set_used(slot.index)  # fewer passes than backward_passes_per_step still count
         for bucket in self._buckets:
             if bucket.out is None:
-                for slot in bucket.slots:
-                    if slot.used:
-                        counts[slot.index] = 1
-                self._submit_bucket(bucket)
+                used = self._counter.take_used(bucket.indices)
+                for index, slot_used in zip(bucket.indices, used):
+                    if slot_used:
+                        counts[index] = 1
+                self._submit_bucket(bucket, used)
             elif bucket.iteration == self._iteration:
                 for slot in bucket.slots:
                     counts[slot.index] = 1  # a bucket sent from the hooks had every member
@@ -319,6 +315,7 @@ class Reducer:
         self._masks[self._iteration] = _Mask(tensor, self._start_counts(tensor, name))
         self._iteration += 1
         self._closed = True
+        self._counter.mark_closed()
         self._relayout()
 
     def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
@@ -354,11 +351,17 @@ class Reducer:
             slot.bucket = None
         plans = _buckets.plan(members, limit, priorities)
         prefix = f"{self.options.prefix}bucket{self._layouts}."
+        self._layouts += 1
         self._buckets = [
-            _buckets.build(chosen, f"{prefix}{k}", priorities[chosen[0].index])
+            _buckets.build(chosen, f"{prefix}{k}", priorities[chosen[0].index], self._layouts)
             for k, chosen in enumerate(plans)
         ]
-        self._layouts += 1
+        bucket_of = [-1] * len(self.slots)
+        for k, bucket in enumerate(self._buckets):
+            bucket.position = k
+            for index in bucket.indices:
+                bucket_of[index] = k
+        self._counter.set_buckets(bucket_of, [len(bucket.slots) for bucket in self._buckets])
 
     def _start_priorities(self, priorities: torch.Tensor, name: str) -> _wire.Outgoing:
         return _wire.start_allreduce(priorities, name, -2, "min", **self.options.core)
@@ -396,7 +399,11 @@ class Reducer:
         assert out is not None
         out.finish(self.options.timeout)
         bucket.out = None
-        bucket.reset()
+        # Its members may count again (each clears its own flight state in _member_result); a bucket
+        # of a layout since replaced has nothing left to count.
+        self._counter.set_flying(bucket.indices, False)
+        if bucket.layout == self._layouts:
+            self._counter.reset_bucket(bucket.position)
 
     def _member_result(
         self, slot: Slot, iteration: int, view: torch.Tensor, guard: _guard.InFlightGrad
@@ -538,6 +545,4 @@ class Reducer:
 
     def remove(self) -> None:
         """Detaches the gradient hooks."""
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
+        self._counter.unhook_all()
