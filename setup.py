@@ -3,6 +3,7 @@ where PyTorch is importable, its native Gloo transport (`commsched._gloo`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -17,6 +18,16 @@ from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError
 ROOT = Path(__file__).resolve().parent
 CORE_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.cc"))
 COMPILE_ARGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+# Why each part was not built ("" when it was); written beside the package as _build_report.json
+# for commsched-info, since pip shows a successful build's messages only with -v.
+BUILD_REPORT: dict[str, str] = {}
+
+
+def skip(name: str, reason: str) -> None:
+    """Records and prints that an optional part is built without, and why."""
+    BUILD_REPORT[name] = reason
+    print(f"commsched: WARNING: not building {name}: {reason}", file=sys.stderr)
 
 
 def find_mpi() -> tuple[list[str], list[str], list[str]] | None:
@@ -66,6 +77,12 @@ extensions = [
 ]
 
 mpi = None if os.environ.get("COMMSCHED_WITHOUT_MPI") else find_mpi()
+mpi_missing = (
+    "COMMSCHED_WITHOUT_MPI is set"
+    if os.environ.get("COMMSCHED_WITHOUT_MPI")
+    else "no MPI found (mpi.h and libmpi in the environment, /usr, /usr/local, COMMSCHED_MPI_DIR or "
+    "`mpicc -show`): install MPI first (e.g. `pip install mpich`), then commsched"
+)
 if mpi:
     includes, libdirs, libs = mpi
     extensions.append(
@@ -88,8 +105,9 @@ if mpi:
             extra_compile_args=COMPILE_ARGS,
         )
     )
+    BUILD_REPORT["commsched._mpi"] = ""
 else:
-    print("commsched: no MPI found (mpi.h and libmpi); building without the MPI transport", file=sys.stderr)
+    skip("commsched._mpi", mpi_missing)
 
 # The NCCL transport links neither NCCL nor CUDA (it loads them at run time), so it is always built.
 extensions.append(
@@ -123,35 +141,87 @@ OPTIONAL_EXTENSIONS = {
 }
 
 
+# torch's build facts, asked of the interpreter the package is installed for. Under pip's build
+# isolation this process sees only the build requirements, not the user's torch, so when torch is
+# not importable here the same interpreter is run without the isolation variables (PYTHONPATH,
+# PYTHONNOUSERSITE, PIP_*): it sees the environment's own site-packages. Nothing installs torch.
+TORCH_PROBE = """
+import json, torch
+from torch.utils import cpp_extension
+print(json.dumps({
+    "version": torch.__version__,
+    "includes": cpp_extension.include_paths(),
+    "libdirs": cpp_extension.library_paths(),
+    "abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
+}))
+"""
+
+
+def probe_torch() -> tuple[dict | None, str]:
+    """torch's version, include and library paths and libstdc++ ABI, or None and why not."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME") and not key.startswith("PIP_")
+        }
+        where = f"{sys.executable} outside the build environment"
+    else:
+        env = dict(os.environ)
+        where = sys.executable
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", TORCH_PROBE],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"asking {where} for torch failed ({error})"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if "No module named 'torch'" in last:
+            return (
+                None,
+                f"PyTorch is not installed for {sys.executable} (install torch first, then commsched)",
+            )
+        return None, f"importing torch in {where} failed: {last}"
+    return json.loads(done.stdout.strip().splitlines()[-1]), ""
+
+
+TORCH: dict | None = None
+TORCH_MISSING = ""
+if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
+    TORCH_MISSING = "COMMSCHED_WITHOUT_TORCH is set"
+else:
+    TORCH, TORCH_MISSING = probe_torch()
+
+
 def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extension | None:
     """An extension built against PyTorch's headers and libraries, or None (with the reason on
     stderr) when PyTorch's C++ side is not usable here."""
-    part = f"{name} ({OPTIONAL_EXTENSIONS[name]})"
-    if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
-        print(f"commsched: COMMSCHED_WITHOUT_TORCH is set; building without {part}", file=sys.stderr)
+    effect = OPTIONAL_EXTENSIONS[name]
+    if TORCH is None:
+        skip(name, f"{TORCH_MISSING}; {effect}")
         return None
-    try:
-        import torch
-        from torch.utils import cpp_extension
-    except ImportError:
-        print(f"commsched: PyTorch is not importable; building without {part}", file=sys.stderr)
-        return None
-    includes = cpp_extension.include_paths()
+    includes = TORCH["includes"]
     if needs_c10d and not any(
         (Path(d) / "torch" / "csrc" / "distributed" / "c10d" / "Backend.hpp").exists() for d in includes
     ):
-        print(f"commsched: this PyTorch has no c10d headers; building without {part}", file=sys.stderr)
+        skip(name, f"PyTorch {TORCH['version']} has no c10d headers; {effect}")
         return None
     # The core and these modules pass std::string and std::vector across their interfaces, and the
     # core is built with the compiler's default (new) libstdc++ ABI: torch must match it.
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = TORCH["abi"]
     if abi != 1:
-        print(
-            f"commsched: PyTorch was built with the pre-C++11 libstdc++ ABI; building without {part}",
-            file=sys.stderr,
-        )
+        skip(name, f"PyTorch {TORCH['version']} was built with the pre-C++11 libstdc++ ABI; {effect}")
         return None
-    libdirs = cpp_extension.library_paths()
+    libdirs = TORCH["libdirs"]
+    BUILD_REPORT[name] = ""
     return Extension(
         name,
         sources,
@@ -165,7 +235,7 @@ def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extensio
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
             ("TORCH_API_INCLUDE_EXTENSION_H", None),
             # torch's C++ classes change between releases: each module refuses to serve another torch.
-            ("COMMSCHED_BUILT_FOR_TORCH", f'"{torch.__version__}"'),
+            ("COMMSCHED_BUILT_FOR_TORCH", f'"{TORCH["version"]}"'),
         ],
         # Spelled out: the Pybind11Extensions above extend the COMPILE_ARGS list with their own -std.
         extra_compile_args=[
@@ -183,17 +253,34 @@ def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extensio
 class build_optional_ext(build_ext):
     """Builds every extension, but reports and skips an optional one that fails instead of failing the install."""
 
+    def run(self) -> None:
+        """Builds, then writes _build_report.json beside the built package."""
+        super().run()
+        built = {ext.name for ext in self.extensions}
+        for name in OPTIONAL_EXTENSIONS:
+            if name not in built:
+                # A module from an earlier build of another torch must not ship with this one.
+                stale = Path(self.get_ext_fullpath(name))
+                if stale.exists() and not self.inplace:
+                    stale.unlink()
+        report = Path(self.get_ext_fullpath("commsched._core")).parent / "_build_report.json"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps(BUILD_REPORT, indent=1, sort_keys=True) + "\n")
+
     def build_extension(self, ext: Extension) -> None:
         if ext.name not in OPTIONAL_EXTENSIONS:
-            return super().build_extension(ext)
+            try:
+                return super().build_extension(ext)
+            except (CCompilerError, CompileError, ExecError, LinkError, OSError) as error:
+                raise CompileError(
+                    f"commsched: building {ext.name} failed: {error}. commsched's C++ core needs a "
+                    "C++17 compiler (g++ 9+ or clang++ 10+; CXX chooses it): install one, e.g. "
+                    "`apt-get install g++`, or install a prebuilt commsched wheel"
+                ) from error
         try:
             super().build_extension(ext)
         except (CCompilerError, CompileError, ExecError, LinkError, OSError) as error:
-            print(
-                f"commsched: building {ext.name} failed ({error}); continuing without it "
-                f"({OPTIONAL_EXTENSIONS[ext.name]})",
-                file=sys.stderr,
-            )
+            skip(ext.name, f"its build failed ({error}); {OPTIONAL_EXTENSIONS[ext.name]}")
             # Out of the list, so neither --inplace's copy nor the install looks for its output
             # (nor a stale one from an earlier build).
             self.extensions = [other for other in self.extensions if other is not ext]
