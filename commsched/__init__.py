@@ -32,7 +32,32 @@ import sys
 import threading
 from typing import Any
 
-from commsched import _core, buffers, link_probe, transports
+
+def _source_tree_error() -> ImportError | None:
+    """The error to raise when this package is a checkout's source folder with no built core: run
+    from the repository root after a non-editable install, Python imports the folder, not the install."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent
+    if not (package.parent / "setup.py").is_file() or any(package.glob("_core*.so")):
+        return None
+    return ImportError(
+        f"commsched was imported from its source folder {package}, which has no built C++ core "
+        "(commsched._core): Python looks in the current directory first. Run from outside the "
+        "checkout (cd elsewhere) to use the installed commsched, or build it in place with "
+        "`pip install -e .` in the checkout."
+    )
+
+
+try:
+    from commsched import _core
+except ImportError:
+    _trap = _source_tree_error()
+    if _trap is None:
+        raise
+    raise _trap from None
+
+from commsched import buffers, link_probe, transports
 from commsched import config as _config
 from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
