@@ -19,6 +19,16 @@ process set run eagerly through commsched's framework-free API.
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+
+# Checked before anything imports TensorFlow, so a missing framework is named as such, not as the
+# first module of it that some import line happens to reach.
+if _importlib_util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "commsched.tensorflow needs TensorFlow 2.16+ (with Keras 3), which is not installed for this "
+        "Python: pip install tensorflow-cpu (or tensorflow for GPUs); for PyTorch use commsched.torch"
+    )
+
 from commsched.tensorflow import callbacks, util
 from commsched.tensorflow._build import BuildError
 from commsched.tensorflow._order import forward_order

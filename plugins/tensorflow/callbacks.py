@@ -14,8 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import numpy as np
+
+try:
+    import keras
+except ImportError as error:
+    raise ImportError(
+        f"commsched.tensorflow's Keras callbacks need Keras 3, which TensorFlow 2.16+ installs ({error}): "
+        "pip install tensorflow-cpu (or tensorflow for GPUs)"
+    ) from error
 from commsched.tensorflow import functions
 
 import commsched
