@@ -1,6 +1,6 @@
 """Keras training on scikit-learn's 8x8 digits, written as for Horovod: only the import names commsched.
 
-    mpiexec -n 2 python examples/keras_mnist.py --epochs 4
+    mpiexec -n 2 python -m mpi4py examples/keras_mnist.py --epochs 4
     commsched-run -n 2 examples/keras_mnist.py --epochs 2
 
 Each rank reads its own shuffle of the training set; DistributedOptimizer averages the

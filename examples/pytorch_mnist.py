@@ -1,6 +1,6 @@
 """MNIST-style training on scikit-learn's 8x8 digits, written as for Horovod: only the import names commsched.
 
-    mpiexec -n 2 python examples/pytorch_mnist.py --epochs 3
+    mpiexec -n 2 python -m mpi4py examples/pytorch_mnist.py --epochs 3
     torchrun --nproc-per-node 2 examples/pytorch_mnist.py
     commsched-run -n 2 examples/pytorch_mnist.py --epochs 1
 

@@ -1,6 +1,6 @@
 """Synthetic-data image benchmark, written as for Horovod: only the import names commsched.
 
-    mpiexec -n 2 python examples/pytorch_synthetic_benchmark.py --no-cuda
+    mpiexec -n 2 python -m mpi4py examples/pytorch_synthetic_benchmark.py --no-cuda
     torchrun --nproc-per-node 2 examples/pytorch_synthetic_benchmark.py
     commsched-run -n 2 examples/pytorch_synthetic_benchmark.py --num-iters 2
 

@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's digits with commsched's PyTorch plug-in.
 
-    mpiexec -n 2 python examples/torch_train.py --device cpu    # MPI transport
+    mpiexec -n 2 python -m mpi4py examples/torch_train.py --device cpu    # MPI transport
     torchrun --nproc-per-node 2 examples/torch_train.py         # one GPU per rank: NCCL
     python examples/torch_train.py --overlap-forward            # one process works too
 
@@ -41,7 +41,12 @@ class DigitsNet(torch.nn.Module):
 
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 digits (ships with the package), scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit(
+            "the digits data set comes with scikit-learn: pip install scikit-learn, or pass --data synthetic"
+        ) from None
 
     digits = load_digits()
     return torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(digits.target)
@@ -127,7 +132,10 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             total += loss.detach()  # no host sync per step
-        optimizer.synchronize()  # overlap mode: finish the last updates before evaluating
+        if args.overlap_forward:
+            # Finish the last updates before evaluating; barrier mode's step() has already waited,
+            # and a synchronize() there would make the next step() warn.
+            optimizer.synchronize()
         elapsed = time.perf_counter() - started
         mean_loss = ct.allreduce(total / steps, name=f"loss.{epoch}").item()
         model.eval()
