@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -199,13 +200,23 @@ def _rank_files(authority: tuple[Any, Any], *trusted: Any, expired: bool = False
     )
 
 
+def _names_another_ca(error: str) -> bool:
+    """OpenSSL's reason for a chain that ends at a CA the verifier does not trust (the peer may send
+    that CA along with its certificate)."""
+    return (
+        "unable to get local issuer certificate" in error
+        or "self-signed certificate in certificate chain" in error
+    )
+
+
 def _join_pair(files: list[TlsFiles], join_timeout_s: float = 8.0) -> list[tuple[float, str]]:
-    """Ranks 0 and 1 with these TLS files try to meet; per rank, seconds until it gave up and its error."""
+    """Ranks 0, 1, ... with these TLS files try to meet; per rank, seconds until it gave up and its error."""
     port = free_port()
-    outcome: list[Any] = [None, None]
+    size = len(files)
+    outcome: list[Any] = [None] * size
 
     def build(rank: int) -> None:
-        endpoint = endpoint_from(rank, 2, "127.0.0.1", port, [], "", False)
+        endpoint = endpoint_from(rank, size, "127.0.0.1", port, [], "", False)
         started = time.monotonic()
         try:
             GrpcTransport(
@@ -216,7 +227,7 @@ def _join_pair(files: list[TlsFiles], join_timeout_s: float = 8.0) -> list[tuple
         else:
             outcome[rank] = (time.monotonic() - started, "")
 
-    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -226,27 +237,32 @@ def _join_pair(files: list[TlsFiles], join_timeout_s: float = 8.0) -> list[tuple
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
-def test_an_expired_certificate_is_named_at_once(bad_rank: int) -> None:
-    """The rank with an expired certificate fails at start, naming the expiry and the setting; the
-    other hears of no join and names the TLS settings, never only MASTER_ADDR and the token."""
+def test_an_expired_certificate_is_named_at_once_on_both_sides(bad_rank: int) -> None:
+    """The rank with an expired certificate fails at start, naming the expiry and the setting; it
+    tells the other rank (over rank 0's TLS check port), which names the rank, the expiry and the
+    setting too, within a few seconds."""
     pytest.importorskip("cryptography")
     authority = _authority()
     files = [_rank_files(authority) for _ in range(2)]
     files[bad_rank] = _rank_files(authority, expired=True)
     outcome = _join_pair(files)
     seconds, error = outcome[bad_rank]
-    assert seconds < 3, outcome
+    assert seconds < 4, outcome
     assert f"rank {bad_rank}: this rank's certificate (COMMSCHED_GRPC_TLS_CERT=rank.pem)" in error, error
     assert "certificate has expired" in error and "valid from" in error, error
-    other = outcome[1 - bad_rank][1]
-    assert "COMMSCHED_GRPC_TLS_" in other, other
-    if bad_rank == 1:
-        assert "is refused in the handshake" in other and "COMMSCHED_GRPC_TLS_CA=ca.pem" in other, other
+    seconds, other = outcome[1 - bad_rank]
+    assert seconds < 4, outcome
+    assert f"rank {1 - bad_rank}: rank {bad_rank} at 127.0.0.1" in other and "gave up at start" in other, (
+        other
+    )
+    assert "its certificate (COMMSCHED_GRPC_TLS_CERT=rank.pem)" in other, other
+    assert "certificate has expired" in other and "fix COMMSCHED_GRPC_TLS_CERT" in other, other
 
 
 def test_a_certificate_of_another_ca_is_named_with_grpcs_reason() -> None:
     """Rank 1 with a consistent set of another CA: it refuses rank 0's certificate within about a
-    second, with Python's and gRPC's reason and the setting; rank 0 names the TLS settings."""
+    second, with Python's and gRPC's reason and the setting; rank 0 hears why from it and names
+    the rank, the reason and the setting."""
     pytest.importorskip("cryptography")
     outcome = _join_pair([_rank_files(_authority()), _rank_files(_authority())])
     seconds, error = outcome[1]
@@ -254,12 +270,16 @@ def test_a_certificate_of_another_ca_is_named_with_grpcs_reason() -> None:
     assert "rank 1: this rank does not accept the certificate of rank 0 at 127.0.0.1:" in error, error
     assert "certificate verify failed" in error and "COMMSCHED_GRPC_TLS_CA=ca.pem" in error, error
     assert "(gRPC: " in error and "andshake failed" in error, error
-    assert "is refused in the handshake" in outcome[0][1], outcome[0]
+    seconds, error = outcome[0]
+    assert seconds < 5, outcome
+    assert "rank 0: rank 1 at 127.0.0.1 does not accept this rank's certificate" in error, error
+    assert _names_another_ca(error) and "rank 1's COMMSCHED_GRPC_TLS_CA" in error, error
 
 
-def test_a_refused_client_certificate_is_named_by_the_client() -> None:
-    """Rank 1 trusts both CAs, but rank 0 only its own: rank 0 closes the connection after the
-    handshake, and rank 1 says its certificate was refused there, naming the settings."""
+def test_a_refused_client_certificate_is_named_on_both_sides() -> None:
+    """Rank 1 trusts both CAs, but rank 0 only its own: rank 0 refuses rank 1's certificate and
+    names the rank, OpenSSL's reason and its CA setting; rank 1 says its certificate was refused
+    there, naming the settings."""
     pytest.importorskip("cryptography")
     job, other = _authority(), _authority()
     outcome = _join_pair([_rank_files(job), _rank_files(other, job[0], other[0])])
@@ -267,6 +287,47 @@ def test_a_refused_client_certificate_is_named_by_the_client() -> None:
     assert seconds < 5, outcome
     assert "rank 1: rank 0 at 127.0.0.1:" in error and "refused this rank's certificate" in error, error
     assert "COMMSCHED_GRPC_TLS_CERT=rank.pem" in error and "COMMSCHED_GRPC_TLS_CA" in error, error
+    seconds, error = outcome[0]
+    assert seconds < 5, outcome
+    assert "rank 0: the certificate of rank 1 at 127.0.0.1 does not verify" in error, error
+    assert _names_another_ca(error) and "COMMSCHED_GRPC_TLS_CA=ca.pem" in error, error
+
+
+def test_a_wrong_server_name_is_named_on_both_sides() -> None:
+    """Rank 1 checks rank 0's certificate for a name it does not carry: both ranks name the
+    mismatch and COMMSCHED_GRPC_TLS_SERVER_NAME within a few seconds."""
+    pytest.importorskip("cryptography")
+    authority = _authority()
+    files = [_rank_files(authority), replace(_rank_files(authority), server_name="ranks.example")]
+    outcome = _join_pair(files)
+    for rank, (seconds, error) in enumerate(outcome):
+        assert seconds < 5, outcome
+        assert "COMMSCHED_GRPC_TLS_SERVER_NAME" in error and "ranks.example" in error, error
+        assert "Hostname mismatch" in error or "certificate is not valid for" in error, error
+    assert "rank 1: this rank does not accept the certificate of rank 0" in outcome[1][1], outcome
+    assert "rank 0: rank 1 at 127.0.0.1 does not accept this rank's certificate" in outcome[0][1], outcome
+
+
+def test_a_refusal_between_two_joining_ranks_is_named_by_both() -> None:
+    """Rank 0 trusts both CAs, so ranks 1 and 2 join; rank 1 trusts only its own CA, which did not
+    sign rank 2's certificate. Ranks 1 and 2 each name the other, the cause and the setting at
+    once, instead of a missing agreement report at the stall limit."""
+    pytest.importorskip("cryptography")
+    first, second = _authority(), _authority()
+    files = [
+        _rank_files(first, first[0], second[0]),
+        _rank_files(first),
+        _rank_files(second, first[0], second[0]),
+    ]
+    outcome = _join_pair(files)
+    assert all(seconds < 5 for seconds, _ in outcome), outcome
+    error = outcome[1][1]
+    assert "rank 1: this rank does not accept the certificate of rank 2 at 127.0.0.1:" in error, error
+    assert _names_another_ca(error) and "COMMSCHED_GRPC_TLS_CA=ca.pem" in error, error
+    error = outcome[2][1]
+    assert "rank 2: rank 1 at 127.0.0.1:" in error and "refused this rank's certificate" in error, error
+    assert "COMMSCHED_GRPC_TLS_CERT=rank.pem" in error and "rank 1's COMMSCHED_GRPC_TLS_CA" in error, error
+    assert outcome[0][1], outcome  # rank 0 does not go on alone
 
 
 def test_tls_settings_are_checked(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import grpc
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_stream import JOIN_METHOD
 from commsched.transports.grpc_tls import TlsFiles, handshake_refusal, speaks_tls
+from commsched.transports.grpc_tls_check import door_refusal
 
 log = logging.getLogger("commsched")
 
@@ -72,6 +73,7 @@ def join_rendezvous(
     metadata: list[tuple[str, str]],
     deadline: float,
     tls: TlsFiles | None,
+    token: str = "",
 ) -> list[str]:
     """Joins rank 0 at `master`; returns every rank's server address. Raises TimeoutError with the
     last answer when rank 0 does not take the join in time, ConnectionRefusedError naming a TLS
@@ -90,7 +92,7 @@ def join_rendezvous(
             return _last_error(error.details() or "")
         return ""
 
-    _wait_until_reachable(channel, master, request.rank, deadline, tls, grpc_reason)
+    _wait_until_reachable(channel, master, request.rank, deadline, tls, grpc_reason, token)
     last = "no answer"
     while time.monotonic() < deadline:
         try:
@@ -116,12 +118,14 @@ def _wait_until_reachable(
     deadline: float,
     tls: TlsFiles | None,
     grpc_reason: Any,
+    token: str,
 ) -> None:
     """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
 
     A TLS server and a plaintext client (or the reverse), or a certificate one side refuses, only
     ever see a connection that does not come up: asking the server what it speaks, and trying the
     TLS handshake with Python's ssl, turns that into an error naming the cause and the setting.
+    The handshake is tried at rank 0's TLS check port first, so rank 0 learns the reason too.
     """
     while (left := deadline - time.monotonic()) > 0:
         try:
@@ -130,7 +134,9 @@ def _wait_until_reachable(
         except grpc.FutureTimeoutError:
             problem = tls_mismatch(master, rank, tls is not None)
             if not problem and tls is not None:
-                problem = handshake_refusal(master, tls, "rank 0")
+                problem = door_refusal(master, tls, token, rank)
+                if problem is None:  # no check port there: the handshake with gRPC's own port tells
+                    problem = handshake_refusal(master, tls, "rank 0")
                 if problem:
                     said = grpc_reason()
                     problem = f"rank {rank}: {problem}" + (f" (gRPC: {said})" if said else "")

@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,10 +133,13 @@ class TlsFiles:
         return ""  # no verdict: the peers' handshakes will tell
 
 
-def check_own_certificate(tls: TlsFiles, rank: int) -> None:
-    """Raises ValueError naming the setting when `tls` holds a certificate every peer would refuse."""
+def check_own_certificate(tls: TlsFiles, rank: int, tell: Callable[[str], object] | None = None) -> None:
+    """Raises ValueError naming the setting when `tls` holds a certificate every peer would refuse;
+    `tell` hears the reason first (a joining rank passes it on to rank 0)."""
     problem = tls.own_certificate_problem()
     if problem:
+        if tell is not None:
+            tell(problem)
         raise ValueError(
             f"rank {rank}: {problem}. Give every rank a valid certificate signed by the job's CA in "
             f"{CERT_VARIABLE}, its key in {KEY_VARIABLE} and that CA in {CA_VARIABLE} "
@@ -196,7 +200,7 @@ def handshake_refusal(address: str, tls: TlsFiles, peer: str, timeout_s: float =
     return (
         f"{peer} at {address} closed the connection right after the TLS handshake: it refused this rank's "
         f"certificate ({tls.named(CERT_VARIABLE)}{_validity(tls.cert)}), which must verify against {peer}'s "
-        f"{CA_VARIABLE} (signed by the same CA, and not expired); {peer}'s gRPC log says why"
+        f"{CA_VARIABLE} (signed by the same CA, and not expired); {peer}'s own error names the reason"
     )
 
 

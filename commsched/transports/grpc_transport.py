@@ -38,6 +38,7 @@ from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles, check_own_certificate
+from commsched.transports.grpc_tls_check import open_door, own_problem_teller, peer_refusals
 
 log = logging.getLogger("commsched")
 
@@ -89,6 +90,7 @@ class _Node:
         self.control_departed: set[int] = set()
         self._lock = threading.Condition()
         self._joined: dict[int, str] = {}
+        self._tls_refusal = ""  # rank 0: why a joining rank's TLS handshake failed, told at its check port
         self._board = ReportBoard(self, self._lock)
         # The global ring, and each process set's ring of its members by set id and by stream kind.
         self._global = Lane(self, range(self.size), self.rank, piece_bytes, DIRECT_BYTES, "the global ring")
@@ -120,7 +122,9 @@ class _Node:
         """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
         if self.tls is not None:
             try:
-                check_own_certificate(self.tls, self.rank)
+                check_own_certificate(
+                    self.tls, self.rank, own_problem_teller(self.endpoint, self.token, self.tls)
+                )
             except ValueError as error:
                 raise GrpcError(str(error)) from None
         bound = self._bind()
@@ -129,23 +133,12 @@ class _Node:
             self.addresses = list(self.endpoint.peers)
         elif self.rank == 0:
             self._joined[0] = f"{self.endpoint.advertise}:{bound}"
-            with self._lock:
-                if not self._lock.wait_for(lambda: len(self._joined) == self.size, self.join_timeout_s):
-                    missing = sorted(set(range(self.size)) - set(self._joined))
-                    raise GrpcError(
-                        f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
-                        f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
-                        f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
-                        + (
-                            ". With TLS, a rank whose certificate does not verify against this rank's "
-                            f"{self.tls.named('COMMSCHED_GRPC_TLS_CA')} (another CA, expired) is refused in the "
-                            "handshake: its own error names the reason (gRPC logs it here as 'Handshake failed' at "
-                            "GRPC_VERBOSITY=INFO)"
-                            if self.tls
-                            else ""
-                        )
-                    )
-                self.addresses = [self._joined[r] for r in range(self.size)]
+            door = open_door(self.tls, self.endpoint.bind, bound, self.token, self._tls_refused, self.size)
+            try:
+                self._wait_for_joins(bound)
+            finally:
+                if door is not None:
+                    door.close()
         else:
             request = wire.JoinRequest(
                 rank=self.rank, size=self.size, address=f"{self.endpoint.advertise}:{bound}"
@@ -154,7 +147,7 @@ class _Node:
             channel = self._open_channel(master)
             try:
                 self.addresses = join_rendezvous(
-                    channel, master, request, self._metadata("join"), deadline, self.tls
+                    channel, master, request, self._metadata("join"), deadline, self.tls, self.token
                 )
             except TimeoutError as error:
                 raise GrpcError(
@@ -170,6 +163,11 @@ class _Node:
                 raise GrpcError(str(error)) from None
             finally:
                 channel.close()
+        if self.tls is not None and self.size > 1:
+            refusals = peer_refusals(self.addresses, self.rank, self.tls)
+            if refusals:
+                time.sleep(0.5)  # the peers' own checks of this rank's server get their answer first
+                raise GrpcError(f"rank {self.rank}: " + "; ".join(refusals))
         self._watchdog.start()
         for peer in range(self.size):
             if peer != self.rank:
@@ -183,6 +181,28 @@ class _Node:
             if self.bulk is not None:
                 self._global.piece_bytes = self.bulk_piece_bytes
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
+
+    def _tls_refused(self, sentence: str) -> None:
+        with self._lock:
+            self._tls_refusal = self._tls_refusal or sentence
+            self._lock.notify_all()
+
+    def _wait_for_joins(self, bound: int) -> None:
+        """Rank 0: waits until every rank joined; raises GrpcError naming the missing ones or a TLS refusal."""
+        with self._lock:
+            if not self._lock.wait_for(
+                lambda: len(self._joined) == self.size or self._tls_refusal, self.join_timeout_s
+            ):
+                missing = sorted(set(range(self.size)) - set(self._joined))
+                raise GrpcError(
+                    f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
+                    f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
+                    f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
+                    + (". With TLS, a rank refused in the handshake names the reason" if self.tls else "")
+                )
+            if len(self._joined) < self.size:
+                raise GrpcError(f"rank 0: {self._tls_refusal}")
+            self.addresses = [self._joined[r] for r in range(self.size)]
 
     @property
     def right(self) -> int:
