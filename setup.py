@@ -27,7 +27,15 @@ BUILD_REPORT: dict[str, str] = {}
 def skip(name: str, reason: str) -> None:
     """Records and prints that an optional part is built without, and why."""
     BUILD_REPORT[name] = reason
-    print(f"commsched: WARNING: not building {name}: {reason}", file=sys.stderr)
+    message = f"commsched: WARNING: not building {name}: {reason}"
+    print(message, file=sys.stderr)
+    if not sys.stderr.isatty():
+        # pip keeps a successful build's output to itself unless -v; the terminal still hears it.
+        try:
+            with open("/dev/tty", "w") as terminal:
+                print(message, file=terminal)
+        except OSError:
+            pass  # no terminal (CI): the message stays in the log and in _build_report.json
 
 
 def find_mpi() -> tuple[list[str], list[str], list[str]] | None:
@@ -99,7 +107,9 @@ if mpi:
             ],
             include_dirs=["csrc", *includes],
             library_dirs=libdirs,
-            runtime_library_dirs=libdirs,
+            # The environment's lib as seen from site-packages/commsched, where pip's mpich puts libmpi:
+            # a wheel built elsewhere finds the user's MPI there.
+            runtime_library_dirs=[*libdirs, "$ORIGIN/../../.."],
             libraries=[*libs, "dl"],
             cxx_std=17,
             extra_compile_args=COMPILE_ARGS,
@@ -273,9 +283,9 @@ class build_optional_ext(build_ext):
                 return super().build_extension(ext)
             except (CCompilerError, CompileError, ExecError, LinkError, OSError) as error:
                 raise CompileError(
-                    f"commsched: building {ext.name} failed: {error}. commsched's C++ core needs a "
-                    "C++17 compiler (g++ 9+ or clang++ 10+; CXX chooses it): install one, e.g. "
-                    "`apt-get install g++`, or install a prebuilt commsched wheel"
+                    f"commsched: building {ext.name} failed. commsched's C++ core needs a C++17 compiler "
+                    "(g++ 9+ or clang++ 10+; CXX chooses it): install one, e.g. `apt-get install g++`, or "
+                    f"install a prebuilt commsched wheel. The failure: {error}"
                 ) from error
         try:
             super().build_extension(ext)
