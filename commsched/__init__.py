@@ -63,12 +63,16 @@ from commsched import launch as _launch
 from commsched._core import CollectiveError, CommschedError, NotRunningError, RankFailure
 from commsched.handles import Handle, _timed_out
 
+# Horovod's name for a failed collective, for scripts that catch it (hvd.HorovodInternalError).
+HorovodInternalError = CommschedError
+
 __all__ = [
     "Average",
     "CollectiveError",
     "CommschedError",
     "GroupHandle",
     "Handle",
+    "HorovodInternalError",
     "Max",
     "Min",
     "NotRunningError",

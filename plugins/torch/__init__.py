@@ -22,7 +22,9 @@ from commsched.torch.autograd import (
     allreduce,
     alltoall,
     broadcast,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     reducescatter,
 )
 from commsched.torch.checkpoint import Checkpointer, Restored
@@ -38,12 +40,15 @@ from commsched.torch.collectives import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from commsched.torch.compression import Compression
@@ -51,6 +56,7 @@ from commsched.torch.functions import broadcast_optimizer_state, broadcast_param
 from commsched.torch.optimizer import DistributedOptimizer
 from commsched.torch.sync_batch_norm import SyncBatchNorm
 
+from commsched import HorovodInternalError
 from commsched._horovod import (
     Adasum,
     Average,
@@ -92,6 +98,7 @@ __all__ = [
     "Checkpointer",
     "Compression",
     "DistributedOptimizer",
+    "HorovodInternalError",
     "Max",
     "Min",
     "ProcessSet",
@@ -125,10 +132,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -147,6 +158,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

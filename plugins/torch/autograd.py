@@ -6,8 +6,9 @@ Gradients follow Horovod's rules, each computed by commsched collectives in back
   incoming gradient, i.e. the derivative of the sum of every rank's loss;
 * allgather: the average over ranks of the incoming gradients, this rank's rows of it;
 * broadcast: the average over ranks of the incoming gradients on the root, zeros elsewhere;
-* reducescatter: the allgather of the incoming gradients, scaled like the forward (1/size for
-  an average, times the scale factors): the derivative of the sum of every rank's loss;
+* reducescatter: the allgather of the incoming gradients times the scale factors, and times
+  size for a sum (Horovod's rule: an average's gradient is the gathered one unscaled);
+* grouped allgather and grouped reducescatter: each member as its single form;
 * alltoall: the incoming gradient sent back where its rows came from.
 
 Min, max and product allreduces have no gradient here (backward raises).
@@ -177,9 +178,15 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
-        scale = ctx.scale / (_horovod.set_size(ctx.process_set) if ctx.op == _horovod.Average else 1)
-        return gathered * scale if scale != 1 else gathered, None, None, None, None, None
+        scaled = _reducescatter_grad(grad, ctx.op, ctx.scale, ctx.process_set)
+        return allgather(scaled, process_set=ctx.process_set), None, None, None, None, None
+
+
+def _reducescatter_grad(grad: torch.Tensor, op: str, scale: float, process_set: Any) -> torch.Tensor:
+    """The incoming gradient of a reducescatter scaled as Horovod's backward scales it, before the allgather."""
+    if op == _horovod.Sum:
+        scale *= _horovod.set_size(process_set)
+    return (grad * scale if scale != 1 else grad).contiguous()
 
 
 def reducescatter(
@@ -225,3 +232,68 @@ def alltoall(
     Horovod. Differentiable.
     """
     return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, name: str | None, process_set: Any, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        gathered = _ops.synchronize(_ops.grouped_allgather_rows(tensors, name, process_set))
+        ctx.rows = [g.rows for g in gathered]
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.process_set = process_set
+        return tuple(g.tensor for g in gathered)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        reduced = grouped_allreduce(
+            [g.contiguous() for g in grads], op=_horovod.Average, process_set=ctx.process_set
+        )
+        me = _horovod.set_rank(ctx.process_set)
+        mine = [
+            r.narrow(0, sum(rows[:me]), rows[me]).reshape(shape)
+            for r, rows, shape in zip(reduced, ctx.rows, ctx.shapes)
+        ]
+        return (None, None, *mine)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> list[torch.Tensor]:
+    """Returns allgather() of each tensor, started together; differentiable."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, name: str | None, op: str, process_set: Any, pre: float, post: float, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.process_set, ctx.scale = op, process_set, pre * post
+        handle = _ops.grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
+        return tuple(_ops.synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        scaled = [_reducescatter_grad(g, ctx.op, ctx.scale, ctx.process_set) for g in grads]
+        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.process_set))
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = _horovod.Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Returns reducescatter() of each tensor, started together; differentiable."""
+    op = _horovod.resolve_op(op)
+    chosen = compressor(compression)
+    pairs = [chosen.compress(t) for t in tensors]
+    parts = _GroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *(t for t, _ in pairs)
+    )
+    return [chosen.decompress(part, context) for part, (_, context) in zip(parts, pairs)]

@@ -19,7 +19,7 @@ from typing import Any
 from commsched.torch import _wire
 
 import torch
-from commsched import _horovod
+from commsched import HorovodInternalError, _horovod  # noqa: F401  (Horovod's mpi_ops has it too)
 from commsched._horovod import global_process_set
 
 _unnamed = itertools.count()
@@ -84,6 +84,19 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 
 # -- allreduce -----------------------------------------------------------------------------------
+def integer_average(
+    op: str, dtype: torch.dtype, postscale_factor: float, process_set: Any
+) -> tuple[str, float]:
+    """Horovod's integer average: a sum scaled by postscale/size, each value truncated toward zero.
+
+    Horovod averages by folding 1/size into the postscale factor, and a scaled integer is cast back
+    (rounded toward zero), so -75 averaged over 2 ranks is -37 there, not the floor -38.
+    """
+    if op != _horovod.Average or dtype.is_floating_point or dtype == torch.bool:
+        return op, postscale_factor
+    return _horovod.Sum, postscale_factor / _horovod.set_size(process_set)
+
+
 def _allreduce_into(
     target: torch.Tensor,
     name: str | None,
@@ -94,6 +107,15 @@ def _allreduce_into(
     source: torch.Tensor,
 ) -> Handle:
     device = _started(source)  # the caller's tensor says where it lives (a copy may not)
+    if op == _horovod.Adasum:
+        from commsched import adasum
+
+        return Handle(
+            *adasum.start_torch(
+                target, source, op_name("allreduce", name), prescale_factor, postscale_factor, process_set
+            )
+        )
+    op, postscale_factor = integer_average(op, target.dtype, postscale_factor, process_set)
     out = _wire.start_allreduce(
         target,
         op_name("allreduce", name),
@@ -118,7 +140,7 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks into a new tensor; the input stays as is."""
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     output = _check_tensor(tensor, "allreduce_async").detach().clone(memory_format=torch.contiguous_format)
     return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
@@ -133,7 +155,7 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks in place."""
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     target = _check_tensor(tensor, "allreduce_async_").detach()
     return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
@@ -188,6 +210,8 @@ def grouped_allreduce_async_(
     for wire in wires:
         if wire.dtype not in _wire._CORE_DTYPES:
             raise TypeError(f"grouped_allreduce cannot send {wire.dtype} tensors")
+    if all(not w.dtype.is_floating_point and w.dtype != torch.bool for w in wires):
+        op, postscale_factor = integer_average(op, wires[0].dtype, postscale_factor, process_set)
     group = _horovod._core("grouped_allreduce_async")(
         wires,
         name=op_name("grouped_allreduce", name),
@@ -288,13 +312,15 @@ class Gathered:
 
 def allgather_rows(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
     """Starts an allgather whose result is a Gathered (tensor and rows per rank)."""
-    wire = _output_wire(_check_tensor(tensor, "allgather"), "allgather")
+    return _allgather_named(_check_tensor(tensor, "allgather"), op_name("allgather", name), process_set)
+
+
+def _allgather_named(tensor: torch.Tensor, core_name: str, process_set: Any) -> Handle:
+    wire = _output_wire(tensor, "allgather")
     shape = tensor.shape
     if wire.dim() == 0:
         wire = wire.reshape(1)
-    work = _horovod._core("allgather_async")(
-        wire, name=op_name("allgather", name), **_horovod.core_arguments(process_set)
-    )
+    work = _horovod._core("allgather_async")(wire, name=core_name, **_horovod.core_arguments(process_set))
 
     def finish() -> Gathered:
         gathered = _like(work.wait(), tensor)
@@ -320,6 +346,7 @@ def reducescatter_parts(
     process_set: Any,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    core_name: str | None = None,
 ) -> Any:
     """Starts a reducescatter on the core; the core's handle (wait() returns this rank's part)."""
     wire = _output_wire(_check_tensor(tensor, "reducescatter"), "reducescatter")
@@ -328,7 +355,7 @@ def reducescatter_parts(
     return _horovod._core("reducescatter_async")(
         wire,
         op=op,
-        name=op_name("reducescatter", name),
+        name=core_name or op_name("reducescatter", name),
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
         **_horovod.core_arguments(process_set),
@@ -347,11 +374,100 @@ def reducescatter_async(
 
     The first (rows % size) ranks get one row more, as in Horovod.
     """
+    op = _checked_reducescatter_op(op)
+    work = reducescatter_parts(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    return Handle(work.done, lambda: _like(work.wait(), tensor))
+
+
+def _group_names(kind: str, name: str | None, count: int) -> list[str]:
+    """One core name per member of a group: "<kind>.<name>.<i>", unnamed groups numbered once per call."""
+    base = op_name(kind, name)
+    return [f"{base}.{i}" for i in range(count)]
+
+
+def _grouped(handles: list[Handle]) -> Handle:
+    """One handle over several: done when all are, its result the list of theirs."""
+    return Handle(lambda: all(h.done() for h in handles), lambda: [h.wait() for h in handles])
+
+
+def grouped_allgather_rows(tensors: Sequence[torch.Tensor], name: str | None, process_set: Any) -> Handle:
+    """Starts an allgather of each tensor; synchronize() returns a Gathered per tensor."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_allgather needs at least one tensor")
+    names = _group_names("grouped_allgather", name, len(tensors))
+    # Every member is checked before any starts, so a bad one leaves nothing half-launched.
+    checked = [_check_tensor(t, "grouped_allgather") for t in tensors]
+    return _grouped([_allgather_named(t, n, process_set) for t, n in zip(checked, names)])
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    """Starts allgather_async on each tensor, as one group; synchronize() returns the list of results."""
+    inner = grouped_allgather_rows(tensors, name, process_set)
+    return Handle(inner.done, lambda: [g.tensor for g in inner.wait()])
+
+
+def _checked_reducescatter_op(op: Any) -> str:
     op = _horovod.resolve_op(op)
     if op not in (_horovod.Average, _horovod.Sum):
         raise ValueError(f"reducescatter takes op=hvd.Average or hvd.Sum, not {op!r}")
-    work = reducescatter_parts(tensor, name, op, process_set, prescale_factor, postscale_factor)
-    return Handle(work.done, lambda: _like(work.wait(), tensor))
+    return op
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = _horovod.Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Starts reducescatter_async on each tensor, as one group; synchronize() returns the list of parts."""
+    op = _checked_reducescatter_op(op)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_reducescatter needs at least one tensor")
+    for tensor in tensors:
+        if _check_tensor(tensor, "grouped_reducescatter").dim() == 0:
+            raise ValueError("grouped_reducescatter needs tensors with at least one dimension to cut")
+    names = _group_names("grouped_reducescatter", name, len(tensors))
+    handles = []
+    for tensor, core_name in zip(tensors, names):
+        work = reducescatter_parts(
+            tensor, None, op, process_set, prescale_factor, postscale_factor, core_name=core_name
+        )
+        handles.append(Handle(work.done, lambda work=work, tensor=tensor: _like(work.wait(), tensor)))
+    return _grouped(handles)
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Starts reducing a sparse tensor as Horovod does (allgather of indices and values); call the result.
+
+    The returned function waits and gives the sparse sum (or average) of every rank's tensor,
+    uncoalesced: entries of the same index from several ranks stay separate, as in Horovod.
+    """
+    op = _checked_reducescatter_op(op)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError(
+            "sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for a dense one"
+        )
+    size = _horovod.set_size(process_set)
+    # Allgather concatenates rows, so the indices travel transposed (one row per entry).
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(tensor._values(), f"{name}.values", process_set)
+
+    def result() -> torch.Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if op == _horovod.Average:
+            gathered_values = gathered_values / size
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, tensor.size())
+
+    return result
 
 
 class SplitsTypeError(TypeError, ValueError):
@@ -412,6 +528,15 @@ def join(device: int = -1) -> int:
     return int(_horovod._core("join")())
 
 
+def _object_name(obj: Any, name: str | None) -> str:
+    """Horovod's default name for an object collective: the object's type name.
+
+    Not a call-order number: a rank that joined skipped the others' unnamed collectives, so its
+    count would differ and the names would never meet.
+    """
+    return type(obj).__name__ if name is None else name
+
+
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
 ) -> Any:
@@ -427,6 +552,8 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = globa
     _wire.ensure_initialized()
     return list(
         _horovod._core("allgather_object")(
-            obj, name=op_name("allgather_object", name), **_horovod.core_arguments(process_set)
+            obj,
+            name=op_name("allgather_object", _object_name(obj, name)),
+            **_horovod.core_arguments(process_set),
         )
     )

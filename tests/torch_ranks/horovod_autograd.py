@@ -2,8 +2,8 @@
 
 Every rank knows every rank's input x_r and loss weights w_r, so one process can build the
 whole computation with torch ops on leaves and let autograd differentiate it. Horovod's
-rules (which commsched.torch follows): allreduce, reducescatter and alltoall give the
-derivative of the sum of every rank's loss; allgather and broadcast that of their mean.
+rules (which commsched.torch follows): allreduce and alltoall give the derivative of the
+sum of every rank's loss, reducescatter size times it; allgather and broadcast that of their mean.
 Prints "PASS <check>" or "FAIL <check> ...".
 """
 
@@ -115,7 +115,9 @@ def main() -> int:
                 combined = combined / size
             parts = torch.split(combined, counts)
             sum((p * w).sum() for p, w in zip(parts, ws)).backward()
-            close(mine.grad, xs[rank].grad)
+            # Horovod's backward gathers the incoming gradient times the scale factors and, for a
+            # sum, times size: size times the derivative of the sum of every rank's loss, for both ops.
+            close(mine.grad, xs[rank].grad * size)
 
         return test
 

@@ -65,7 +65,7 @@ def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     elif op == "average":
         result = stacked.sum(0) / len(inputs)
         if not dtype.is_floating_point:
-            result = torch.floor(result)  # integers floor-divide, as Horovod
+            result = torch.trunc(result)  # Horovod scales integers by 1/size and casts: toward zero
     elif op == "min":
         result = stacked.min(0).values
     elif op == "max":
