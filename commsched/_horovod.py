@@ -8,6 +8,7 @@ pass a set to the core with each collective); without core support only the glob
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,9 +49,18 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
         group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
         comm = MPI.COMM_WORLD.Create_group(group)
     commsched.init(comm=comm, **settings)
+    _start_horovod_timeline()
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
             _core("add_process_set")(process_set)
+
+
+def _start_horovod_timeline() -> None:
+    # Horovod's variables, for scripts that set them instead of COMMSCHED_TIMELINE.
+    path = os.environ.get("HOROVOD_TIMELINE")
+    if path and not os.environ.get("COMMSCHED_TIMELINE"):
+        mark_cycles = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0").lower() not in ("", "0", "false")
+        start_timeline(path, mark_cycles=mark_cycles)
 
 
 def shutdown() -> None:
@@ -169,8 +179,8 @@ def stop_timeline() -> None:
     _core("stop_timeline")()
 
 
-def resolve_op(op: Any, average: bool | None = None, default: Any = Average) -> str:
-    """The commsched op for Horovod's (op, average) pair; refuses Adasum and unknown ops naming the fix."""
+def resolve_op(op: Any, average: bool | None = None, default: Any = Average, adasum: bool = False) -> str:
+    """The commsched op for Horovod's (op, average) pair; refuses unknown ops (and Adasum unless `adasum`)."""
     if op is not None and average is not None:
         raise ValueError("op supersedes average; pass only one of them (op=hvd.Average or op=hvd.Sum)")
     if average is not None:
@@ -182,8 +192,11 @@ def resolve_op(op: Any, average: bool | None = None, default: Any = Average) -> 
         op = default
     key = str(op).lower() if isinstance(op, str) else op
     if key == Adasum:
+        if adasum:
+            return Adasum  # type: ignore[no-any-return]
         raise NotImplementedError(
-            "op=Adasum is not supported by commsched; use op=hvd.Average (the default) or op=hvd.Sum"
+            "op=Adasum is not supported by this call; commsched.torch runs Adasum in allreduce_async, "
+            "allreduce_async_ and allreduce_; use op=hvd.Average or op=hvd.Sum here"
         )
     if key not in _OPS:
         raise ValueError(f"op must be hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product, not {op!r}")

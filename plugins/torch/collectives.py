@@ -107,6 +107,14 @@ def _allreduce_into(
     source: torch.Tensor,
 ) -> Handle:
     device = _started(source)  # the caller's tensor says where it lives (a copy may not)
+    if op == _horovod.Adasum:
+        from commsched import adasum
+
+        return Handle(
+            *adasum.start_torch(
+                target, source, op_name("allreduce", name), prescale_factor, postscale_factor, process_set
+            )
+        )
     op, postscale_factor = integer_average(op, target.dtype, postscale_factor, process_set)
     out = _wire.start_allreduce(
         target,
@@ -132,7 +140,7 @@ def allreduce_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks into a new tensor; the input stays as is."""
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     output = _check_tensor(tensor, "allreduce_async").detach().clone(memory_format=torch.contiguous_format)
     return _allreduce_into(output, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
@@ -147,7 +155,7 @@ def allreduce_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Starts averaging (or op-reducing) `tensor` over all ranks in place."""
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     target = _check_tensor(tensor, "allreduce_async_").detach()
     return _allreduce_into(target, name, op, prescale_factor, postscale_factor, process_set, tensor)
 
