@@ -454,3 +454,22 @@ def checkpoint_settings(arguments: dict[str, Any], environ: dict[str, str] | Non
             "Checkpointer needs a directory: pass directory=... or set COMMSCHED_CHECKPOINT_DIR"
         )
     return values
+
+
+# -- the torch plug-in's sharded optimizer: read by DistributedOptimizer when it is built --
+def shard_setting(shard: bool | None, environ: dict[str, str] | None = None) -> bool:
+    """DistributedOptimizer(shard=...) if given, else COMMSCHED_SHARD (default off)."""
+    if shard is not None:
+        if not isinstance(shard, bool):
+            raise SettingError(f"DistributedOptimizer(shard=...): {shard!r} is not valid; use True or False")
+        return shard
+    environ = dict(os.environ) if environ is None else environ
+    raw = environ.get("COMMSCHED_SHARD", "").strip()
+    if not raw:
+        return False
+    try:
+        return _flag(raw)
+    except ValueError:
+        raise SettingError(
+            f"COMMSCHED_SHARD: {raw!r} is not valid; use 1 or 0 (also true/false, yes/no, on/off)"
+        ) from None

@@ -47,6 +47,17 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` so each gradient is reduced by commsched as soon as backward produces it."""
 
+    def __new__(cls, *args: Any, shard: bool | None = None, **kwargs: Any) -> DistributedOptimizer:  # noqa: PYI034
+        """shard=True (or COMMSCHED_SHARD=1 when shard is not given) builds the sharded optimizer (ZeRO-2)."""
+        if cls is DistributedOptimizer:
+            from commsched.config import shard_setting
+
+            if shard_setting(shard):
+                from commsched.torch._shard import ShardedOptimizer
+
+                return super().__new__(ShardedOptimizer)
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -63,12 +74,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         overlap_forward: bool = False,
         process_group: Any = None,
+        shard: bool | None = None,
     ) -> None:
         """Horovod's arguments; `num_groups`/`groups` are checked but grouping is the core's fusion.
 
         commsched's own: `model` (measures the forward order for priorities), `overlap_forward`
         (per-parameter updates overlapping the next forward), `process_group` (a torch.distributed
-        group to start commsched over when it is not running).
+        group to start commsched over when it is not running), `shard` (ZeRO-2 sharding of gradients
+        and optimizer state, see _shard; None: the COMMSCHED_SHARD setting).
         """
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already a commsched DistributedOptimizer")

@@ -1,0 +1,82 @@
+"""DistributedOptimizer(shard=True): the sharded optimizer matches the unsharded one, rank by rank.
+
+The rank script (tests/torch_ranks/shard_cases.py) trains two copies of each model side by side,
+unsharded and sharded, and compares parameters, state and per-rank memory; see its docstring.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
+from mpirun import unglue
+from torch_launcher import have_mpiexec, launch
+
+torch = pytest.importorskip("torch")
+needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
+
+# Cases and their modes (memory and clip run in barrier mode only); see shard_cases.py.
+ALL = ("sgd", "small", "adamw", "exact", "mixed", "clip", "memory", "state")
+
+
+def _runs(cases: tuple[str, ...]) -> int:
+    return sum(1 if case in ("memory", "clip") else 2 for case in cases)
+
+
+def _check(result: object, ranks: int, cases: tuple[str, ...]) -> str:
+    output = result.stdout  # type: ignore[attr-defined]
+    assert result.returncode == 0, output[-4000:]  # type: ignore[attr-defined]
+    text = unglue(output, "PASS ", "FAIL ")
+    assert "FAIL" not in text, text[-4000:]
+    passes = re.findall(r"PASS (\S+)", text)
+    assert len(passes) == ranks * _runs(cases), text[-4000:]
+    return text
+
+
+@needs_mpi
+def test_mpiexec_two_ranks_every_case() -> None:
+    """MPI, 2 ranks: SGD/AdamW in both modes, exact integer data, mixed dtypes, clipping, memory, state."""
+    text = _check(launch("mpiexec", 2, "shard_cases.py", timeout=90), 2, ALL)
+    assert "grad_ratio=1.0" in text
+
+
+@needs_mpi
+def test_mpiexec_three_ranks() -> None:
+    """MPI, 3 ranks (shards padded to a multiple of 3): the same cases."""
+    _check(launch("mpiexec", 3, "shard_cases.py", timeout=90), 3, ALL)
+
+
+def test_torchrun_gloo_two_ranks() -> None:
+    """torchrun (Gloo, no MPI), 2 ranks: equivalence in both modes, many buckets, exact data, state."""
+    cases = ("sgd", "small", "adamw", "exact", "state")
+    _check(launch("torchrun", 2, "shard_cases.py", "--cases", ",".join(cases), timeout=90), 2, cases)
+
+
+def test_whole_tensor_optimizer_is_refused_by_name() -> None:
+    """An optimizer whose step needs whole tensors (LBFGS) is refused at wrap time, naming it."""
+    import commsched.torch as ct
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="shard=True cannot wrap LBFGS"):
+        ct.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), model=model, shard=True)
+
+    class Muon(torch.optim.SGD):
+        """Stands for an orthogonalising optimizer: refused by its class name."""
+
+    with pytest.raises(ValueError, match="cannot wrap Muon"):
+        ct.DistributedOptimizer(Muon(model.parameters(), lr=0.1), model=model, shard=True)
+
+
+def test_shard_setting() -> None:
+    """COMMSCHED_SHARD is read when shard= is not given; bad values name the variable and the fix."""
+    from commsched.config import SettingError, shard_setting
+
+    assert shard_setting(None, {"COMMSCHED_SHARD": "1"}) is True
+    assert shard_setting(None, {}) is False
+    assert shard_setting(False, {"COMMSCHED_SHARD": "1"}) is False
+    with pytest.raises(SettingError, match="COMMSCHED_SHARD: 'maybe' is not valid; use 1 or 0"):
+        shard_setting(None, {"COMMSCHED_SHARD": "maybe"})
