@@ -49,6 +49,7 @@ def _ephemeral_ports() -> tuple[int, int]:
     return low, high
 
 
+_JOIN_WINDOW_S = 10.0  # elastic: how long the other ranks get to rejoin after the first asks
 _GRACE_S = 5.0  # after a failure: before SIGTERM to the ranks still there, and again before SIGKILL
 _POLL_S = 0.05
 
@@ -90,6 +91,26 @@ def _parser(prog: str) -> Any:
         action="store_true",
         help="gRPC over TLS with a throwaway CA and certificate made for this job (sets COMMSCHED_GRPC_TLS_*)",
     )
+    parser.add_argument(
+        "--min-np",
+        type=int,
+        help="elastic training: a failed rank is left out and the others re-form (commsched.elastic.run) "
+        "while at least this many are left; below it the job ends naming the failed ranks",
+    )
+    parser.add_argument(
+        "--max-np", type=int, help="elastic training: the most ranks the job may have (default -n)"
+    )
+    parser.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=_JOIN_WINDOW_S,
+        help="elastic training: seconds the ranks get to rejoin after a failure; one that has not by then "
+        f"(stopped or hung) is killed and left out (default {_JOIN_WINDOW_S:g})",
+    )
+    parser.add_argument(
+        "--host-discovery-script",
+        help="elastic training over hosts found by a script (Horovod's format): not supported yet",
+    )
     parser.add_argument("program", help="the script each rank runs with this Python (a module with -m)")
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="arguments passed on to PROGRAM")
     return parser
@@ -109,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("-n must be at least 1")
     if args.grace < 0:
         parser.error("--grace must be 0 or more seconds")
+    _check_elastic(parser, args)
     base = dict(os.environ)
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
     base.update(
@@ -127,7 +149,37 @@ def main(argv: list[str] | None = None) -> int:
             from commsched.transports.grpc_tls import make_job_certificates
 
             base.update(make_job_certificates(secrets_dir, [base["MASTER_ADDR"]]))
-        return _Job(command, base, args.nproc, args.grace, cpus).run()
+        if args.min_np is None and args.max_np is None:
+            return _Job(command, base, args.nproc, args.grace, cpus).run()
+        from commsched.elastic.launcher import ElasticJob
+
+        return ElasticJob(
+            command,
+            base,
+            args.nproc,
+            args.grace,
+            cpus,
+            min_np=args.min_np or 1,
+            max_np=args.max_np or args.nproc,
+            join_window_s=args.elastic_timeout,
+        ).run()
+
+
+def _check_elastic(parser: Any, args: Any) -> None:
+    """Refuses elastic flags that do not fit together, naming the fix."""
+    if args.host_discovery_script is not None:
+        parser.error(
+            "--host-discovery-script: adding hosts is not supported yet; elastic jobs run on this host "
+            "with --min-np/--max-np (ranks are only removed)"
+        )
+    low = args.min_np if args.min_np is not None else 1
+    high = args.max_np if args.max_np is not None else args.nproc
+    if not 1 <= low <= args.nproc <= high:
+        parser.error(
+            f"elastic sizes must satisfy 1 <= --min-np ({low}) <= -n ({args.nproc}) <= --max-np ({high})"
+        )
+    if args.elastic_timeout <= 0:
+        parser.error("--elastic-timeout must be more than 0 seconds")
 
 
 BINDINGS = ("none", "core")
@@ -177,7 +229,7 @@ class _Job:
                 start_rank = functools.partial(_start_rank, self._cpus[rank] if self._cpus else None)
                 self._processes[rank] = subprocess.Popen(
                     self._command,
-                    env=dict(self._environment, RANK=str(rank), LOCAL_RANK=str(rank)),
+                    env=self._rank_environment(rank),
                     start_new_session=True,
                     preexec_fn=start_rank,  # noqa: PLW1509 - the launcher runs no threads
                 )
@@ -188,6 +240,9 @@ class _Job:
                 self._send_all(signal.SIGKILL)
             for number, handler in previous.items():
                 signal.signal(number, handler)
+
+    def _rank_environment(self, rank: int) -> dict[str, str]:
+        return dict(self._environment, RANK=str(rank), LOCAL_RANK=str(rank))
 
     def _on_signal(self, number: int, _frame: Any) -> None:
         self._signals.append(number)

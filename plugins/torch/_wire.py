@@ -202,7 +202,9 @@ def ensure_initialized(process_group: object = None, device: str | None = None) 
 
     `process_group` carries commsched's control messages (agreement, NCCL's unique id).
     """
-    if commsched.is_initialized():
+    if commsched.is_initialized() or commsched._state.settings is not None:
+        # Running, or stopped by a rank's failure: the submission raises that failure. Starting
+        # again here would meet the lost rank and wait for it; shutdown() then init() restarts.
         return
     if device is not None and device.startswith("cuda"):
         commsched.init(process_group=process_group, device=device)

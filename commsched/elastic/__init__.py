@@ -1,0 +1,276 @@
+"""Elastic training with Horovod's API: ``commsched.elastic.run``, ``State``, ``ObjectState``.
+
+Under ``commsched-run --min-np N --max-np M`` a rank that dies or hangs costs the others seconds:
+their collectives fail with RankFailure, ``run`` restores the last ``commit()`` from memory, shuts
+commsched down, asks the launcher's membership service for the new rank and size, starts commsched
+again at that size, synchronises the state from the lowest surviving rank, runs the reset callbacks
+and calls the training function again. Under mpiexec the membership is fixed: ``run`` says so and a
+failure ends the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import commsched
+from commsched.elastic.membership import ADDRESS_VARIABLE, ID_VARIABLE, MembershipError, request
+from commsched.launch import detect
+
+__all__ = [
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "MembershipError",
+    "ObjectState",
+    "State",
+    "run",
+    "run_fn",
+]
+
+log = logging.getLogger("commsched")
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed because the ranks changed: ``run`` restores the last commit and re-forms."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Hosts were added or removed: ``run`` re-forms at the new size without restoring the state."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the job changed")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """State kept in memory on every rank, committed, restored and synchronised together (Horovod's API)."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._host_messages: queue.Queue[tuple[float, bool]] = queue.Queue()
+        self._last_updated_timestamp = 0.0
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Adds callbacks run after every re-forming (e.g. to scale the learning rate to the new size)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by ``run`` after the ranks re-formed: reset(), then the callbacks."""
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: float, removed: bool) -> None:
+        """Queues a notice that hosts changed; the next check_host_updates() acts on it."""
+        self._host_messages.put((timestamp, removed))
+
+    def commit(self) -> None:
+        """Copies the state to memory (the point a failure rolls back to), then checks for host updates."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises HostsUpdatedInterrupt on every rank together when a host-update notice came."""
+        if self._last_updated_timestamp == 0.0 and self._host_messages.empty() and not _notices_possible():
+            return  # nothing can send notices in this job: no collective needed to agree on none
+        previous = latest = self._last_updated_timestamp
+        removed = False
+        while not self._host_messages.empty():
+            timestamp, was_removed = self._host_messages.get()
+            if timestamp > latest:
+                latest, removed = timestamp, removed or was_removed
+        # Every rank must raise at the same commit: rank 0's view decides.
+        previous, self._last_updated_timestamp, removed = self._bcast_object((previous, latest, removed))
+        if self._last_updated_timestamp > previous:
+            raise HostsUpdatedInterrupt(removed)
+
+    def save(self) -> None:
+        """Saves the state to host memory."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Restores the last committed state, undoing what changed since."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Makes every rank's state rank 0's."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Adjusts objects to the new membership before the state is synchronised."""
+
+
+class ObjectState(State):
+    """State of plain picklable Python objects, given as keyword arguments and kept as attributes."""
+
+    def __init__(
+        self,
+        bcast_object: Callable[[Any], Any] | None = None,
+        get_rank: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(
+            bcast_object=bcast_object or commsched.broadcast_object, get_rank=get_rank or commsched.rank
+        )
+
+    def save(self) -> None:
+        """Copies the current attribute values as the committed state."""
+        import copy
+
+        self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
+
+    def restore(self) -> None:
+        """Sets the attributes back to the committed values."""
+        self._set_attrs()
+
+    def sync(self) -> None:
+        """Broadcasts rank 0's committed values and sets them on every rank."""
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        import copy
+
+        for name, value in self._saved_state.items():
+            setattr(self, name, copy.deepcopy(value))
+
+
+def _notices_possible() -> bool:
+    """True when something can queue host-update notices (none does yet: ranks are only removed)."""
+    return False
+
+
+class _Membership:
+    """This process's place in an elastic job: the launch's worker id and the generation it is in."""
+
+    def __init__(self) -> None:
+        self.address = os.environ.get(ADDRESS_VARIABLE, "")
+        self.member = int(os.environ.get(ID_VARIABLE, "-1") or -1)
+        self.generation = 0
+
+    @property
+    def elastic(self) -> bool:
+        return bool(self.address) and self.member >= 0
+
+
+_membership = _Membership()
+
+
+def _check_launcher() -> bool:
+    """True when the launcher re-forms the ranks after a failure; otherwise says why not, once."""
+    if _membership.elastic:
+        return True
+    launcher = detect().launcher
+    if launcher == "mpiexec":
+        why = "MPI keeps the ranks it started (fixed membership)"
+    elif launcher == "single":
+        return False  # one rank: nothing to lose
+    else:
+        why = "this launcher does not re-form the ranks"
+    print(
+        f"commsched.elastic.run: {why}, so a failed rank ends the job; launch with "
+        "`commsched-run -n N --min-np MIN --max-np MAX` for elastic training",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def reform() -> None:
+    """Shuts commsched down and starts it again at the membership the launcher's service hands out.
+
+    Raises MembershipError when the job cannot go on (fewer ranks left than --min-np).
+    """
+    commsched.shutdown()  # the core stopped on the failure already: this returns at once
+    _forget_torch_groups()
+    assignment = request(_membership.address, _membership.member, _membership.generation)
+    _membership.generation = assignment.generation
+    os.environ.update(
+        RANK=str(assignment.rank),
+        LOCAL_RANK=str(assignment.rank),  # one host: the local rank is the rank
+        WORLD_SIZE=str(assignment.size),
+        MASTER_PORT=str(assignment.port),
+    )
+    log.info(
+        "commsched.elastic: generation %d, rank %d of %d",
+        assignment.generation,
+        assignment.rank,
+        assignment.size,
+    )
+    commsched.init()
+
+
+def _forget_torch_groups() -> None:
+    """Drops torch.distributed's process groups of the failed generation without destroying them.
+
+    Destroying a Gloo group waits for its collectives, which wait for the lost rank (Gloo's timeout is
+    30 minutes): the groups are kept alive, unreferenced, for the life of the process, and
+    torch.distributed is left uninitialised so the next generation can rendezvous afresh.
+    """
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    from commsched.transports.gloo import keep_forever
+
+    world = c10d._world
+    for group in list(world.pg_map):
+        keep_forever(group)
+    c10d._update_default_pg(None)
+    for registry in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wraps `func(state, ...)`: on a rank failure, restore, `reset()` (re-form), sync and call it again."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not commsched.is_initialized():
+            commsched.init()
+        if not _check_launcher():
+            state.sync()
+            return func(state, *args, **kwargs)
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except (HorovodInternalError, commsched.RankFailure) as error:
+                log.warning("commsched.elastic: %s; restoring the last commit and re-forming", error)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            reset()
+            state.on_reset()
+
+    return wrapper
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: runs `func(state, ...)` elastically, re-forming the ranks when one fails (Horovod's API)."""
+    return run_fn(func, reform)

@@ -1,0 +1,225 @@
+"""The membership service of an elastic job: a small TCP rendezvous server in commsched-run that
+re-forms the ranks after a failure, and the client the ranks ask it with.
+
+The protocol is one JSON line each way. A rank whose collectives failed in generation G sends
+{"id": ID, "generation": G}; once every live rank has asked (or the join window has passed: a rank
+that did not ask by then is stopped or hung, and the launcher kills it), each gets
+{"rank", "size", "port", "generation"} of generation G + 1, or {"error": why} when fewer than
+--min-np ranks are left. Ranks keep their order, so the lowest surviving rank becomes rank 0 and the
+state is synchronised from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("commsched")
+
+# Environment of an elastic rank: where the service listens, and which worker this process is.
+ADDRESS_VARIABLE = "COMMSCHED_ELASTIC_ADDRESS"
+ID_VARIABLE = "COMMSCHED_ELASTIC_ID"
+# How long a rank waits for the new membership before giving up (the join window plus slack).
+_CLIENT_WAIT_S = 120.0
+
+
+class MembershipError(RuntimeError):
+    """The job cannot go on at a smaller size: fewer ranks are left than --min-np allows."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One rank's place in a generation of the job."""
+
+    rank: int
+    size: int
+    port: int
+    generation: int
+
+
+@dataclass
+class _Round:
+    """A re-forming in progress: who asked, and until when the others may."""
+
+    generation: int  # the generation that failed
+    deadline: float
+    asked: dict[int, socket.socket] = field(default_factory=dict)
+
+
+class MembershipServer:
+    """Keeps the ranks of one elastic job and forms each new generation after a failure.
+
+    `alive()` returns the ids of rank processes still running; `evict(ids)` ends the ones left out
+    of a new generation (stopped or hung: they did not ask in time); `pick_port()` gives the new
+    generation's rendezvous port.
+    """
+
+    def __init__(
+        self,
+        members: list[int],
+        port: int,
+        min_np: int,
+        max_np: int,
+        join_window_s: float,
+        alive: Callable[[], set[int]],
+        evict: Callable[[list[int], str], None],
+        pick_port: Callable[[], int],
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.members = list(members)  # ids in rank order, generation `generation`
+        self.generation = 0
+        self.port = port
+        self.min_np = min_np
+        self.max_np = max_np
+        self.failure = ""  # set once the job cannot go on: the launcher ends it with this error
+        self._window_s = join_window_s
+        self._alive = alive
+        self._evict = evict
+        self._pick_port = pick_port
+        self._lock = threading.Lock()
+        self._round: _Round | None = None
+        self._listener = socket.create_server((host, 0))
+        self._listener.settimeout(0.2)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="commsched-membership", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops listening; ranks still waiting get their connection closed."""
+        self._closed.set()
+        self._thread.join(timeout=2.0)
+        self._listener.close()
+        with self._lock:
+            if self._round is not None:
+                for connection in self._round.asked.values():
+                    connection.close()
+                self._round = None
+
+    def poll(self) -> None:
+        """Forms the pending generation once every live member asked or the window has passed."""
+        with self._lock:
+            current = self._round
+            if current is None:
+                return
+            alive = self._alive()
+            waiting = [member for member in self.members if member in alive and member not in current.asked]
+            if waiting and time.monotonic() < current.deadline:
+                return
+            self._form(current, waiting)
+            self._round = None
+
+    def _form(self, current: _Round, unanswered: list[int]) -> None:
+        """Answers every rank that asked with its place in the next generation (or the job's end)."""
+        if unanswered:
+            self._evict(unanswered, f"did not rejoin within {self._window_s:g}s (stopped or hung)")
+        survivors = [member for member in self.members if member in current.asked]
+        lost = [member for member in self.members if member not in current.asked]
+        replies: dict[int, dict[str, Any]] = {}
+        if len(survivors) < self.min_np:
+            self.failure = (
+                f"{_ranks(lost)} (numbered as at launch) failed; {len(survivors)} "
+                f"{'rank is' if len(survivors) == 1 else 'ranks are'} left, below --min-np {self.min_np}"
+            )
+            replies = {member: {"error": self.failure} for member in survivors}
+        else:
+            self.generation = current.generation + 1
+            self.port = self._pick_port()
+            self.members = survivors
+            replies = {
+                member: {
+                    "rank": rank,
+                    "size": len(survivors),
+                    "port": self.port,
+                    "generation": self.generation,
+                }
+                for rank, member in enumerate(survivors)
+            }
+            log.warning(
+                "commsched-run: generation %d: %d ranks (%s, numbered as at launch, lost)",
+                self.generation,
+                len(survivors),
+                _ranks(lost),
+            )
+        for member, connection in current.asked.items():
+            try:
+                connection.sendall((json.dumps(replies[member]) + "\n").encode())
+            except OSError:
+                pass  # that rank died while waiting: the next generation finds out
+            finally:
+                connection.close()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                self.poll()
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(connection,), daemon=True).start()
+
+    def _handle(self, connection: socket.socket) -> None:
+        try:
+            connection.settimeout(10.0)
+            request = json.loads(_read_line(connection))
+            member, generation = int(request["id"]), int(request["generation"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("commsched-run: a malformed membership request (%s)", error)
+            connection.close()
+            return
+        connection.settimeout(None)
+        with self._lock:
+            if member not in self.members or generation != self.generation:
+                why = (
+                    f"rank process {member} is not in generation {self.generation} of this job "
+                    f"(it asked after generation {generation}); it was left out after not answering in time"
+                )
+                connection.sendall((json.dumps({"error": why}) + "\n").encode())
+                connection.close()
+                return
+            if self._round is None:
+                self._round = _Round(generation, time.monotonic() + self._window_s)
+            self._round.asked[member] = connection
+        self.poll()
+
+
+def request(address: str, member: int, generation: int, wait_s: float = _CLIENT_WAIT_S) -> Assignment:
+    """Asks the membership service at `address` for this rank's place after `generation` failed."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10.0) as connection:
+            connection.sendall((json.dumps({"id": member, "generation": generation}) + "\n").encode())
+            connection.settimeout(wait_s)
+            answer = json.loads(_read_line(connection))
+    except (OSError, ValueError) as error:
+        raise MembershipError(
+            f"the membership service of commsched-run at {address} did not answer ({error}); "
+            "the launcher has ended or the job is over"
+        ) from None
+    if "error" in answer:
+        raise MembershipError(str(answer["error"]))
+    return Assignment(
+        int(answer["rank"]), int(answer["size"]), int(answer["port"]), int(answer["generation"])
+    )
+
+
+def _read_line(connection: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(4096)
+        if not chunk:
+            raise ConnectionError("the connection closed before a whole message came")
+        data += chunk
+    return data.decode()
+
+
+def _ranks(ids: list[int]) -> str:
+    return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids)) if ids else "no rank"

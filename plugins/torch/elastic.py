@@ -1,0 +1,225 @@
+"""Elastic training for PyTorch with Horovod's API: ``TorchState``, ``ElasticSampler`` and ``run``.
+
+@commsched.torch.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, epochs):
+        for batch in loader:  # over an ElasticSampler held by the state
+            ...
+            state.sampler.record_batch(index, batch_size)
+            state.commit()
+        state.sampler.set_epoch(state.epoch + 1)
+
+train(commsched.torch.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0))
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from typing import Any
+
+from commsched.torch.collectives import broadcast_object
+from commsched.torch.functions import broadcast_optimizer_state, broadcast_parameters
+
+import commsched
+import torch
+from commsched.elastic import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    ObjectState,
+    State,
+    reform,
+    run_fn,
+)
+
+__all__ = [
+    "ElasticSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TorchState",
+    "run",
+]
+
+
+def run(func: Any) -> Any:
+    """Decorator: runs `func(state, ...)` elastically, re-forming the ranks when one fails (Horovod's API)."""
+    return run_fn(func, reform)
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Shards a dataset over the ranks and, after a re-forming, shards what this epoch has not processed
+    yet over the new ranks: no sample is dropped or repeated across the resize (Horovod's sampler).
+
+    Call ``record_batch`` after each batch and ``set_epoch`` at the end of each epoch.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0  # samples of this epoch processed by all ranks together
+        self.num_replicas = 0
+        self.rank = 0
+        self.remaining_indices: list[int] = []
+        self.num_samples = 0
+        self.total_size = 0
+        self.indices: list[int] = []
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts `epoch`: a new order (when shuffling) and nothing processed yet."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Records that every rank processed one more batch of `batch_size` samples."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and how many of its samples were processed."""
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Takes a state_dict() and re-shards the remaining samples over the current ranks."""
+        self.epoch = int(state_dict["epoch"])
+        self.processed_num = int(state_dict["processed_num"])
+        self.reset()
+
+    def reset(self) -> None:
+        """Shards the samples this epoch has left over the current ranks."""
+        self.num_replicas = commsched.size() if commsched.is_initialized() else 1
+        self.rank = commsched.rank() if commsched.is_initialized() else 0
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining_indices = order[self.processed_num :]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Any:
+        indices = self.remaining_indices[:]
+        # Padded from the front so every rank gets as many (as DistributedSampler does).
+        indices += indices[: self.total_size - len(indices)]
+        self.indices = indices[self.rank : self.total_size : self.num_replicas]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _Handler:
+    """Commits, restores and synchronises one tracked object of a TorchState."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.saved: Any = None
+        self.save()
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self.saved)
+
+
+class _ModelHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def restore(self) -> None:
+        _discard_in_flight(self.value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _SamplerHandler(_Handler):
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
+
+
+def _discard_in_flight(optimizer: Any) -> None:
+    """Forgets the reductions a DistributedOptimizer had in flight when commsched stopped on a failure:
+    they will never finish, and waiting for them (as load_state_dict() would) raises the failure again.
+    The gradient hooks are built afresh, for the next generation's core."""
+    reducer = getattr(optimizer, "_reducer", None)
+    if reducer is None:
+        return  # a plain optimizer: nothing in flight
+    reducer.remove()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None  # may be a guard of a reduction that will never finish
+    optimizer._reducer = optimizer._build_reducer()
+    optimizer._synchronized = False
+
+
+def _handler_for(value: Any) -> _Handler | None:
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """The state of a PyTorch training process: models, optimizers, ElasticSamplers (by keyword) and
+    plain picklable objects, committed to memory together (Horovod's TorchState)."""
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: dict[str, _Handler] = {}
+        plain: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value)
+            if handler is not None:
+                handlers[name] = handler
+            else:
+                plain[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=commsched.rank, **plain)
+
+    def save(self) -> None:
+        """Copies every tracked object's state into memory."""
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        """Loads the last committed state into every tracked object."""
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        """Broadcasts rank 0's state (parameters, optimizer, sampler, objects) to every rank."""
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def reset(self) -> None:
+        """Re-shards the samplers over the new ranks."""
+        for handler in self._handlers.values():
+            if isinstance(handler, _SamplerHandler):
+                handler.value.reset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
