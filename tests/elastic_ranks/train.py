@@ -1,0 +1,123 @@
+"""An elastic training rank for tests/test_elastic.py, run under `commsched-run --min-np`.
+
+A linear model over integer data, summed gradients and SGD with momentum 1 keep every value an
+exact multiple of 1/8, so results do not depend on the order of additions and runs compare exactly.
+Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:STEP": the rank
+launched as ID SIGKILLs itself after step() in that step), ELASTIC_STOP (the same, SIGSTOP),
+ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import commsched.torch as hvd
+import torch
+from commsched.torch import elastic
+
+SAMPLES = 48
+FEATURES = 4
+BATCH = 2
+EPOCHS = 2
+
+OUT = Path(os.environ["ELASTIC_OUT"])
+LAUNCH_ID = int(os.environ.get("COMMSCHED_ELASTIC_ID", os.environ.get("RANK", "0")))
+
+
+def fault(variable: str, epoch: int, step: int) -> int | None:
+    """The signal to send this rank now, per ELASTIC_KILL / ELASTIC_STOP."""
+    for name, number in ((variable, signal.SIGKILL), ("ELASTIC_STOP", signal.SIGSTOP)):
+        spec = os.environ.get(name, "")
+        if spec and tuple(map(int, spec.split(":"))) == (LAUNCH_ID, epoch, step):
+            return number
+    return None
+
+
+def note_time(what: str) -> None:
+    """With ELASTIC_TIMES=1: appends the wall-clock time of `what` to OUT/times.ID (for the benchmark)."""
+    if os.environ.get("ELASTIC_TIMES") == "1":
+        with open(OUT / f"times.{LAUNCH_ID}", "a") as handle:
+            handle.write(f"{time.time():.6f} {what}\n")
+
+
+def main() -> None:
+    hvd.init()
+    generator = torch.Generator().manual_seed(7)
+    data = torch.randint(-3, 4, (SAMPLES, FEATURES), generator=generator).double()
+    target = torch.randint(-3, 4, (SAMPLES,), generator=generator).double()
+    model = torch.nn.Linear(FEATURES, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.125, momentum=1.0),
+        named_parameters=model.named_parameters(),
+        op=hvd.Sum,
+    )
+    sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
+    state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, seen=[[] for _ in range(EPOCHS)])
+    start = os.environ.get("ELASTIC_START")
+    if start:
+        saved = torch.load(start, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        sampler.load_state_dict(saved["sampler"])
+        state.epoch, state.seen = saved["epoch"], saved["seen"]
+        state.commit()
+
+    def on_reset() -> None:
+        # The commit every survivor restored and synchronised: a run started from it at the new size
+        # must end with the same parameters.
+        if hvd.rank() == 0 and not (OUT / "restored.pt").exists():
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "sampler": sampler.state_dict(),
+                    "epoch": state.epoch,
+                    "seen": state.seen,
+                },
+                OUT / "restored.pt",
+            )
+
+    state.register_reset_callbacks([on_reset])
+    train(state, data, target)
+    if hvd.rank() == 0:
+        torch.save(
+            {"weight": model.weight.detach().clone(), "seen": state.seen, "size": hvd.size()},
+            OUT / "final.pt",
+        )
+    print(f"rank {hvd.rank()} of {hvd.size()} done", flush=True)
+
+
+@elastic.run
+def train(state: elastic.TorchState, data: torch.Tensor, target: torch.Tensor) -> None:
+    """Epochs over the elastic sampler, committing after every step."""
+    while state.epoch < EPOCHS:
+        indices = list(state.sampler)
+        for step, first in enumerate(range(0, len(indices), BATCH)):
+            batch = indices[first : first + BATCH]
+            state.optimizer.zero_grad()
+            loss = (state.model(data[batch]).squeeze(1) * target[batch]).sum()
+            loss.backward()
+            state.optimizer.step()
+            # After step(): the survivors have updated past the last commit and must roll back.
+            number = fault("ELASTIC_KILL", state.epoch, step)
+            if number is not None:
+                note_time("fault")
+                os.kill(os.getpid(), number)
+            for gathered in hvd.allgather_object(batch, name="seen"):
+                state.seen[state.epoch].extend(gathered)
+            state.sampler.record_batch(step, BATCH)
+            state.commit()
+            note_time(f"step {hvd.size()}")
+        state.epoch += 1
+        state.sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
