@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
 
 # Cases and their modes (memory and clip run in barrier mode only); see shard_cases.py.
-ALL = ("sgd", "small", "adamw", "exact", "mixed", "clip", "memory", "state")
+ALL = ("sgd", "small", "adamw", "exact", "mixed", "clip", "pset", "memory", "state")
 
 
 def _runs(cases: tuple[str, ...]) -> int:
@@ -39,7 +39,8 @@ def _check(result: object, ranks: int, cases: tuple[str, ...]) -> str:
 
 @needs_mpi
 def test_mpiexec_two_ranks_every_case() -> None:
-    """MPI, 2 ranks: SGD/AdamW in both modes, exact integer data, mixed dtypes, clipping, memory, state."""
+    """MPI, 2 ranks: SGD/AdamW in both modes, exact integer data, mixed dtypes, clipping, a process set,
+    memory, state."""
     text = _check(launch("mpiexec", 2, "shard_cases.py", timeout=90), 2, ALL)
     assert "grad_ratio=1.0" in text
 
@@ -69,6 +70,17 @@ def test_whole_tensor_optimizer_is_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match="cannot wrap Muon"):
         ct.DistributedOptimizer(Muon(model.parameters(), lr=0.1), model=model, shard=True)
+
+
+def test_checkpointer_refuses_a_sharded_optimizer_naming_the_way_out(tmp_path: Path) -> None:
+    """Checkpointer does not save shards yet: it says so and names full_state_dict()."""
+    import commsched.torch as ct
+    from commsched.torch._shard import ShardedOptimizer
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = object.__new__(ShardedOptimizer)  # the refusal looks at the class only
+    with pytest.raises(NotImplementedError, match="full_state_dict"):
+        ct.Checkpointer(model, optimizer, tmp_path)
 
 
 def test_shard_setting() -> None:

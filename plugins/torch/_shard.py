@@ -70,6 +70,8 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
 class ShardedOptimizer(DistributedOptimizer):
     """DistributedOptimizer(..., shard=True): ZeRO-2 sharding of gradients and optimizer state."""
 
+    sharded = True  # each rank holds a shard of the state (commsched.torch.Checkpointer asks)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

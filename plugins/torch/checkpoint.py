@@ -128,6 +128,12 @@ class Checkpointer:
             raise TypeError(f"Checkpointer(model=...) takes a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Checkpointer(optimizer=...) takes an optimizer, not {type(optimizer).__name__}")
+        if getattr(optimizer, "sharded", False):
+            raise NotImplementedError(
+                "Checkpointer cannot save DistributedOptimizer(shard=True) yet: its state is cut across ranks. "
+                "Save optimizer.full_state_dict() (call it on every rank) with torch.save on rank 0, and load it "
+                "with optimizer.load_state_dict() at any number of ranks"
+            )
         self.directory = Path(settings["directory"])
         self.keep: int = settings["keep"]
         self._model = model

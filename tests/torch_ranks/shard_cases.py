@@ -3,12 +3,14 @@
 Each case trains two copies of one model side by side on this rank's shard of the batch, one
 through the unsharded optimizer and one sharded, and compares their parameters after training:
 
-  sgd      Net (frozen, unused and rank-skipped layers), SGD with nesterov momentum and weight decay
+  sgd      Net (frozen, unused and rank-skipped layers), SGD with nesterov momentum and weight decay,
+           after broadcast_parameters and broadcast_optimizer_state from rank 0
   small    sgd with COMMSCHED_BUCKET_BYTES=256: many buckets, cut inside and across parameters
   adamw    Net with every layer used, AdamW
   exact    float64 linear model, integer-valued data, SGD momentum, 2 backward passes per step: equal bits
   mixed    a float32 layer and a float64 layer (one bucket per dtype), SGD momentum
   clip     SGD with global-norm clipping: clip_grad_norm_ on the shards vs torch's on the full gradients
+  pset     sgd over a process set of all ranks but the last (that one keeps a plain optimizer)
   memory   optimizer state and reduced gradient bytes per rank within 5% of 1/N of the unsharded ones
   state    full_state_dict() equals the unsharded state; loaded into a new sharded optimizer, training
            goes on to the same parameters
@@ -63,7 +65,7 @@ def _loss(case: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, s
         return model(inputs).sum() * 0.25
     if case == "memory":
         return F.cross_entropy(model(shard(x[step], rank)), shard(y[step], rank))
-    skip = skips(rank, step) if case in ("sgd", "small", "clip") else False
+    skip = skips(rank, step) if case in ("sgd", "small", "clip", "pset") else False
     return F.cross_entropy(model(shard(x[step], rank), skip), shard(y[step], rank))
 
 
@@ -126,7 +128,7 @@ def _grad_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None)
 
 
-def run(case: str, overlap: bool) -> tuple[bool, str]:
+def run(case: str, overlap: bool, process_set: Any = None) -> tuple[bool, str]:
     """Trains the case both ways; returns (passed, what was measured)."""
     size = commsched.size()
     plain_model = _model(case)
@@ -134,11 +136,13 @@ def run(case: str, overlap: bool) -> tuple[bool, str]:
     initial = copy.deepcopy(plain_model)
     make = _make(case)
     passes = 2 if case == "exact" else 1
+    where = {} if process_set is None else {"process_set": process_set}
     plain = ct.DistributedOptimizer(
         make(plain_model.parameters()),
         model=plain_model,
         overlap_forward=overlap,
         backward_passes_per_step=passes,
+        **where,
     )
     sharded = ct.DistributedOptimizer(
         make(sharded_model.parameters()),
@@ -146,7 +150,12 @@ def run(case: str, overlap: bool) -> tuple[bool, str]:
         overlap_forward=overlap,
         backward_passes_per_step=passes,
         shard=True,
+        **where,
     )
+    if case == "sgd":
+        for model, optimizer in ((plain_model, plain), (sharded_model, sharded)):
+            ct.broadcast_parameters(model.state_dict(), root_rank=0)
+            ct.broadcast_optimizer_state(optimizer, root_rank=0)
     x, y = data(size)
     if case == "memory":
         for model, optimizer in ((plain_model, plain), (sharded_model, sharded)):
@@ -197,17 +206,22 @@ def run(case: str, overlap: bool) -> tuple[bool, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="sgd,small,adamw,exact,mixed,clip,memory,state")
+    parser.add_argument("--cases", default="sgd,small,adamw,exact,mixed,clip,pset,memory,state")
     parser.add_argument("--modes", default="barrier,overlap")
     args = parser.parse_args()
     failed = 0
     for case in args.cases.split(","):
         commsched.init(stall_timeout=10, bucket_bytes=256 if case == "small" else None)
         modes = ["barrier"] if case in ("memory", "clip") else args.modes.split(",")
+        # All ranks but the last: that one keeps a plain optimizer on its own gradients.
+        process_set = (
+            ct.add_process_set(list(range(max(commsched.size() - 1, 1)))) if case == "pset" else None
+        )
         for mode in modes:
-            ok, measured = run(case, mode == "overlap")
+            ok, measured = run(case, mode == "overlap", process_set)
             print(f"{'PASS' if ok else 'FAIL'} {case}/{mode} {measured}", flush=True)
             failed += not ok
+        ct.allreduce(torch.zeros(1), name=f"done.{case}")  # a rank outside the set must not stop the others
         commsched.shutdown()
     return 1 if failed else 0
 
