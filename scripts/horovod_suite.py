@@ -1,14 +1,26 @@
 """Runs a Horovod test file (e.g. Horovod's test/parallel/test_torch.py) against commsched, on N ranks.
 
     python scripts/horovod_suite.py --ranks 2 /path/to/horovod/test/parallel/test_torch.py [-- -k allreduce]
+    python scripts/horovod_suite.py --reference /tmp/hvdref /path/to/test_torch.py   # also real Horovod
+
+The test files this is run on come from github horovod/horovod at commit 2626dc8 (its tip,
+`git describe` v0.28.1-25, "Disable scheduled CI run (#4318)"); their test/parallel/test_torch.py
+is the file of the v0.28.1 tag. Horovod's helper test/parallel/common.py must sit beside the file.
 
 The only thing between the test file and commsched is a table of module renames (RENAMES):
 `import horovod.torch as hvd` imports commsched.torch, and so on. Nothing is patched and no Horovod
-code is involved. Each rank runs pytest on the whole file (Horovod's tests are collective: every
-rank runs every test in the same order) and writes a JUnit report; the launcher then counts each
-test once: failed if it failed on any rank, skipped if skipped on every rank, else passed.
+code is involved. The test ids are collected first (`pytest --collect-only`, renames installed; a
+collection error is reported as such, never as zero tests). Each test then runs in its own launch
+of N ranks, so one test's failure or hang cannot upset the next; every rank logs each outcome as it
+happens, and the launcher counts each test once: failed if it failed on any rank, if a rank gave no
+outcome, or if the launch ran past --timeout (named as a timeout); skipped if skipped on every rank;
+else passed.
 
 `--launcher torchrun` starts the ranks with torchrun (the Gloo transport) instead of mpiexec.
+`--reference VENV` runs the same tests with VENV's python and real Horovod (no renames; always under
+mpiexec, the launcher Horovod's MPI build reads) and prints each test Horovod passes that commsched
+does not; the exit status is then 1 exactly when there is such a test.
+`--one-launch` runs the whole file in one launch per side instead (quicker, less isolated).
 """
 
 from __future__ import annotations
@@ -19,12 +31,14 @@ import importlib.abc
 import importlib.machinery
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import types
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,9 +129,12 @@ class _Recorder:
                 failures.write(f"==== {report.nodeid} ({when})\n{report.longreprtext}\n")  # type: ignore[attr-defined]
 
 
-def run_rank(test_path: str, report_dir: str, stack_dump_s: float, pytest_args: Sequence[str]) -> int:
-    """One rank: renames installed, pytest on the test file, each outcome logged as it happens."""
-    install_renames()
+def run_rank(
+    test_path: str, report_dir: str, stack_dump_s: float, pytest_args: Sequence[str], renames: bool = True
+) -> int:
+    """One rank: renames installed (unless running real Horovod), pytest, each outcome logged as it happens."""
+    if renames:
+        install_renames()
     import faulthandler
 
     import pytest
@@ -130,15 +147,15 @@ def run_rank(test_path: str, report_dir: str, stack_dump_s: float, pytest_args: 
     return int(pytest.main(args, plugins=[_Recorder(log)]))
 
 
-def _launch_argv(launcher: str, ranks: int, inner: list[str]) -> list[str]:
+def _launch_argv(launcher: str, ranks: int, python: str, inner: list[str]) -> list[str]:
     if launcher == "mpiexec":
-        beside = Path(sys.executable).parent / "mpiexec"
+        beside = Path(python).parent / "mpiexec"
         mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
-        return [mpiexec, "-n", str(ranks), sys.executable, *inner]
+        return [mpiexec, "-n", str(ranks), python, *inner]
     from commsched.run import free_port
 
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
@@ -177,83 +194,181 @@ def verdict(per_rank: list[str], ranks: int) -> str:
     return "skipped" if all(o == "skipped" for o in per_rank) else "passed"
 
 
-def _launch(options: argparse.Namespace, inner: list[str], env: dict[str, str]) -> None:
-    try:
-        subprocess.run(
-            _launch_argv(options.launcher, options.ranks, inner),
-            check=False,
-            env=env,
-            timeout=options.timeout,
-        )
-    except subprocess.TimeoutExpired:
-        print(f"horovod_suite: the ranks ran past --timeout={options.timeout:g}s and were stopped")
+class CollectionError(RuntimeError):
+    """pytest could not collect the test file (an import error, a syntax error, no tests)."""
 
 
-def _collect(test_path: str, env: dict[str, str], pytest_args: Sequence[str]) -> list[str]:
-    """The test ids in the file (collected in one process, renames installed)."""
+@dataclass
+class Side:
+    """One way of running the tests: commsched through the renames, or real Horovod in a venv."""
+
+    label: str
+    python: str
+    launcher: str
+    renames: bool
+    env: dict[str, str]
+
+
+def collect(side: Side, test_path: str, pytest_args: Sequence[str]) -> list[str]:
+    """The test ids in the file, collected by `side`'s python; CollectionError with pytest's output if none."""
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import horovod_suite, pytest; "
-        "horovod_suite.install_renames(); "
-        "sys.exit(pytest.main([sys.argv[2], '--collect-only', '-q', '-p', 'no:cacheprovider', *sys.argv[3:]]))"
+        "(horovod_suite.install_renames() if sys.argv[2] == 'renames' else None); "
+        "sys.exit(pytest.main([sys.argv[3], '--collect-only', '-q', '-p', 'no:cacheprovider', *sys.argv[4:]]))"
     )
-    argv = [sys.executable, "-c", code, str(Path(__file__).resolve().parent), test_path, *pytest_args]
-    listing = subprocess.run(argv, env=env, capture_output=True, text=True, check=False).stdout
-    return [line for line in listing.splitlines() if "::" in line]
+    argv = [side.python, "-c", code, str(Path(__file__).resolve().parent)]
+    argv += ["renames" if side.renames else "plain", test_path, *pytest_args]
+    listing = subprocess.run(argv, env=side.env, capture_output=True, text=True, check=False, timeout=600)
+    tests = [line.strip() for line in listing.stdout.splitlines() if "::" in line and " " not in line.strip()]
+    if listing.returncode != 0 or not tests:
+        output = (listing.stdout + listing.stderr)[-4000:]
+        raise CollectionError(
+            f"{side.label}: pytest collected no tests from {test_path} (exit status {listing.returncode}):\n{output}"
+        )
+    return tests
+
+
+def _launch(options: argparse.Namespace, side: Side, inner: list[str]) -> bool:
+    """Runs one launch of the ranks; False when it ran past --timeout and was stopped."""
+    argv = _launch_argv(side.launcher, options.ranks, side.python, inner)
+    # Its own process group, so a launch stopped at the timeout takes its ranks with it.
+    launch = subprocess.Popen(argv, env=side.env, start_new_session=True)
+    try:
+        launch.wait(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.wait()
+        return False
+    return True
+
+
+def run_side(
+    options: argparse.Namespace, side: Side, test_path: str, tests: list[str], report_dir: Path
+) -> dict[str, tuple[str, str]]:
+    """Test id -> (verdict, why) for every collected test, run as `side` runs them."""
+    inner = [str(Path(__file__).resolve()), "--rank-mode", "--stack-dump", str(options.stack_dump)]
+    if not side.renames:
+        inner.append("--no-renames")
+    results: dict[str, tuple[str, str]] = {}
+    launches = (
+        [(report_dir, tests)]
+        if options.one_launch
+        else [(report_dir / f"{i:04d}", [test]) for i, test in enumerate(tests)]
+    )
+    for where, batch in launches:
+        where.mkdir(parents=True, exist_ok=True)
+        for old in [*where.glob("rank*.log"), *where.glob("rank*.failures")]:
+            old.unlink()
+        targets = [test_path] if options.one_launch else [f"{test_path}::{batch[0].partition('::')[2]}"]
+        extra = ["--", *options.pytest_args] if options.one_launch and options.pytest_args else []
+        finished = _launch(options, side, [*inner, "--report-dir", str(where), *targets, *extra])
+        found, unfinished = outcomes(where)
+        by_name = {test.partition("::")[2]: per_rank for test, per_rank in found.items()}
+        for test in batch:
+            per_rank = by_name.get(test.partition("::")[2], [])
+            result = verdict(per_rank, options.ranks)
+            if not finished and result == "failed":
+                why = f"timeout: the launch ran past --timeout={options.timeout:g}s; per rank: {per_rank}"
+            elif not per_rank:
+                why = "no rank reported an outcome"
+            else:
+                why = "per rank: " + ", ".join(per_rank)
+            results[test] = (result, why)
+        for line in unfinished:
+            print(f"{side.label}: UNFINISHED {line}")
+    return results
+
+
+def _print_side(
+    side: Side, results: dict[str, tuple[str, str]], ranks: int, report_dir: Path
+) -> Counter[str]:
+    for test, (result, why) in sorted(results.items()):
+        if result != "passed":
+            print(f"{side.label}: {result.upper():8} {test}  ({why})")
+    counts = Counter(result for result, _ in results.values())
+    print(
+        f"horovod_suite: {side.label}: {ranks} ranks ({side.launcher}): {counts['passed']} passed, "
+        f"{counts['failed']} failed, {counts['skipped']} skipped; reports in {report_dir}"
+    )
+    return counts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Launches the ranks, waits, prints each test's verdict and the counts; 0 when nothing failed."""
+    """Collects, launches the ranks per test, prints each test's verdict and the counts; 0 when nothing failed."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("test_path", help="a Horovod test file, e.g. horovod/test/parallel/test_torch.py")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are stopped")
+    parser.add_argument(
+        "--timeout", type=float, default=180, help="seconds one launch may run before its ranks are stopped"
+    )
     parser.add_argument("--report-dir", help="where the ranks' logs go (default: a temporary folder)")
     parser.add_argument(
         "--stack-dump", type=float, default=120, help="seconds a test may run before its stacks are printed"
     )
     parser.add_argument(
-        "--per-test", action="store_true", help="one launch per test, so a failure cannot upset the next test"
+        "--reference", metavar="VENV", help="a venv with real Horovod to run the same tests in"
     )
+    parser.add_argument("--one-launch", action="store_true", help="the whole file in one launch per side")
+    parser.add_argument("--per-test", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-renames", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest on every rank (after --)")
     options = parser.parse_args(argv)
     if options.rank_mode:
-        return run_rank(options.test_path, options.report_dir, options.stack_dump, options.pytest_args)
+        return run_rank(
+            options.test_path,
+            options.report_dir,
+            options.stack_dump,
+            options.pytest_args,
+            not options.no_renames,
+        )
 
     test_path = str(Path(options.test_path).resolve())
     if not Path(test_path).is_file():
         parser.error(f"{options.test_path} is not a file; pass the path of a Horovod test file")
-    report_dir = Path(options.report_dir or tempfile.mkdtemp(prefix="horovod-suite-"))
-    report_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*report_dir.glob("rank*.log"), *report_dir.glob("rank*.failures")]:
-        old.unlink()
-    inner = [str(Path(__file__).resolve()), "--rank-mode", "--report-dir", str(report_dir)]
-    inner += ["--stack-dump", str(options.stack_dump)]
-    extra = ["--", *options.pytest_args] if options.pytest_args and not options.per_test else []
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    if options.per_test:
-        for test in _collect(test_path, env, options.pytest_args):
-            _launch(options, [*inner, f"{test_path}::{test.partition('::')[2]}"], env)
-    else:
-        _launch(options, [*inner, test_path, *extra], env)
+    sides = [Side("commsched", sys.executable, options.launcher, True, _environment(REPO))]
+    if options.reference:
+        python = Path(options.reference) / "bin" / "python"
+        if not python.exists():
+            parser.error(
+                f"--reference {options.reference}: no bin/python there; pass a venv with horovod installed"
+            )
+        sides.append(Side("horovod", str(python), "mpiexec", False, _environment(None)))
+    report_root = Path(options.report_dir or tempfile.mkdtemp(prefix="horovod-suite-"))
+    try:
+        tests = collect(sides[0], test_path, options.pytest_args)
+    except CollectionError as error:
+        print(f"horovod_suite: ERROR {error}")
+        return 2
+    results = {}
+    for side in sides:
+        where = report_root / side.label if options.reference else report_root
+        results[side.label] = run_side(options, side, test_path, tests, where)
+    counts = {
+        side.label: _print_side(side, results[side.label], options.ranks, report_root) for side in sides
+    }
+    if not options.reference:
+        return 1 if counts["commsched"]["failed"] else 0
+    gap = [
+        test
+        for test, (result, _) in sorted(results["horovod"].items())
+        if result == "passed" and results["commsched"][test][0] != "passed"
+    ]
+    for test in gap:
+        print(f"HOROVOD-ONLY {test}  (commsched: {results['commsched'][test][1]})")
+    print(f"horovod_suite: {len(gap)} tests pass on Horovod and not on commsched")
+    return 1 if gap else 0
 
-    found, unfinished = outcomes(report_dir)
-    for where in unfinished:
-        print(f"UNFINISHED {where}")
-    verdicts = {test: verdict(per_rank, options.ranks) for test, per_rank in found.items()}
-    for test, result in sorted(verdicts.items()):
-        if result != "passed":
-            print(f"{result.upper():8} {test}  (per rank: {', '.join(found[test])})")
-    counts = Counter(verdicts.values())
-    print(
-        f"horovod_suite: {options.ranks} ranks ({options.launcher}): {counts['passed']} passed, "
-        f"{counts['failed']} failed, {counts['skipped']} skipped; reports in {report_dir}"
-    )
-    return 1 if counts["failed"] or not verdicts else 0
+
+def _environment(repo: Path | None) -> dict[str, str]:
+    """The ranks' environment: one OpenMP thread each, and the repository first on the path for commsched."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if repo is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH", "")]))
+    return env
 
 
 if __name__ == "__main__":
