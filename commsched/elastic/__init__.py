@@ -254,19 +254,24 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             state.sync()
             return func(state, *args, **kwargs)
         skip_sync = False
+        reforming = False
         while True:
             try:
+                # Inside the try: a rank lost while re-forming or synchronising fails this
+                # generation too, and the survivors re-form again.
+                if reforming:
+                    reset()
+                    state.on_reset()
+                    reforming = False
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
             except (HorovodInternalError, commsched.RankFailure) as error:
                 log.warning("commsched.elastic: %s; restoring the last commit and re-forming", error)
                 state.restore()
-                skip_sync = False
+                skip_sync, reforming = False, True
             except HostsUpdatedInterrupt as interrupt:
-                skip_sync = interrupt.skip_sync
-            reset()
-            state.on_reset()
+                skip_sync, reforming = interrupt.skip_sync, True
 
     return wrapper
 
