@@ -51,6 +51,18 @@ def test_mpiexec_three_ranks() -> None:
     _check(launch("mpiexec", 3, "shard_cases.py", timeout=90), 3, ALL)
 
 
+@needs_mpi
+def test_state_saved_at_two_ranks_loads_at_three(tmp_path: Path) -> None:
+    """full_state_dict() saved at 2 ranks, loaded at 3 into laid-out shards: gathered again it is equal,
+    and training goes on to the unsharded optimizer's parameters."""
+    path = str(tmp_path / "state.pt")
+    saved = launch("mpiexec", 2, "shard_cases.py", "--recut", path, timeout=60)
+    assert saved.returncode == 0 and "PASS recut/save" in saved.stdout, saved.stdout[-4000:]
+    loaded = launch("mpiexec", 3, "shard_cases.py", "--recut", path, timeout=60)
+    text = unglue(loaded.stdout, "PASS ", "FAIL ")
+    assert loaded.returncode == 0 and text.count("PASS recut/load ranks=3") == 3, text[-4000:]
+
+
 def test_torchrun_gloo_two_ranks() -> None:
     """torchrun (Gloo, no MPI), 2 ranks: equivalence in both modes, many buckets, exact data, state."""
     cases = ("sgd", "small", "adamw", "exact", "state")

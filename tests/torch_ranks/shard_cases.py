@@ -15,6 +15,11 @@ through the unsharded optimizer and one sharded, and compares their parameters a
   state    full_state_dict() equals the unsharded state; loaded into a new sharded optimizer, training
            goes on to the same parameters
 
+With --recut FILE, the first run (2 ranks) saves full_state_dict() and the model to FILE; the second
+(another rank count) loads it into a sharded optimizer whose shards are laid out already: gathering
+again gives the saved state, and training on gives the parameters of the unsharded optimizer that
+loaded the same state.
+
 Prints PASS <case>/<mode> or FAIL <case>/<mode> with the difference.
 """
 
@@ -204,11 +209,64 @@ def run(case: str, overlap: bool, process_set: Any = None) -> tuple[bool, str]:
     return ok, f"difference={difference:.3g} moved={moved:.3g} buckets={len(sharded.buckets())}{extra}"
 
 
+def recut(path: str) -> bool:
+    """Saves the full state at this rank count, or loads one saved at another and trains on."""
+    import os
+
+    torch.manual_seed(0)
+    make = _make("adamw")
+    x, y = data(commsched.size())
+    if not os.path.exists(path):
+        model = Net()
+        sharded = ct.DistributedOptimizer(make(model.parameters()), model=model, shard=True)
+        _train("adamw", model, sharded, x, y, 0, 3)
+        full = sharded.full_state_dict()
+        if commsched.rank() == 0:
+            torch.save({"model": model.state_dict(), "optimizer": full}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        print(f"PASS recut/save ranks={commsched.size()}", flush=True)
+        return True
+    saved = torch.load(path, weights_only=False)
+    plain_model, sharded_model = Net(), Net()
+    plain_model.load_state_dict(saved["model"])
+    sharded_model.load_state_dict(saved["model"])
+    plain = ct.DistributedOptimizer(make(plain_model.parameters()), model=plain_model)
+    sharded = ct.DistributedOptimizer(make(sharded_model.parameters()), model=sharded_model, shard=True)
+    plain.load_state_dict(saved["optimizer"])
+    with torch.no_grad():
+        sharded_model(shard(x[0], commsched.rank()))  # lays the shards out before the state comes
+    sharded.load_state_dict(saved["optimizer"])
+    again = sharded.full_state_dict()["state"]
+    state_difference = max(
+        (again[i][key] - value).abs().max().item()
+        for i, entry in saved["optimizer"]["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    )
+    _train("adamw", plain_model, plain, x, y, 3, 6)
+    _train("adamw", sharded_model, sharded, x, y, 3, 6)
+    difference = _difference(plain_model, sharded_model)
+    ok = state_difference == 0 and difference <= 1e-4
+    verdict = "PASS" if ok else "FAIL"
+    print(
+        f"{verdict} recut/load ranks={commsched.size()} state_difference={state_difference:.3g} "
+        f"difference={difference:.3g}",
+        flush=True,
+    )
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="sgd,small,adamw,exact,mixed,clip,pset,memory,state")
     parser.add_argument("--modes", default="barrier,overlap")
+    parser.add_argument("--recut", metavar="FILE", help="save the state here, or load it if it exists")
     args = parser.parse_args()
+    if args.recut:
+        commsched.init(stall_timeout=10)
+        ok = recut(args.recut)
+        commsched.shutdown()
+        return 0 if ok else 1
     failed = 0
     for case in args.cases.split(","):
         commsched.init(stall_timeout=10, bucket_bytes=256 if case == "small" else None)
