@@ -171,6 +171,18 @@ def main() -> int:
         else:
             raise AssertionError("a reducescatter of different shapes ran")
 
+    def join_fails_when_a_rank_leaves() -> None:
+        # A join that cannot complete ends with an error naming the rank, instead of waiting.
+        if rank == 0:
+            try:
+                hvd.join()
+            except RuntimeError as error:
+                assert "before every rank joined" in str(error) and "rank 1" in str(error), error
+            else:
+                raise AssertionError("join() returned though rank 1 shut down without joining")
+        elif rank == 1:
+            hvd.shutdown()
+
     for label, test in [
         ("grouped-allgather", grouped_allgather),
         ("grouped-allgather-grad", grouped_allgather_grad),
@@ -184,6 +196,7 @@ def main() -> int:
         ("integer-average-truncates", integer_average_truncates),
         ("object-after-join", object_after_join),
         ("internal-error", internal_error),
+        ("join-fails-when-a-rank-leaves", join_fails_when_a_rank_leaves),  # last: rank 1 stops
     ]:
         check(label, test)
     hvd.shutdown()
