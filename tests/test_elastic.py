@@ -86,6 +86,20 @@ def test_sigkill_grpc(gloo_run: tuple[Path, subprocess.CompletedProcess[str]], t
     assert torch.equal(final["weight"], results(gloo_run[0])["weight"])
 
 
+def test_a_rank_lost_while_reforming_makes_the_others_reform_again(tmp_path: Path) -> None:
+    """4 ranks, --min-np 2: rank 3 dies in training, rank 2 in the reset callback of the re-forming;
+    the last two re-form again and finish, every sample seen once per epoch."""
+    done = launch(
+        tmp_path, "-n", "4", "--min-np", "2", ELASTIC_KILL="3:0:2,2:-1:-1", COMMSCHED_TRANSPORT="gloo"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generation 1: 3 ranks" in done.stderr and "generation 2: 2 ranks" in done.stderr, done.stderr
+    final = results(tmp_path)
+    assert final["size"] == 2
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+
+
 def test_below_min_np_ends_the_job_naming_the_rank(tmp_path: Path) -> None:
     """With --min-np 2 of 2 ranks, losing one ends the job with an error naming it."""
     started = time.monotonic()

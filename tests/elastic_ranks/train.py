@@ -3,7 +3,8 @@
 A linear model over integer data, summed gradients and SGD with momentum 1 keep every value an
 exact multiple of 1/8, so results do not depend on the order of additions and runs compare exactly.
 Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:STEP": the rank
-launched as ID SIGKILLs itself after step() in that step), ELASTIC_STOP (the same, SIGSTOP),
+launched as ID SIGKILLs itself after step() in that step; "ID:-1:-1": in the first reset
+callback, while the others re-form; several specs separated by commas), ELASTIC_STOP (SIGSTOP),
 ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times).
 """
 
@@ -31,9 +32,9 @@ LAUNCH_ID = int(os.environ.get("COMMSCHED_ELASTIC_ID", os.environ.get("RANK", "0
 def fault(variable: str, epoch: int, step: int) -> int | None:
     """The signal to send this rank now, per ELASTIC_KILL / ELASTIC_STOP."""
     for name, number in ((variable, signal.SIGKILL), ("ELASTIC_STOP", signal.SIGSTOP)):
-        spec = os.environ.get(name, "")
-        if spec and tuple(map(int, spec.split(":"))) == (LAUNCH_ID, epoch, step):
-            return number
+        for spec in filter(None, os.environ.get(name, "").split(",")):
+            if spec == f"{LAUNCH_ID}:{epoch}:{step}":
+                return number
     return None
 
 
@@ -68,6 +69,8 @@ def main() -> None:
         state.commit()
 
     def on_reset() -> None:
+        if fault("ELASTIC_KILL", -1, -1) is not None:  # "ID:-1:-1": die while the others re-form
+            os.kill(os.getpid(), signal.SIGKILL)
         # The commit every survivor restored and synchronised: a run started from it at the new size
         # must end with the same parameters.
         if hvd.rank() == 0 and not (OUT / "restored.pt").exists():
