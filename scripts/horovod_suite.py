@@ -135,6 +135,7 @@ def run_rank(
     """One rank: renames installed (unless running real Horovod), pytest, each outcome logged as it happens."""
     if renames:
         install_renames()
+    _horovodrun_variables()
     import faulthandler
 
     import pytest
@@ -145,6 +146,24 @@ def run_rank(
         faulthandler.dump_traceback_later(stack_dump_s, repeat=True)
     args = [test_path, "-p", "no:cacheprovider", "-q", "-rfE", *pytest_args]
     return int(pytest.main(args, plugins=[_Recorder(log)]))
+
+
+def _horovodrun_variables() -> None:
+    """Under torchrun, the variables horovodrun's Gloo launcher would set, from torchrun's own.
+
+    Horovod's tests read the launcher's rank from HOROVOD_RANK (Gloo) or PMI_RANK (MPI); torchrun
+    sets neither, so the suite plays horovodrun's part with the same numbers torchrun gave.
+    """
+    pairs = [
+        ("HOROVOD_RANK", "RANK"),
+        ("HOROVOD_SIZE", "WORLD_SIZE"),
+        ("HOROVOD_LOCAL_RANK", "LOCAL_RANK"),
+        ("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
+    ]
+    if "RANK" in os.environ and "PMI_RANK" not in os.environ and "HOROVOD_RANK" not in os.environ:
+        for horovod, torchrun in pairs:
+            if torchrun in os.environ:
+                os.environ[horovod] = os.environ[torchrun]
 
 
 def _launch_argv(launcher: str, ranks: int, python: str, inner: list[str]) -> list[str]:
