@@ -1,7 +1,7 @@
 """`import commsched.torch as hvd`: Horovod 0.28.1's grouped allgather and reducescatter (with their
 gradients, scale factors and process sets), sparse_allreduce_async, integer averages rounded toward
-zero, object collectives after a join, a join that fails naming the rank that left, and
-HorovodInternalError; 2 ranks over MPI and Gloo.
+zero, object collectives after a join, a join that fails naming the rank that left,
+HorovodInternalError and a name refused until synchronized; 2 ranks over MPI and Gloo.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CHECKS = [
     "integer-average-truncates",
     "object-after-join",
     "internal-error",
+    "duplicate-name-refused",
     "join-fails-when-a-rank-leaves",
 ]
 

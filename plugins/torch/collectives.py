@@ -13,6 +13,7 @@ as a copy that is written back; the inputs of the out-of-place forms are never m
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ class Handle:
         self._done = done
         self._finish = finish
         self._finished = False
+        self._waited = False  # wait() was called, even one that raised: its name is free again
         self._result: Any = None
 
     def done(self) -> bool:
@@ -41,9 +43,43 @@ class Handle:
     def wait(self) -> Any:
         """Waits and returns the result (the same object on every later call)."""
         if not self._finished:
-            self._result = self._finish()
+            try:
+                self._result = self._finish()
+            finally:
+                self._waited = True
             self._finished = True
         return self._result
+
+
+# Named collectives not synchronized yet: name -> (handle, when it was submitted). The core refuses
+# a name only while its collective is in flight, and on a fast link that can end before the caller's
+# next line submits the name again; in Horovod a background cycle lies between the two, so that
+# resubmission fails. A name therefore stays taken until synchronize(), or, for a handle that is
+# never synchronized, until its collective is done and HOLD_S have passed since it was submitted.
+_named_in_flight: dict[str, tuple[Handle, float]] = {}
+HOLD_S = 1.0
+
+
+def _free_name(core_name: str, named: bool) -> str:
+    """`core_name`, after checking that no collective of this name is still in flight."""
+    if not named:
+        return core_name
+    now = time.monotonic()
+    for held_name, (held, since) in list(_named_in_flight.items()):
+        if held._waited or (now - since > HOLD_S and held.done()):
+            del _named_in_flight[held_name]
+    if core_name in _named_in_flight:
+        raise ValueError(
+            f"tensor name '{core_name}' is already in flight (its handle was not synchronized); "
+            "synchronize it before submitting the name again, or give this one another name"
+        )
+    return core_name
+
+
+def _remember(core_name: str, named: bool, handle: Handle) -> Handle:
+    if named:
+        _named_in_flight[core_name] = (handle, time.monotonic())
+    return handle
 
 
 def synchronize(handle: Handle) -> Any:
@@ -116,9 +152,10 @@ def _allreduce_into(
             )
         )
     op, postscale_factor = integer_average(op, target.dtype, postscale_factor, process_set)
+    core_name = _free_name(op_name("allreduce", name), name is not None)
     out = _wire.start_allreduce(
         target,
-        op_name("allreduce", name),
+        core_name,
         0,
         op,
         device=device,
@@ -127,7 +164,7 @@ def _allreduce_into(
         ranks=_horovod.set_size(process_set),
         **_horovod.core_arguments(process_set),
     )
-    return Handle(out.work.done, out.finish)
+    return _remember(core_name, name is not None, Handle(out.work.done, out.finish))
 
 
 def allreduce_async(
@@ -252,10 +289,9 @@ def _broadcast_into(
     target: torch.Tensor, root_rank: int, name: str | None, process_set: Any, source: torch.Tensor
 ) -> Handle:
     device = _started(source)
-    out = _wire.start_broadcast(
-        target, op_name("broadcast", name), root_rank, device, **_horovod.core_arguments(process_set)
-    )
-    return Handle(out.work.done, out.finish)
+    core_name = _free_name(op_name("broadcast", name), name is not None)
+    out = _wire.start_broadcast(target, core_name, root_rank, device, **_horovod.core_arguments(process_set))
+    return _remember(core_name, name is not None, Handle(out.work.done, out.finish))
 
 
 def broadcast_async(

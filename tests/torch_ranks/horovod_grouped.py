@@ -11,6 +11,7 @@ Prints "PASS <check>" or "FAIL <check> ...".
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -171,6 +172,26 @@ def main() -> int:
         else:
             raise AssertionError("a reducescatter of different shapes ran")
 
+    def duplicate_name_refused() -> None:
+        # Horovod refuses a name submitted again right after the first; the first may be done in the
+        # core by then (rank 1 waits for that here), so the name stays taken until synchronize().
+        tensor = torch.ones(3)
+        if rank == 0:
+            first = hvd.allreduce_async(tensor, name="dup", op=hvd.Sum)
+        hvd.barrier()
+        if rank == 1:
+            first = hvd.allreduce_async(tensor, name="dup", op=hvd.Sum)
+            while not hvd.poll(first):
+                time.sleep(0.001)
+            try:
+                hvd.allreduce_async(tensor, name="dup")
+            except ValueError as error:
+                assert "allreduce.dup" in str(error), error
+            else:
+                raise AssertionError("a name not yet synchronized was taken again")
+        same(hvd.synchronize(first), tensor * size)
+        same(hvd.synchronize(hvd.allreduce_async(tensor, name="dup", op=hvd.Sum)), tensor * size)
+
     def join_fails_when_a_rank_leaves() -> None:
         # A join that cannot complete ends with an error naming the rank, instead of waiting.
         if rank == 0:
@@ -196,6 +217,7 @@ def main() -> int:
         ("integer-average-truncates", integer_average_truncates),
         ("object-after-join", object_after_join),
         ("internal-error", internal_error),
+        ("duplicate-name-refused", duplicate_name_refused),
         ("join-fails-when-a-rank-leaves", join_fails_when_a_rank_leaves),  # last: rank 1 stops
     ]:
         check(label, test)
