@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("commsched")
+# Generations in a row that may fail to start before the error is the job's: a start that fails
+# for a reason of its own (not a lost rank) would otherwise re-form forever.
+_MAX_FAILED_STARTS = 3
 
 
 class HorovodInternalError(RuntimeError):
@@ -158,6 +161,7 @@ class _Membership:
         self.address = os.environ.get(ADDRESS_VARIABLE, "")
         self.member = int(os.environ.get(ID_VARIABLE, "-1") or -1)
         self.generation = 0
+        self.failed_starts = 0  # generations in a row that failed to start
 
     @property
     def elastic(self) -> bool:
@@ -192,6 +196,7 @@ def reform() -> None:
 
     Raises MembershipError when the job cannot go on (fewer ranks left than --min-np).
     """
+    transport = commsched._state.transport  # the failed generation's: the next one uses the same
     commsched.shutdown()  # the core stopped on the failure already: this returns at once
     _forget_torch_groups()
     assignment = request(_membership.address, _membership.member, _membership.generation)
@@ -208,7 +213,37 @@ def reform() -> None:
         assignment.rank,
         assignment.size,
     )
-    commsched.init()
+    try:
+        if transport == "gloo":
+            _gloo_rendezvous(assignment.rank, assignment.size)
+        commsched.init()
+    except (MembershipError, _settings().SettingError):
+        raise
+    except Exception as error:  # a rank lost during the rendezvous: the survivors re-form again
+        _membership.failed_starts += 1
+        if _membership.failed_starts > _MAX_FAILED_STARTS:
+            raise
+        raise HorovodInternalError(f"starting generation {assignment.generation} failed: {error}") from error
+    _membership.failed_starts = 0
+
+
+def _settings() -> Any:
+    """The commsched.config module (the package's `config` attribute is the config() function)."""
+    import importlib
+
+    return importlib.import_module("commsched.config")
+
+
+def _gloo_rendezvous(rank: int, size: int) -> None:
+    """Joins the new generation's torch.distributed group with a bounded wait: torch's default, 30
+    minutes, would hold the survivors that long when a rank dies during the rendezvous."""
+    import datetime
+
+    import torch.distributed as dist
+
+    settings = _settings().resolve({})
+    limit = datetime.timedelta(seconds=max(settings.stall_timeout, settings.stall_shutdown))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=limit)
 
 
 def _forget_torch_groups() -> None:
