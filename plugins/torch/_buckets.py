@@ -12,6 +12,7 @@ Every rank must build the same buckets, so the order comes from rank 0 (see Redu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,34 @@ def group_key(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
     return param.dtype, param.device
 
 
+def cut(
+    items: list[Any], limit: int, key: Callable[[Any], Any], param: Callable[[Any], torch.Tensor]
+) -> list[list[Any]]:
+    """Cuts `items` (in priority order) into runs of one `key`, each at most `limit` bytes of `param`.
+
+    An item bigger than `limit` gets a run of its own; `limit` 0 means no limit. A run holds
+    consecutive items of its key, so the first run holds what the forward needs first.
+    """
+    open_bucket: dict[Any, list[Any]] = {}
+    open_bytes: dict[Any, int] = {}
+    done: list[list[Any]] = []
+    for item in items:
+        kind = key(item)
+        tensor = param(item)
+        nbytes = tensor.numel() * tensor.element_size()
+        current = open_bucket.get(kind)
+        if current is not None and limit > 0 and open_bytes[kind] + nbytes > limit:
+            done.append(current)
+            current = None
+        if current is None:
+            current = open_bucket[kind] = []
+            open_bytes[kind] = 0
+        current.append(item)
+        open_bytes[kind] += nbytes
+    done.extend(open_bucket.values())
+    return done
+
+
 def plan(slots: list[Slot], limit: int, priority: list[int]) -> list[list[Slot]]:
     """Cuts `slots` (in priority order) into buckets of one dtype and device, each at most `limit` bytes.
 
@@ -55,22 +84,7 @@ def plan(slots: list[Slot], limit: int, priority: list[int]) -> list[list[Slot]]
     A parameter bigger than `limit` gets a bucket of its own; `limit` 0 means no limit. A bucket
     holds consecutive parameters of its kind, so the first bucket holds what the forward needs first.
     """
-    open_bucket: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
-    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    done: list[list[Slot]] = []
-    for slot in slots:
-        key = group_key(slot.param)
-        nbytes = slot.param.numel() * slot.param.element_size()
-        current = open_bucket.get(key)
-        if current is not None and limit > 0 and open_bytes[key] + nbytes > limit:
-            done.append(current)
-            current = None
-        if current is None:
-            current = open_bucket[key] = []
-            open_bytes[key] = 0
-        current.append(slot)
-        open_bytes[key] += nbytes
-    done.extend(open_bucket.values())
+    done = cut(slots, limit, lambda slot: group_key(slot.param), lambda slot: slot.param)
     # The priority order of the buckets is that of their first member.
     return sorted(done, key=lambda members: (priority[members[0].index], members[0].index))
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from commsched.torch import _buckets
+
 import torch
 
 
@@ -58,23 +60,9 @@ def plan(
     A bucket holds one group, dtype and device; `limit` 0 means no limit; a parameter bigger than
     `limit` gets a bucket of its own. Buckets are returned in the priority order of their first member.
     """
-    open_bucket: dict[tuple[int, torch.dtype, torch.device], list[Any]] = {}
-    open_bytes: dict[tuple[int, torch.dtype, torch.device], int] = {}
-    done: list[list[Any]] = []
-    for entry in entries:
-        param, _, _, group = entry
-        key = (group, param.dtype, param.device)
-        nbytes = param.numel() * param.element_size()
-        current = open_bucket.get(key)
-        if current is not None and limit > 0 and open_bytes[key] + nbytes > limit:
-            done.append(current)
-            current = None
-        if current is None:
-            current = open_bucket[key] = []
-            open_bytes[key] = 0
-        current.append(entry)
-        open_bytes[key] += nbytes
-    done.extend(open_bucket.values())
+    done = _buckets.cut(
+        entries, limit, lambda entry: (entry[3], entry[0].dtype, entry[0].device), lambda entry: entry[0]
+    )
     return sorted(done, key=lambda members: (priorities[members[0][2]], members[0][2]))
 
 
