@@ -62,6 +62,7 @@ def local_launch(ranks: int, program: str, *args: str, master_port: int = 0) -> 
 
 def unglue(output: str, *markers: str) -> str:
     """Puts each marker (e.g. "PASS ") at the start of a line: mpiexec may glue two ranks' lines together."""
-    for marker in markers:
+    # commsched's own log lines go to stderr, which some launchers merge into the same stream.
+    for marker in (*markers, "[commsched rank "):
         output = output.replace(marker, "\n" + marker)
     return output

@@ -119,7 +119,12 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
         rows = list(csv.DictReader(handle))
     # The defaults the link rule fits to the measured link, divided by --scale.
     run = data["run"]
-    fitted = default_sizes(2, run["bandwidth_bytes_per_s"], run["latency_s"])
+    fitted = default_sizes(
+        2,
+        run["bandwidth_bytes_per_s"],
+        run["latency_s"],
+        collective_overhead_s=run["collective_overhead_s"] * 16,
+    )
     partition = fitted["partition_bytes"] // 16
     assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == partition, (rows[0], run)
     # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
