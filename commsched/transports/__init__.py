@@ -140,5 +140,11 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
         timeout_s=settings.stall_timeout,
         tls=TlsFiles.from_settings(settings),
         join_timeout_s=max(settings.stall_timeout, settings.stall_shutdown),
+        join_limit_setting=(
+            "COMMSCHED_STALL_SHUTDOWN"
+            if settings.stall_shutdown >= settings.stall_timeout
+            else "COMMSCHED_STALL_TIMEOUT"
+        )
+        + ", the larger stall limit",
         bulk_bytes=settings.grpc_bulk_bytes,
     )

@@ -1,21 +1,13 @@
-"""Who may talk to a gRPC rank: refused attempts, logged without flooding the log, telling a peer
-that uses TLS from one that does not, why a TLS handshake with rank 0 fails, and joining rank 0's
-rendezvous."""
+"""Who may talk to a gRPC rank: refused attempts, logged without flooding the log, and telling a
+peer that uses TLS from one that does not."""
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from typing import Any
 
-import grpc
-
-from commsched.transports import grpc_wire as wire
-from commsched.transports.grpc_stream import JOIN_METHOD
-from commsched.transports.grpc_tls import TlsFiles, handshake_refusal, speaks_tls
-from commsched.transports.grpc_tls_check import door_refusal
+from commsched.transports.grpc_tls import speaks_tls
 
 log = logging.getLogger("commsched")
 
@@ -64,88 +56,3 @@ def tls_mismatch(address: str, rank: int, uses_tls: bool) -> str:
     if theirs:
         return f"rank {rank} does not use TLS, but the rank at {address} does: {fix}"
     return f"rank {rank} uses TLS (COMMSCHED_GRPC_TLS_*), but the rank at {address} does not: {fix}"
-
-
-def join_rendezvous(
-    channel: grpc.Channel,
-    master: str,
-    request: Any,
-    metadata: list[tuple[str, str]],
-    deadline: float,
-    tls: TlsFiles | None,
-    token: str = "",
-) -> list[str]:
-    """Joins rank 0 at `master`; returns every rank's server address. Raises TimeoutError with the
-    last answer when rank 0 does not take the join in time, ConnectionRefusedError naming a TLS
-    mismatch or why the TLS handshake with rank 0 fails (with gRPC's own reason)."""
-    join = channel.unary_unary(
-        JOIN_METHOD,
-        request_serializer=wire.JoinRequest.SerializeToString,
-        response_deserializer=wire.JoinReply.FromString,
-    )
-
-    def grpc_reason() -> str:
-        """gRPC's reason the channel is not up: a call that does not wait for it says."""
-        try:
-            join(request, timeout=1.0, metadata=metadata)
-        except grpc.RpcError as error:
-            return _last_error(error.details() or "")
-        return ""
-
-    _wait_until_reachable(channel, master, request.rank, deadline, tls, grpc_reason, token)
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            reply = join(
-                request,
-                timeout=max(0.1, deadline - time.monotonic()),
-                wait_for_ready=True,
-                metadata=metadata,
-            )
-            return list(reply.addresses)
-        except grpc.RpcError as error:
-            last = f"{error.code().name}: {error.details()}"
-            if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                break  # the job refuses us; retrying cannot help
-            time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
-    raise TimeoutError(last)
-
-
-def _wait_until_reachable(
-    channel: grpc.Channel,
-    master: str,
-    rank: int,
-    deadline: float,
-    tls: TlsFiles | None,
-    grpc_reason: Any,
-    token: str,
-) -> None:
-    """Waits until the channel to rank 0 is up (the join then reports a timeout if it never is).
-
-    A TLS server and a plaintext client (or the reverse), or a certificate one side refuses, only
-    ever see a connection that does not come up: asking the server what it speaks, and trying the
-    TLS handshake with Python's ssl, turns that into an error naming the cause and the setting.
-    The handshake is tried at rank 0's TLS check port first, so rank 0 learns the reason too.
-    """
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=min(1.0, left))
-            return
-        except grpc.FutureTimeoutError:
-            problem = tls_mismatch(master, rank, tls is not None)
-            if not problem and tls is not None:
-                problem = door_refusal(master, tls, token, rank)
-                if problem is None:  # no check port there: the handshake with gRPC's own port tells
-                    problem = handshake_refusal(master, tls, "rank 0")
-                if problem:
-                    said = grpc_reason()
-                    problem = f"rank {rank}: {problem}" + (f" (gRPC: {said})" if said else "")
-            if problem:
-                raise ConnectionRefusedError(problem) from None
-
-
-def _last_error(details: str) -> str:
-    """The cause in a gRPC connection failure's details, without the words around it."""
-    text = details.split("last error: ", 1)[-1]
-    text = re.sub(r"^(UNKNOWN|UNAVAILABLE): ", "", text)
-    return re.sub(r": OK$", "", text).strip()

@@ -26,6 +26,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A peer that starts late is reached within a second of its start, not after gRPC's backoff
+    # (up to two minutes), which could outlast the join limit with the peer long up.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # A stream may run this far ahead of the receiver's reads: several pieces, not 64 KiB.
     ("grpc.http2.lookahead_bytes", 16 * 1024**2),

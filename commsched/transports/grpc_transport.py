@@ -1,7 +1,7 @@
 """A transport over gRPC for clusters without MPI, driven through the core's Python trampoline.
 
 Every rank runs one gRPC server. Ranks meet at rank 0 (MASTER_ADDR:MASTER_PORT) or through an
-explicit address list, then keep long-lived client streams open: a control stream to every other
+explicit address list, within a join limit that names whoever is missing (grpc_rendezvous), then keep long-lived client streams open: a control stream to every other
 rank (agreement reports, so they never wait behind data) and `streams` data streams to the
 right-hand ring neighbour (grpc_ring's pieces, spread over them). Every stream carries the job token
 and is refused without it. Frames are protobuf (grpc_frames encodes and decodes them without
@@ -28,17 +28,18 @@ from typing import Any
 import grpc
 
 from commsched.transports import grpc_wire as wire
-from commsched.transports.grpc_access import RefusalLog, join_rendezvous
+from commsched.transports.grpc_access import RefusalLog
 from commsched.transports.grpc_bulk import BULK_BYTES, BULK_PIECE_BYTES, BulkLink, link_stats, start_link
 from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ops import GrpcError, PendingOp
+from commsched.transports.grpc_rendezvous import JoinLimit, Rendezvous
 from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
 from commsched.transports.grpc_tls import TlsFiles, check_own_certificate
-from commsched.transports.grpc_tls_check import open_door, own_problem_teller, peer_refusals
+from commsched.transports.grpc_tls_check import own_problem_teller, peer_refusals
 
 log = logging.getLogger("commsched")
 
@@ -67,6 +68,7 @@ class _Node:
         streams: int = 1,
         bulk_bytes: int = BULK_BYTES,
         bulk_piece_bytes: int | None = None,
+        join_limit_setting: str = "",
     ) -> None:
         self.rank, self.size = endpoint.rank, endpoint.size
         self.data_kinds = stream_kinds(streams)
@@ -89,8 +91,8 @@ class _Node:
         # CLOSE on the same stream, whereas a CLOSE on a data stream may overtake it.
         self.control_departed: set[int] = set()
         self._lock = threading.Condition()
-        self._joined: dict[int, str] = {}
-        self._tls_refusal = ""  # rank 0: why a joining rank's TLS handshake failed, told at its check port
+        limit = JoinLimit(self.join_timeout_s, *([join_limit_setting] if join_limit_setting else []))
+        self._rendezvous = Rendezvous(self, self._lock, limit)
         self._board = ReportBoard(self, self._lock)
         # The global ring, and each process set's ring of its members by set id and by stream kind.
         self._global = Lane(self, range(self.size), self.rank, piece_bytes, DIRECT_BYTES, "the global ring")
@@ -128,46 +130,13 @@ class _Node:
             except ValueError as error:
                 raise GrpcError(str(error)) from None
         bound = self._bind()
-        deadline = time.monotonic() + self.join_timeout_s
-        if self.endpoint.peers:
-            self.addresses = list(self.endpoint.peers)
-        elif self.rank == 0:
-            self._joined[0] = f"{self.endpoint.advertise}:{bound}"
-            door = open_door(self.tls, self.endpoint.bind, bound, self.token, self._tls_refused, self.size)
-            try:
-                self._wait_for_joins(bound)
-            finally:
-                if door is not None:
-                    door.close()
-        else:
-            request = wire.JoinRequest(
-                rank=self.rank, size=self.size, address=f"{self.endpoint.advertise}:{bound}"
-            )
-            master = self.endpoint.master
-            channel = self._open_channel(master)
-            try:
-                self.addresses = join_rendezvous(
-                    channel, master, request, self._metadata("join"), deadline, self.tls, self.token
-                )
-            except TimeoutError as error:
-                raise GrpcError(
-                    f"rank {self.rank}: could not join rank 0 at {master} within {self.join_timeout_s:.0f}s "
-                    f"({error}); check MASTER_ADDR/MASTER_PORT, WORLD_SIZE"
-                    + (
-                        ", COMMSCHED_JOB_TOKEN and COMMSCHED_GRPC_TLS_*"
-                        if self.tls
-                        else " and COMMSCHED_JOB_TOKEN"
-                    )
-                ) from None
-            except ConnectionRefusedError as error:
-                raise GrpcError(str(error)) from None
-            finally:
-                channel.close()
+        self.addresses = self._rendezvous.meet(bound)
         if self.tls is not None and self.size > 1:
             refusals = peer_refusals(self.addresses, self.rank, self.tls)
             if refusals:
                 time.sleep(0.5)  # the peers' own checks of this rank's server get their answer first
                 raise GrpcError(f"rank {self.rank}: " + "; ".join(refusals))
+        self._rendezvous.reach(self.addresses)
         self._watchdog.start()
         for peer in range(self.size):
             if peer != self.rank:
@@ -181,28 +150,6 @@ class _Node:
             if self.bulk is not None:
                 self._global.piece_bytes = self.bulk_piece_bytes
         log.debug("grpc rank %d of %d: peers %s", self.rank, self.size, self.addresses)
-
-    def _tls_refused(self, sentence: str) -> None:
-        with self._lock:
-            self._tls_refusal = self._tls_refusal or sentence
-            self._lock.notify_all()
-
-    def _wait_for_joins(self, bound: int) -> None:
-        """Rank 0: waits until every rank joined; raises GrpcError naming the missing ones or a TLS refusal."""
-        with self._lock:
-            if not self._lock.wait_for(
-                lambda: len(self._joined) == self.size or self._tls_refusal, self.join_timeout_s
-            ):
-                missing = sorted(set(range(self.size)) - set(self._joined))
-                raise GrpcError(
-                    f"rank 0: ranks {missing} did not join at {self.endpoint.bind}:{bound} within "
-                    f"{self.join_timeout_s:.0f}s; check MASTER_ADDR/MASTER_PORT, WORLD_SIZE, COMMSCHED_JOB_TOKEN "
-                    f"and that every rank {'sets' if self.tls else 'leaves unset'} COMMSCHED_GRPC_TLS_*"
-                    + (". With TLS, a rank refused in the handshake names the reason" if self.tls else "")
-                )
-            if len(self._joined) < self.size:
-                raise GrpcError(f"rank 0: {self._tls_refusal}")
-            self.addresses = [self._joined[r] for r in range(self.size)]
 
     @property
     def right(self) -> int:
@@ -225,25 +172,27 @@ class _Node:
         self._server.start()
         return port
 
-    def _metadata(self, channel: str) -> list[tuple[str, str]]:
+    def metadata(self, channel: str) -> list[tuple[str, str]]:
         return [
             ("commsched-token", self.token),
             ("commsched-rank", str(self.rank)),
             ("commsched-channel", channel),
         ]
 
-    def _channel(self, peer: int) -> grpc.Channel:
+    def channel_to(self, peer: int) -> grpc.Channel:
+        """The channel to `peer`, opened once and kept for its streams."""
         if peer not in self._channels:
-            self._channels[peer] = self._open_channel(self.addresses[peer])
+            self._channels[peer] = self.open_channel(self.addresses[peer])
         return self._channels[peer]
 
-    def _open_channel(self, address: str) -> grpc.Channel:
+    def open_channel(self, address: str) -> grpc.Channel:
+        """A new channel to host:port with this rank's options and TLS credentials."""
         if self.tls is None:
             return grpc.insecure_channel(address, options=self._channel_options)
         return grpc.secure_channel(address, self.tls.channel_credentials(), options=self._channel_options)
 
     def _open_stream(self, peer: int, kind: str) -> Outbox:
-        return Outbox(self, peer, self.addresses[peer], kind, self._channel(peer), self._metadata(kind))
+        return Outbox(self, peer, self.addresses[peer], kind, self.channel_to(peer), self.metadata(kind))
 
     # ---------------------------------------------------------------- server side
 
@@ -280,30 +229,7 @@ class _Node:
 
     def _serve_join(self, request: Any, context: grpc.ServicerContext) -> Any:
         peer, _ = self._authenticate(context)
-        if self.rank != 0 or self.endpoint.peers:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"rank {self.rank} does not hold the rendezvous"
-            )
-        if request.size != self.size or request.rank != peer:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} of {request.size} joined a job of {self.size} ranks (WORLD_SIZE differs?)",
-            )
-        with self._lock:
-            if len(self._joined) == self.size and self._joined.get(peer) != request.address:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, "this rendezvous is over (a previous run?)"
-                )
-            if self._joined.setdefault(peer, request.address) != request.address:
-                context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS, f"rank {peer} already joined from another address"
-                )
-            self._lock.notify_all()
-            if not self._lock.wait_for(
-                lambda: len(self._joined) == self.size or self.closing, self.join_timeout_s
-            ):
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "not every rank joined in time")
-            return wire.JoinReply(addresses=[self._joined[r] for r in range(self.size)])
+        return self._rendezvous.serve_join(request, context, peer)
 
     def _serve_stream(self, frames: Any, context: grpc.ServicerContext) -> Any:
         peer, kind = self._authenticate(context)
@@ -539,6 +465,7 @@ class GrpcTransport:
         join_timeout_s: float | None = None,
         streams: int = DATA_STREAMS,
         bulk_bytes: int = BULK_BYTES,
+        join_limit_setting: str = "",
     ) -> None:
         # Data frames carry at most piece_bytes; the larger frame limit is for agreement reports,
         # and gRPC itself refuses anything above it.
@@ -563,6 +490,7 @@ class GrpcTransport:
             streams,
             bulk_bytes,
             bulk_piece_bytes,
+            join_limit_setting,
         )
         # The core holds this facade; once it lets go, the node's streams and server close.
         # The node never points back here, so that happens as soon as the last reference goes.
