@@ -1,8 +1,10 @@
 """Builds commsched's C++ core (`commsched._core`) and, where MPI is found, its MPI transport (`commsched._mpi`);
-where PyTorch is importable, its native Gloo transport (`commsched._gloo`)."""
+where PyTorch is importable, its native Gloo transport (`commsched._gloo`); with COMMSCHED_WITH_TF_OPS=1
+and TensorFlow importable, the TensorFlow ops (`commsched.tensorflow._tf_ops`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -148,13 +150,16 @@ TORCH_HOOKS_SOURCES = ["csrc/torch/grad_counter.cc"]
 OPTIONAL_EXTENSIONS = {
     "commsched._gloo": "COMMSCHED_TRANSPORT=gloo then uses the Python transport",
     "commsched._torch_hooks": "commsched.torch then counts gradients with Python hooks",
+    "commsched.tensorflow._tf_ops": "commsched.tensorflow then compiles its ops on first use (needs a C++ compiler)",
 }
+TF_OPS = "commsched.tensorflow._tf_ops"
 
 
-# torch's build facts, asked of the interpreter the package is installed for. Under pip's build
-# isolation this process sees only the build requirements, not the user's torch, so when torch is
-# not importable here the same interpreter is run without the isolation variables (PYTHONPATH,
-# PYTHONNOUSERSITE, PIP_*): it sees the environment's own site-packages. Nothing installs torch.
+# torch's (and TensorFlow's) build facts, asked of the interpreter the package is installed for.
+# Under pip's build isolation this process sees only the build requirements, not the user's torch,
+# so when torch is not importable here the same interpreter is run without the isolation variables
+# (PYTHONPATH, PYTHONNOUSERSITE, PIP_*): it sees the environment's own site-packages. Nothing
+# installs torch.
 TORCH_PROBE = """
 import json, torch
 from torch.utils import cpp_extension
@@ -167,11 +172,24 @@ print(json.dumps({
 """
 
 
-def probe_torch() -> tuple[dict | None, str]:
-    """torch's version, include and library paths and libstdc++ ABI, or None and why not."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+TF_PROBE = """
+import json, os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+print(json.dumps({
+    "version": tf.__version__,
+    "compile": tf.sysconfig.get_compile_flags(),
+    "link": tf.sysconfig.get_link_flags(),
+}))
+"""
+
+
+def probe_framework(
+    code: str = TORCH_PROBE, module: str = "torch", what: str = "PyTorch"
+) -> tuple[dict | None, str]:
+    """What `code` prints of `module` (by default torch's version, include and library paths and
+    libstdc++ ABI), or None and why not."""
+    if importlib.util.find_spec(module) is None:
         env = {
             key: value
             for key, value in os.environ.items()
@@ -183,7 +201,7 @@ def probe_torch() -> tuple[dict | None, str]:
         where = sys.executable
     try:
         done = subprocess.run(
-            [sys.executable, "-c", TORCH_PROBE],
+            [sys.executable, "-c", code],
             check=False,
             env=env,
             capture_output=True,
@@ -191,15 +209,15 @@ def probe_torch() -> tuple[dict | None, str]:
             timeout=300,
         )
     except (OSError, subprocess.TimeoutExpired) as error:
-        return None, f"asking {where} for torch failed ({error})"
+        return None, f"asking {where} for {module} failed ({error})"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        if "No module named 'torch'" in last:
+        if f"No module named '{module}'" in last:
             return (
                 None,
-                f"PyTorch is not installed for {sys.executable} (install torch first, then commsched)",
+                f"{what} is not installed for {sys.executable} (install {what} first, then commsched)",
             )
-        return None, f"importing torch in {where} failed: {last}"
+        return None, f"importing {module} in {where} failed: {last}"
     return json.loads(done.stdout.strip().splitlines()[-1]), ""
 
 
@@ -208,7 +226,7 @@ TORCH_MISSING = ""
 if os.environ.get("COMMSCHED_WITHOUT_TORCH"):
     TORCH_MISSING = "COMMSCHED_WITHOUT_TORCH is set"
 else:
-    TORCH, TORCH_MISSING = probe_torch()
+    TORCH, TORCH_MISSING = probe_framework()
 
 
 def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extension | None:
@@ -260,6 +278,54 @@ def torch_extension(name: str, sources: list[str], needs_c10d: bool) -> Extensio
     )
 
 
+# What tf_ops_extension found: the TensorFlow the ops are built against.
+TENSORFLOW: dict = {}
+
+
+def tf_ops_extension() -> Extension | None:
+    """The TensorFlow ops built against the TensorFlow installed here, for a wheel whose users may have
+    no compiler; None unless COMMSCHED_WITH_TF_OPS=1 (a source install compiles them on first use)."""
+    if not os.environ.get("COMMSCHED_WITH_TF_OPS"):
+        return None
+    found, missing = probe_framework(TF_PROBE, "tensorflow", "TensorFlow")
+    if found is None:
+        skip(TF_OPS, f"{missing}; {OPTIONAL_EXTENSIONS[TF_OPS]}")
+        return None
+    TENSORFLOW.update(found)
+    ops = ROOT / "plugins" / "tensorflow" / "ops"
+    BUILD_REPORT[TF_OPS] = ""
+    return Extension(
+        TF_OPS,
+        [str((ops / name).relative_to(ROOT)) for name in ("commsched_ops.cc", "op_definitions.cc")],
+        include_dirs=["commsched/include", *(flag[2:] for flag in found["compile"] if flag.startswith("-I"))],
+        libraries=["dl"],
+        # -w: TensorFlow's headers emit hundreds of deprecation warnings that say nothing about the ops.
+        extra_compile_args=[
+            "-std=c++17",
+            "-O2",
+            "-w",
+            *(flag for flag in found["compile"] if flag.startswith("-D")),
+        ],
+        # libtensorflow_framework is loaded by `import tensorflow` before the ops: no run path needed.
+        extra_link_args=list(found["link"]),
+        language="c++",
+    )
+
+
+def tf_ops_facts() -> dict[str, str]:
+    """What the TensorFlow ops are built for, read by commsched.tensorflow._build before loading them."""
+    spec = importlib.util.spec_from_file_location(
+        "tf_ops_build", ROOT / "plugins" / "tensorflow" / "_build.py"
+    )
+    assert spec is not None and spec.loader is not None
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    return {
+        "tensorflow": TENSORFLOW["version"],
+        "sources": loader.sources_digest(ROOT / "commsched" / "include"),
+    }
+
+
 class build_optional_ext(build_ext):
     """Builds every extension, but reports and skips an optional one that fails instead of failing the install."""
 
@@ -276,6 +342,11 @@ class build_optional_ext(build_ext):
         report = Path(self.get_ext_fullpath("commsched._core")).parent / "_build_report.json"
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(json.dumps(BUILD_REPORT, indent=1, sort_keys=True) + "\n")
+        facts = Path(self.get_ext_fullpath(TF_OPS)).parent / "_tf_ops.json"
+        if TF_OPS in built:
+            facts.write_text(json.dumps(tf_ops_facts(), indent=1, sort_keys=True) + "\n")
+        elif facts.exists() and not self.inplace:
+            facts.unlink()
 
     def build_extension(self, ext: Extension) -> None:
         if ext.name not in OPTIONAL_EXTENSIONS:
@@ -299,6 +370,7 @@ class build_optional_ext(build_ext):
 for optional in (
     torch_extension("commsched._gloo", GLOO_SOURCES, needs_c10d=True),
     torch_extension("commsched._torch_hooks", TORCH_HOOKS_SOURCES, needs_c10d=False),
+    tf_ops_extension(),
 ):
     if optional is not None:
         extensions.append(optional)

@@ -118,17 +118,23 @@ def tensorflow_ops() -> Part:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter would hide the table
     from commsched.tensorflow import _build
 
+    unusable = ""
     try:
+        import tensorflow as tf
+
+        prebuilt, unusable = _build.usable_prebuilt(tf.__version__)
+        if prebuilt is not None:
+            return Part("built", name, True, f"built at install for TensorFlow {tf.__version__}: {prebuilt}")
         library = _build.library_path()
+    except _build.BuildError as error:
+        return Part("built", name, False, "not compiled yet", "; ".join(filter(None, [unusable, str(error)])))
     except Exception as error:  # noqa: BLE001 - any TensorFlow import failure is reported as such
         return Part("built", name, False, f"TensorFlow does not import: {error}", "a working TensorFlow")
     if library.is_file():
         return Part("built", name, True, f"compiled in {library.parent}")
-    try:
-        compiler = _build.compiler()
-    except _build.BuildError as error:
-        return Part("built", name, False, "not compiled yet", str(error))
-    return Part("built", name, True, f"compiled on first use with {compiler} into {_build.cache_root()}")
+    return Part(
+        "built", name, True, f"compiled on first use with {_build.compiler()} into {_build.cache_root()}"
+    )
 
 
 def found_parts(torch_version: str, tf_version: str) -> list[Part]:

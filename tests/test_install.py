@@ -1,5 +1,5 @@
-"""What a new installation shows: commsched-info's report, the source-tree trap's message, and the
-message for a missing TensorFlow."""
+"""What a new installation shows: commsched-info's report, the source-tree trap's message, the
+message for a missing TensorFlow; what an sdist carries and when a wheel's TensorFlow ops are used."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +103,94 @@ def test_missing_tensorflow_is_named(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "needs TensorFlow" in done.stderr, done.stderr
     assert "pip install tensorflow-cpu" in done.stderr, done.stderr
+
+
+def _tracked(prefix: str = "") -> list[str]:
+    """The checkout's tracked files (under `prefix`) that exist in the work tree."""
+    done = subprocess.run(
+        ["git", "ls-files", "-z", "--", prefix or "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    return [name for name in done.stdout.split("\0") if name and (ROOT / name).is_file()]
+
+
+def test_sdist_carries_every_source_and_no_build_output(tmp_path: Path) -> None:
+    """An sdist of the tracked files, with stale build output lying in the tree, holds every C++
+    source and header, the TensorFlow op sources and the C ABI header, and no .so, build/ or dist/."""
+    source = tmp_path / "src"
+    for name in _tracked():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    stale = [
+        "commsched/_core.cpython-311-x86_64-linux-gnu.so",
+        "build/lib.linux-x86_64-cpython-311/commsched/_gloo.cpython-311-x86_64-linux-gnu.so",
+        "plugins/tensorflow/_tf_ops.cpython-311-x86_64-linux-gnu.so",
+        "plugins/tensorflow/_tf_ops.json",
+        "dist/commsched-0.1.0-cp311-cp311-linux_x86_64.whl",
+    ]
+    for name in stale:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(b"stale")
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    # Neither torch nor MPI is asked for: an sdist builds nothing.
+    env = {**_env(), "COMMSCHED_WITHOUT_TORCH": "1", "COMMSCHED_WITHOUT_MPI": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path / "out")],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    archive = tmp_path / "out" / done.stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as sdist:
+        names = {member.split("/", 1)[1] for member in sdist.getnames() if "/" in member}
+    needed = [*_tracked("csrc"), *_tracked("plugins/tensorflow/ops"), "commsched/include/core/c_api.h"]
+    needed += ["setup.py", "pyproject.toml", "README.md"]
+    assert any(name.endswith(".h") for name in needed) and any(name.endswith(".cc") for name in needed)
+    assert sorted(set(needed) - names) == []
+    unwanted = [
+        name
+        for name in names
+        if name.endswith((".so", ".o", ".whl")) or name.startswith(("build/", "dist/")) or name in stale
+    ]
+    assert unwanted == []
+
+
+def _load_build_module() -> object:
+    """commsched.tensorflow._build loaded from its file, so TensorFlow need not be installed."""
+    spec = importlib.util.spec_from_file_location(
+        "tf_ops_build", ROOT / "plugins" / "tensorflow" / "_build.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prebuilt_tensorflow_ops_only_for_their_tensorflow_and_sources(tmp_path: Path) -> None:
+    """A wheel's TensorFlow ops are used only with the TensorFlow and op sources they were built from;
+    otherwise the reason names the TensorFlow to install."""
+    build: Any = _load_build_module()
+    library = tmp_path / "_tf_ops.cpython-311-x86_64-linux-gnu.so"
+    assert build.usable_prebuilt("2.21.0", tmp_path)[0] is None  # nothing built
+    library.write_bytes(b"")
+    digest = build.sources_digest(build.header_dir())
+    facts = tmp_path / build.PREBUILT_INFO
+    facts.write_text(json.dumps({"tensorflow": "2.21.0", "sources": digest}))
+    assert build.usable_prebuilt("2.21.0", tmp_path) == (library, "")
+    found, why = build.usable_prebuilt("2.22.0", tmp_path)
+    assert found is None
+    assert "built for TensorFlow 2.21.0, but 2.22.0 is installed" in why
+    assert "pip install tensorflow-cpu==2.21.0" in why
+    facts.write_text(json.dumps({"tensorflow": "2.21.0", "sources": "0" * 16}))
+    found, why = build.usable_prebuilt("2.21.0", tmp_path)
+    assert found is None and "sources changed" in why

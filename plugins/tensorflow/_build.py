@@ -1,6 +1,7 @@
-"""Builds the custom TensorFlow ops against the installed TensorFlow, once, into a cache.
+"""Loads the custom TensorFlow ops: the library a wheel carries when it was built for the installed
+TensorFlow and these sources, else one compiled against the installed TensorFlow, once, into a cache.
 
-The library is keyed by TensorFlow's version and a hash of the sources, the compiler and
+The cached library is keyed by TensorFlow's version and a hash of the sources, the compiler and
 TensorFlow's flags, so a TensorFlow upgrade or an edited op source triggers a rebuild.
 Several ranks may start at once: one builds under a file lock, into a temporary file
 that is renamed into place, and the others find the finished library.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +25,10 @@ SOURCES = (HERE / "ops" / "commsched_ops.cc", HERE / "ops" / "op_definitions.cc"
 HEADERS = (HERE / "ops" / "core_link.h",)
 LIBRARY_NAME = "libcommsched_tf_ops.so"
 CACHE_VARIABLE = "COMMSCHED_TF_OPS_DIR"
+# What setup.py builds with COMMSCHED_WITH_TF_OPS=1 (scripts/build_wheels.sh sets it): the library
+# beside this file, and what it was built for, so a wheel needs no compiler on the user's machine.
+PREBUILT_GLOB = "_tf_ops.*.so"
+PREBUILT_INFO = "_tf_ops.json"
 
 
 class BuildError(RuntimeError):
@@ -108,6 +114,43 @@ def _command(
     ]
 
 
+def sources_digest(include: Path) -> str:
+    """A hash of the op sources and the C ABI header in `include`: a prebuilt library must match it."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS, include / "core" / "c_api.h"):
+        data = path.read_bytes()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def prebuilt(directory: Path = HERE) -> tuple[Path | None, dict[str, str]]:
+    """(the op library built at install time, or None; what it was built for: tensorflow, sources)."""
+    libraries = sorted(directory.glob(PREBUILT_GLOB))
+    try:
+        facts = json.loads((directory / PREBUILT_INFO).read_text())
+    except (OSError, ValueError):
+        return None, {}
+    if not libraries or not isinstance(facts, dict):
+        return None, {}
+    return libraries[0], {str(key): str(value) for key, value in facts.items()}
+
+
+def usable_prebuilt(tf_version: str, directory: Path = HERE) -> tuple[Path | None, str]:
+    """(the prebuilt library if it fits this TensorFlow and these sources, else None; why it does not)."""
+    library, facts = prebuilt(directory)
+    if library is None:
+        return None, "this installation carries no prebuilt TensorFlow ops"
+    if facts.get("tensorflow") != tf_version:
+        return None, (
+            f"this installation's TensorFlow ops were built for TensorFlow {facts.get('tensorflow')}, "
+            f"but {tf_version} is installed (pip install tensorflow-cpu=={facts.get('tensorflow')} uses them)"
+        )
+    if facts.get("sources") != sources_digest(header_dir()):
+        return None, "the op sources changed since the prebuilt TensorFlow ops were built"
+    return library, ""
+
+
 def library_path() -> Path:
     """Where the library for this TensorFlow and these sources lives (built or not)."""
     import tensorflow as tf
@@ -155,7 +198,15 @@ def build(target: Path) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load() -> Any:
-    """The loaded op module (tf.load_op_library), building it first if needed."""
+    """The loaded op module (tf.load_op_library): the prebuilt library when it fits, else the cached one,
+    building it first if needed."""
     import tensorflow as tf
 
-    return tf.load_op_library(str(build(library_path())))
+    library, unusable = usable_prebuilt(tf.__version__)
+    if library is not None:
+        return tf.load_op_library(str(library))
+    try:
+        target = library_path()
+    except BuildError as error:
+        raise BuildError(f"{unusable}; {error}") from error
+    return tf.load_op_library(str(build(target)))
