@@ -56,9 +56,10 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
 
 
 def _start_horovod_timeline() -> None:
-    # Horovod's variables, for scripts that set them instead of COMMSCHED_TIMELINE.
+    # Horovod's variables, for scripts that set them instead of COMMSCHED_TIMELINE. DYNAMIC is not a
+    # file: as in Horovod, the trace starts only when the script calls hvd.start_timeline(path).
     path = os.environ.get("HOROVOD_TIMELINE")
-    if path and not os.environ.get("COMMSCHED_TIMELINE"):
+    if path and path != "DYNAMIC" and not os.environ.get("COMMSCHED_TIMELINE"):
         mark_cycles = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0").lower() not in ("", "0", "false")
         start_timeline(path, mark_cycles=mark_cycles)
 
@@ -267,6 +268,18 @@ def core_arguments(process_set: Any) -> dict[str, Any]:
 def set_size(process_set: Any) -> int:
     """The number of ranks in `process_set`."""
     return commsched.size() if is_global(process_set) else int(process_set.size())
+
+
+def integer_average(op: str, integral: bool, postscale_factor: float, process_set: Any) -> tuple[str, float]:
+    """(op, postscale) giving Horovod's average of integers: a sum scaled by postscale/size.
+
+    Horovod averages by folding 1/size into the postscale factor, and the core casts a scaled integer
+    back rounding toward zero, so -75 averaged over 2 ranks is -37 as in Horovod, not the floor -38.
+    Floating and bool tensors, and other ops, are returned unchanged.
+    """
+    if op != Average or not integral:
+        return op, postscale_factor
+    return Sum, postscale_factor / set_size(process_set)
 
 
 def set_rank(process_set: Any) -> int:

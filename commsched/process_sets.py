@@ -148,6 +148,12 @@ def get_process_sets() -> dict[int, list[int]]:
     return {0: list(range(_api.size())), **{i: list(s.ranks or []) for i, s in sorted(_registered.items())}}
 
 
+def is_registered(process_set: Any) -> bool:
+    """True when `process_set` is the set add_process_set() registered under its id."""
+    set_id = getattr(process_set, "process_set_id", None)
+    return set_id is not None and _registered.get(set_id) is process_set
+
+
 def resolve(process_set: Any) -> int:
     """The id of `process_set` (None: the global set); raises ValueError unless this rank is a member."""
     if process_set is None or process_set is global_process_set:

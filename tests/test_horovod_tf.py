@@ -35,3 +35,23 @@ def test_horovod_keras_api(ranks: int) -> None:
     assert not failures, tail
     assert result.returncode == 0, tail
     assert sorted(passes) == sorted(label for label in CHECKS for _ in range(ranks)), tail
+
+
+SET_CHECKS = [
+    "info-ops",
+    "eager-gradients-on-a-set",
+    "refusals",
+    "grouped",
+    "integer-average",
+    "graph-broadcast-variables",
+]
+
+
+def test_horovod_process_sets_and_grouped() -> None:
+    """Process sets {0} and {1} at 2 ranks: eager gradients, per-set info ops, refusals, grouped forms,
+    integer averages."""
+    result = launch(2, "horovod_sets.py")
+    passes, failures = verdicts(result)
+    tail = result.stdout[-6000:]
+    assert not failures and result.returncode == 0, tail
+    assert sorted(passes) == sorted(SET_CHECKS * 2), tail

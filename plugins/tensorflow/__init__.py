@@ -40,6 +40,8 @@ from commsched.tensorflow.collectives import (
     barrier,
     broadcast_,
     broadcast_object,
+    grouped_allgather,
+    grouped_reducescatter,
     join,
     reducescatter,
 )
@@ -57,6 +59,7 @@ from commsched.tensorflow.util import (
     _executing_eagerly,  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
     local_rank_op,
     local_size_op,
+    process_set_included_op,
     rank_op,
     size_op,
 )
@@ -130,7 +133,9 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
     "grouped_allreduce",
+    "grouped_reducescatter",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -143,6 +148,7 @@ __all__ = [
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
+    "process_set_included_op",
     "rank",
     "rank_op",
     "reducescatter",

@@ -1,29 +1,22 @@
 """Horovod's collectives beyond allreduce and broadcast, on TensorFlow tensors, eager or in tf.function.
 
 allgather, reducescatter, alltoall and barrier run as the async custom ops (see _ops), with the
-gradients Horovod registers. On a process set outside tf.function, and for the object forms, they
-take a numpy round trip through commsched's framework-free API (which schedules them in the core
-like every other collective); bfloat16 then travels as float32 for reductions and as its raw 16
-bits otherwise, and results come back in the input's dtype. Inside tf.function a set's collective
-runs as the custom op on that set.
+gradients Horovod registers, on the global set or a process set alike. The object forms, and a
+barrier on a process set, go through commsched's framework-free API (eager only).
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import numpy as np
 from commsched.tensorflow import _ops
 from commsched.tensorflow.compression import Compression, compressor
-from commsched.tensorflow.functions import on_set_eagerly, require_init, set_id_of
+from commsched.tensorflow.functions import require_init, set_id_of, unnamed
 
 import commsched
 import tensorflow as tf
 from commsched import _horovod
 from commsched._horovod import Average, global_process_set
-
-_unnamed = itertools.count()
 
 
 def _eager(what: str) -> None:
@@ -36,52 +29,7 @@ def _eager(what: str) -> None:
 
 
 def _name(kind: str, name: str | None) -> str:
-    return f"tf.{kind}.{name}" if name is not None else f"tf.{kind}.unnamed.{next(_unnamed)}"
-
-
-def _to_numpy(tensor: Any, reduces: bool) -> tuple[np.ndarray, tf.DType]:
-    """A writable numpy copy of `tensor` the core takes, and the dtype to give the result."""
-    value = tf.convert_to_tensor(tensor)
-    if value.dtype == tf.bfloat16:
-        value = tf.cast(value, tf.float32) if reduces else tf.bitcast(value, tf.int16)
-        return np.array(value.numpy()), tf.bfloat16
-    return np.array(value.numpy()), value.dtype
-
-
-def _to_tensor(array: Any, dtype: tf.DType) -> tf.Tensor:
-    array = np.asarray(array)
-    if dtype == tf.bfloat16:
-        return (
-            tf.cast(array, tf.bfloat16)
-            if array.dtype == np.float32
-            else tf.bitcast(tf.constant(array), tf.bfloat16)
-        )
-    return tf.constant(array, dtype=dtype)
-
-
-def eager_allreduce(
-    tensor: tf.Tensor, name: str, op: str, prescale_factor: float, postscale_factor: float, process_set: Any
-) -> tf.Tensor:
-    """Allreduce with any op and scale factors through commsched's allreduce (eager only)."""
-    _eager("allreduce() on a process set")
-    array, dtype = _to_numpy(tensor, reduces=True)
-    commsched.allreduce(
-        array,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        **_horovod.core_arguments(process_set),
-    )
-    return _to_tensor(array, dtype)
-
-
-def eager_broadcast(tensor: tf.Tensor, name: str, root_rank: int, process_set: Any) -> tf.Tensor:
-    """Broadcast on a process set through commsched's broadcast (eager only; the ops have no sets)."""
-    _eager("broadcast() on a process set")
-    array, dtype = _to_numpy(tensor, reduces=False)
-    commsched.broadcast(array, root=root_rank, name=name, **_horovod.core_arguments(process_set))
-    return _to_tensor(array, dtype)
+    return f"tf.{kind}.{name}" if name is not None else unnamed(kind)
 
 
 def allgather(
@@ -92,15 +40,9 @@ def allgather(
 ) -> tf.Tensor:
     """Every rank's `tensor` concatenated on the first dimension, which may differ between ranks."""
     require_init("allgather()")
-    if not on_set_eagerly(process_set):
-        return _ops.allgather(
-            tf.convert_to_tensor(tensor), _name("allgather", name), process_set_id=set_id_of(process_set)
-        )[0]
-    array, dtype = _to_numpy(tensor, reduces=False)
-    gathered = commsched.allgather(
-        array, name=_name("allgather", name), **_horovod.core_arguments(process_set)
-    )
-    return _to_tensor(gathered, dtype)
+    return _ops.allgather(
+        tf.convert_to_tensor(tensor), _name("allgather", name), process_set_id=set_id_of(process_set)
+    )[0]
 
 
 def reducescatter(
@@ -120,26 +62,18 @@ def reducescatter(
     op = _horovod.resolve_op(op)
     chosen = compressor(compression)
     compressed, context = chosen.compress(tf.convert_to_tensor(tensor))
-    if not on_set_eagerly(process_set):
-        part = _ops.reducescatter(
-            compressed,
-            _name("reducescatter", name),
-            op,
-            prescale_factor,
-            postscale_factor,
-            process_set_id=set_id_of(process_set),
-        )
-        return chosen.decompress(part, context)
-    array, dtype = _to_numpy(compressed, reduces=True)
-    part = commsched.reducescatter(
-        array,
-        op=op,
-        name=_name("reducescatter", name),
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        **_horovod.core_arguments(process_set),
+    op, postscale_factor = _horovod.integer_average(
+        op, compressed.dtype.is_integer, postscale_factor, process_set
     )
-    return chosen.decompress(_to_tensor(part, dtype), context)
+    part = _ops.reducescatter(
+        compressed,
+        _name("reducescatter", name),
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set_id=set_id_of(process_set),
+    )
+    return chosen.decompress(part, context)
 
 
 def alltoall(
@@ -152,19 +86,11 @@ def alltoall(
     """Sends rows splits[r] of `tensor` to rank r (equal parts without splits); returns what every rank
     sent here, and with `splits` given, also the rows received from each rank (as Horovod)."""
     require_init("alltoall()")
-    if not on_set_eagerly(process_set):
-        set_id = set_id_of(process_set)
-        output, received = _ops.alltoall(
-            tf.convert_to_tensor(tensor), splits, _name("alltoall", name), process_set_id=set_id
-        )
-        return (output, received) if splits is not None else output
-    array, dtype = _to_numpy(tensor, reduces=False)
-    counts = None if splits is None else [int(v) for v in np.asarray(splits).reshape(-1)]
-    output, received = commsched.alltoall(
-        array, splits=counts, name=_name("alltoall", name), **_horovod.core_arguments(process_set)
+    set_id = set_id_of(process_set)
+    output, received = _ops.alltoall(
+        tf.convert_to_tensor(tensor), splits, _name("alltoall", name), process_set_id=set_id
     )
-    result = _to_tensor(output, dtype)
-    return (result, tf.constant(list(received), dtype=tf.int32)) if splits is not None else result
+    return (output, received) if splits is not None else output
 
 
 def broadcast_object(
@@ -218,3 +144,37 @@ def broadcast_(
     many = variables if isinstance(variables, (list, tuple)) else [variables]
     broadcast_variables(many, root_rank, process_set, prefix=_name("broadcast_", name))
     return variables
+
+
+def grouped_allgather(
+    tensors: Any,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = global_process_set,
+) -> list[tf.Tensor]:
+    """allgather of each tensor (one collective each, named `<name>.<i>`), with allgather's gradients."""
+    require_init("grouped_allgather()")
+    base = name or unnamed("grouped_allgather")
+    return [allgather(t, f"{base}.{i}", process_set=process_set) for i, t in enumerate(tensors)]
+
+
+def grouped_reducescatter(
+    tensors: Any,
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: Any = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    """reducescatter of each tensor (one collective each, named `<name>.<i>`), with its gradients."""
+    require_init("grouped_reducescatter()")
+    base = name or unnamed("grouped_reducescatter")
+    scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
+    return [
+        reducescatter(
+            t, compression=compression, op=op, name=f"{base}.{i}", process_set=process_set, **scales
+        )
+        for i, t in enumerate(tensors)
+    ]

@@ -10,7 +10,8 @@ the optimizer applies anyway, and it keeps one fused reduction per step.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,21 @@ from commsched._horovod import global_process_set
 
 _REDUCE_OPS = {"sum": 0, "average": 1}  # what gradient reduction takes
 _CODE_NAMES = {code: name for name, code in _ops.OP_CODES.items()}
-_unnamed = itertools.count()
+_graph_counters: weakref.WeakKeyDictionary[Any, Iterator[int]] = weakref.WeakKeyDictionary()
+
+
+def unnamed(kind: str) -> str:
+    """The core name of a collective called without a name, the same on every rank that calls it.
+
+    Eagerly one name per kind serves every call (an eager op finishes before the next starts, as
+    Horovod's eager ops share their op's name), so a rank that skipped or failed a call does not
+    shift later names. A graph (or tf.function trace) numbers its collectives in build order,
+    afresh in each graph.
+    """
+    if tf.executing_eagerly():
+        return f"tf.{kind}.unnamed"
+    counter = _graph_counters.setdefault(tf.compat.v1.get_default_graph(), itertools.count())
+    return f"tf.{kind}.unnamed.{next(counter)}"
 
 
 def require_init(what: str) -> None:
@@ -58,17 +73,20 @@ class Reduction:
 
 
 def set_id_of(process_set: Any) -> int:
-    """The id the ops take for `process_set` (0: every rank); a ValueError for a rank outside it."""
+    """The id the ops take for `process_set` (0: every rank); refuses a non-member and an unregistered set."""
     if _horovod.is_global(process_set):
         return 0
     from commsched import process_sets
 
+    if process_sets.is_registered(process_set) and commsched.rank() not in (process_set.ranks or []):
+        # Horovod's ops refuse a non-member with InvalidArgumentError (an unregistered set: ValueError).
+        raise tf.errors.InvalidArgumentError(
+            None,
+            None,
+            f"rank {commsched.rank()} is not a member of {process_set!r}; only its ranks may call "
+            "collectives on it",
+        )
     return process_sets.resolve(process_set)
-
-
-def on_set_eagerly(process_set: Any) -> bool:
-    """True where a collective on `process_set` takes the eager numpy road (a set, outside tf.function)."""
-    return not _horovod.is_global(process_set) and tf.executing_eagerly()
 
 
 def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process_set: Any) -> Reduction:
@@ -128,24 +146,21 @@ def allreduce(
     """Averages (or op-reduces) `tensor` over all ranks; works eagerly and in tf.function.
 
     Every op (sum, average, min, max, product) and dtype runs as an async custom op, with the
-    scale factors applied by the core (in double precision for integers); on a process set the
-    reduction takes a numpy round trip through commsched's framework-free API, in eager mode
-    only; in tf.function a set's reduction runs as the same custom op on the set. device_* are
-    accepted for Horovod's signature; TensorFlow places the ops.
+    scale factors applied by the core (in double precision for integers), on the global set or
+    a process set alike. device_* are accepted for Horovod's signature; TensorFlow places the ops.
     """
     require_init("allreduce()")
     op = _horovod.resolve_op(op, average)
     value = tf.convert_to_tensor(densify(tensor))
     if name is None:
         # Numbered in call (or trace) order, which must then match on every rank, as in commsched.allreduce.
-        name = f"tf.allreduce.unnamed.{next(_unnamed)}"
-    if on_set_eagerly(process_set):
-        from commsched.tensorflow import collectives
-
-        return collectives.eager_allreduce(value, name, op, prescale_factor, postscale_factor, process_set)
+        name = unnamed("allreduce")
     set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed, context = chosen.compress(value)
+    op, postscale_factor = _horovod.integer_average(
+        op, compressed.dtype.is_integer, postscale_factor, process_set
+    )
     reduced = _ops.allreduce(compressed, name, op, priority, prescale_factor, postscale_factor, set_id)
     return chosen.decompress(reduced, context)
 
@@ -161,11 +176,7 @@ def broadcast(
     """Returns `root_rank`'s value of `tensor` on every rank; works eagerly and in tf.function."""
     require_init("broadcast()")
     if name is None:
-        name = f"tf.broadcast.unnamed.{next(_unnamed)}"
-    if on_set_eagerly(process_set):
-        from commsched.tensorflow import collectives
-
-        return collectives.eager_broadcast(tf.convert_to_tensor(tensor), name, root_rank, process_set)
+        name = unnamed("broadcast")
     return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority, set_id_of(process_set))
 
 
@@ -260,15 +271,7 @@ def grouped_allreduce(
     """
     require_init("grouped_allreduce()")
     op = _horovod.resolve_op(op, average)
-    base = name or f"tf.grouped_allreduce.unnamed.{next(_unnamed)}"
-    if on_set_eagerly(process_set):
-        from commsched.tensorflow import collectives
-
-        scales = (prescale_factor, postscale_factor)
-        return [
-            collectives.eager_allreduce(tf.convert_to_tensor(t), f"{base}.{i}", op, *scales, process_set)
-            for i, t in enumerate(tensors)
-        ]
+    base = name or unnamed("grouped_allreduce")
     set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed = [chosen.compress(tf.convert_to_tensor(densify(tensor))) for tensor in tensors]
@@ -278,8 +281,9 @@ def grouped_allreduce(
     result: list[tf.Tensor] = [None] * len(compressed)  # type: ignore[list-item]
     for dtype, members in by_dtype.items():
         group = base if len(by_dtype) == 1 else f"{base}.{dtype.name}"
+        group_op, postscale = _horovod.integer_average(op, dtype.is_integer, postscale_factor, process_set)
         reduced = _ops.grouped_allreduce(
-            [compressed[i][0] for i in members], group, op, prescale_factor, postscale_factor, set_id
+            [compressed[i][0] for i in members], group, group_op, prescale_factor, postscale, set_id
         )
         for index, value in zip(members, reduced):
             result[index] = chosen.decompress(value, compressed[index][1])
@@ -292,26 +296,18 @@ def broadcast_variables(
     process_set: Any = global_process_set,
     inplace: bool = False,
     prefix: str = "broadcast",
-) -> None:
-    """Assigns every variable the value it has on `root_rank` (`inplace` is accepted for Horovod's signature)."""
+) -> Any:
+    """Assigns every variable the value it has on `root_rank`; in graph mode returns the op that does it."""
     require_init("broadcast_variables()")
     variables = list(variables)
     if not variables:
-        return
+        return tf.group()
     names = tuple(f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables))
-    if on_set_eagerly(process_set):
-        from commsched.tensorflow import collectives
-
-        for name, variable in zip(names, variables):
-            variable.assign(
-                collectives.eager_broadcast(tf.convert_to_tensor(variable), name, root_rank, process_set)
-            )
-        return
     values = [tf.convert_to_tensor(v) for v in variables]
     run = _broadcast_group_eager if tf.executing_eagerly() else _broadcast_group
     received = run(values, names, tuple(range(len(variables))), root_rank, set_id_of(process_set))
-    for variable, value in zip(variables, received):
-        variable.assign(value)
+    # In graph mode the assignments are the op a session runs (None eagerly, as tf.group there).
+    return tf.group(*[variable.assign(value) for variable, value in zip(variables, received)])
 
 
 def broadcast_global_variables(root_rank: int = 0, process_set: Any = global_process_set) -> None:

@@ -22,11 +22,26 @@ def rank_op() -> tf.Tensor:
     return _info_op(commsched.rank(), "rank_op")
 
 
+def _set_ranks(process_set_id: int, what: str) -> list[int]:
+    if not commsched.is_initialized():
+        raise RuntimeError(f"commsched.tensorflow.{what}() needs commsched.init() first; call hvd.init()")
+    ranks = commsched.get_process_sets().get(int(process_set_id))
+    if ranks is None:
+        raise ValueError(
+            f"{what}(): no process set has id {process_set_id}; register it with hvd.add_process_set() first"
+        )
+    return ranks
+
+
 def size_op(process_set_id: int = 0) -> tf.Tensor:
-    """The number of ranks as an int32 tensor (process sets other than 0 are not served here)."""
-    if process_set_id != 0:
-        raise NotImplementedError("size_op() on a process set is not available; use process_set.size()")
-    return _info_op(commsched.size(), "size_op")
+    """The number of ranks (in process set `process_set_id`) as an int32 tensor."""
+    return _info_op(len(_set_ranks(process_set_id, "size_op")), "size_op")
+
+
+def process_set_included_op(process_set_id: int = 0) -> tf.Tensor:
+    """1 as an int32 tensor when this rank is in process set `process_set_id`, else 0."""
+    included = commsched.rank() in _set_ranks(process_set_id, "process_set_included_op")
+    return _info_op(int(included), "process_set_included_op")
 
 
 def local_rank_op() -> tf.Tensor:
