@@ -116,3 +116,31 @@ def check_groups(num_groups: Any, groups: Any, optimizer: torch.optim.Optimizer)
         for param in group:
             if not isinstance(param, torch.Tensor) or id(param) not in owned:
                 raise ValueError("groups must hold only parameters of the wrapped optimizer")
+
+
+def check_wrap(
+    optimizer: Any,
+    backward_passes_per_step: Any,
+    overlap_forward: bool,
+    model: torch.nn.Module | None,
+    named_parameters: Any,
+    num_groups: Any,
+    groups: Any,
+) -> list[tuple[str, torch.Tensor]] | None:
+    """The checks DistributedOptimizer makes in both forms (sharded or not); returns the named parameters."""
+    from commsched.torch.optimizer import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("the optimizer is already a commsched DistributedOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(
+            f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
+        )
+    if overlap_forward and model is None:
+        raise ValueError("overlap_forward=True needs model= (the next forward waits module by module)")
+    pairs = named(named_parameters)
+    check_all_named(pairs, optimizer)
+    check_groups(num_groups, groups, optimizer)
+    return pairs

@@ -83,29 +83,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group to start commsched over when it is not running), `shard` (ZeRO-2 sharding of gradients
         and optimizer state, see _shard; None: the COMMSCHED_SHARD setting).
         """
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("the optimizer is already a commsched DistributedOptimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}"
-            )
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        named = _args.check_wrap(
+            optimizer, backward_passes_per_step, overlap_forward, model, named_parameters, num_groups, groups
+        )
+        if overlap_forward and (isinstance(optimizer, torch.optim.LBFGS) or _needs_closure(optimizer)):
             raise ValueError(
-                f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
+                f"{type(optimizer).__name__} needs every gradient at once (its step takes a closure), so it "
+                "cannot apply updates per parameter; use barrier mode: overlap_forward=False"
             )
-        if overlap_forward:
-            if model is None:
-                raise ValueError(
-                    "overlap_forward=True needs model= (the next forward waits module by module)"
-                )
-            if isinstance(optimizer, torch.optim.LBFGS) or _needs_closure(optimizer):
-                raise ValueError(
-                    f"{type(optimizer).__name__} needs every gradient at once (its step takes a closure), so it "
-                    "cannot apply updates per parameter; use barrier mode: overlap_forward=False"
-                )
-        named = _args.named(named_parameters)
-        _args.check_all_named(named, optimizer)
-        _args.check_groups(num_groups, groups, optimizer)
         how = _args.reduction(op, compression, gradient_predivide_factor, process_set)
         self._inner = optimizer
         self._overlap = overlap_forward
