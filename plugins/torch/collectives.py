@@ -128,9 +128,8 @@ def integer_average(
     Horovod averages by folding 1/size into the postscale factor, and a scaled integer is cast back
     (rounded toward zero), so -75 averaged over 2 ranks is -37 there, not the floor -38.
     """
-    if op != _horovod.Average or dtype.is_floating_point or dtype == torch.bool:
-        return op, postscale_factor
-    return _horovod.Sum, postscale_factor / _horovod.set_size(process_set)
+    integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return _horovod.integer_average(op, integral, postscale_factor, process_set)
 
 
 def _allreduce_into(
