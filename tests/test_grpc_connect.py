@@ -188,6 +188,37 @@ def test_rank_gone_after_it_joined_is_named_at_once() -> None:
     assert took < 5, took
 
 
+def test_a_rank_with_another_world_size_ends_the_rendezvous_at_once() -> None:
+    """Rank 1 joins with WORLD_SIZE=3 a rank 0 of WORLD_SIZE=2: both name the two sizes at once
+    instead of rank 0 waiting out the 8 s limit for a rank 1 it refused."""
+    port = free_port()
+    made: list[Any] = [None, None]
+
+    def build(rank: int, size: int) -> None:
+        try:
+            endpoint = endpoint_from(rank, size, "127.0.0.1", port, [], "", False)
+            made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            made[rank] = error
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=build, args=args) for args in ((0, 2), (1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    took = time.monotonic() - started
+    close_all(made)
+    assert all(isinstance(error, GrpcError) for error in made), made
+    assert "rank 0: rank 1 (" in str(
+        made[0]
+    ) and "joined with WORLD_SIZE=3, but this rank has WORLD_SIZE=2" in str(made[0]), made[0]
+    assert "rank 1: rank 0 at 127.0.0.1:" in str(made[1]) and "rank 0 has WORLD_SIZE=2, this rank 3" in str(
+        made[1]
+    ), made[1]
+    assert took < 4, took
+
+
 def test_listed_peer_with_a_certificate_of_another_ca_is_named_not_waited_for() -> None:
     """COMMSCHED_GRPC_PEERS with TLS, rank 1 (starting 1 s late) holds a certificate of another CA:
     both ranks name the TLS refusal within a few seconds instead of waiting out the 8 s limit."""

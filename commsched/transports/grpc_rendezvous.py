@@ -101,7 +101,9 @@ class Rendezvous:
         # The node's condition: its close() notifies it, which ends rank 0's waits.
         self._node, self._lock, self.limit = node, lock, limit
         self._joined: dict[int, str] = {}
-        self._tls_refusal = ""  # rank 0: why a joining rank's TLS handshake failed, told at its check port
+        # Rank 0: why a rank cannot be part of this job (its TLS handshake failed, told at the check
+        # port, or it joined with another WORLD_SIZE): the rendezvous ends at once, naming it.
+        self._refusal = ""
         self._over = False  # rank 0 gave up on the joins
         self._started = self._deadline = float("inf")
 
@@ -115,7 +117,7 @@ class Rendezvous:
             return list(node.endpoint.peers)
         if node.rank == 0:
             self._joined[0] = f"{node.endpoint.advertise}:{bound}"
-            door = open_door(node.tls, node.endpoint.bind, bound, node.token, self._tls_refused, node.size)
+            door = open_door(node.tls, node.endpoint.bind, bound, node.token, self._refused, node.size)
             try:
                 return self._wait_for_joins(bound, waiting)
             finally:
@@ -188,16 +190,16 @@ class Rendezvous:
 
     # ---------------------------------------------------------------- rank 0
 
-    def _tls_refused(self, sentence: str) -> None:
+    def _refused(self, sentence: str) -> None:
         with self._lock:
-            self._tls_refusal = self._tls_refusal or sentence
+            self._refusal = self._refusal or sentence
             self._lock.notify_all()
 
     def _wait_for_joins(self, bound: int, waiting: Waiting) -> list[str]:
         """Rank 0: waits until every rank joined; GrpcError naming the missing ones or a TLS refusal."""
         node = self._node
         with self._lock:
-            while len(self._joined) < node.size and not self._tls_refusal:
+            while len(self._joined) < node.size and not self._refusal:
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     self._over = True
@@ -215,7 +217,7 @@ class Rendezvous:
             if len(self._joined) < node.size:
                 self._over = True
                 self._lock.notify_all()
-                raise GrpcError(f"rank 0: {self._tls_refusal}")
+                raise GrpcError(f"rank 0: {self._refusal}")
             return [self._joined[r] for r in range(node.size)]
 
     def _missing(self) -> list[int]:
@@ -228,10 +230,19 @@ class Rendezvous:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"rank {node.rank} does not hold the rendezvous"
             )
-        if request.size != node.size or request.rank != peer:
+        if request.rank != peer:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"a join as rank {request.rank} on rank {peer}'s call"
+            )
+        if request.size != node.size:
+            self._refused(
+                f"rank {peer} ({context.peer()}) joined with WORLD_SIZE={request.size}, but this rank has "
+                f"WORLD_SIZE={node.size}; every rank of a job must be started with the same WORLD_SIZE"
+            )
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} of {request.size} joined a job of {node.size} ranks (WORLD_SIZE differs?)",
+                f"rank 0 has WORLD_SIZE={node.size}, this rank {request.size}: every rank of a job must be "
+                "started with the same WORLD_SIZE",
             )
         with self._lock:
             if len(self._joined) == node.size and self._joined.get(peer) != request.address:
@@ -343,7 +354,10 @@ def join_rendezvous(
                 else f"{code.name}: {error.details()}"
             )
             if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
-                break  # the job refuses us; retrying cannot help
+                # The job refuses this rank; retrying cannot help.
+                raise ConnectionRefusedError(
+                    f"rank {request.rank}: rank 0 at {master} refused the join: {error.details()}"
+                ) from None
             note()
             time.sleep(0.05)  # rank 0 is still starting, or a previous run's server is closing
     raise TimeoutError(last)
