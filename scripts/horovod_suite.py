@@ -57,6 +57,12 @@ RENAMES = {
     "horovod.common.process_sets": "commsched._horovod",
     "horovod.runner.util.threads": "commsched.threads",
     "horovod.tensorflow": "commsched.tensorflow",
+    "horovod.tensorflow.keras": "commsched.tensorflow.keras",
+    "horovod.keras": "commsched.tensorflow.keras",
+    "horovod.tensorflow.util": "commsched.tensorflow.util",
+    "horovod.tensorflow.mpi_ops": "commsched.tensorflow.collectives",
+    "horovod.common.util": "commsched._horovod_util",
+    "horovod.runner.common.util.env": "commsched._horovod_util",
 }
 # Test dependencies with a standard-library twin of the same API.
 TWINS = {"mock": "unittest.mock"}
