@@ -84,15 +84,81 @@ def test_whole_tensor_optimizer_is_refused_by_name() -> None:
         ct.DistributedOptimizer(Muon(model.parameters(), lr=0.1), model=model, shard=True)
 
 
-def test_checkpointer_refuses_a_sharded_optimizer_naming_the_way_out(tmp_path: Path) -> None:
-    """Checkpointer does not save shards yet: it says so and names full_state_dict()."""
+def test_checkpointer_refuses_a_sharded_optimizer_over_a_process_set(tmp_path: Path) -> None:
+    """Checkpointer saves a sharded optimizer over every rank; over a subset it says so and names full_state_dict()."""
     import commsched.torch as ct
     from commsched.torch._shard import ShardedOptimizer
 
     model = torch.nn.Linear(4, 2)
-    optimizer = object.__new__(ShardedOptimizer)  # the refusal looks at the class only
+    optimizer = object.__new__(ShardedOptimizer)  # the refusal looks at the class and the rank count only
+    optimizer._ranks = 2  # a process set of 2 in a job of 1 rank
     with pytest.raises(NotImplementedError, match="full_state_dict"):
         ct.Checkpointer(model, optimizer, tmp_path)
+
+
+@pytest.mark.parametrize(("ranks", "position"), [(1, 0), (3, 1)])
+def test_adam_counts_steps_per_parameter_like_a_plain_adam(ranks: int, position: int) -> None:
+    """One bucket stepped as a shard, with parameters left unused in some iterations, keeps each
+    parameter's own `step`, moments and values bit for bit equal to a plain torch Adam's, also
+    after its state is cut again from the plain form (a load)."""
+    from commsched.torch import _shard_layout as layout
+    from commsched.torch import _shard_state as state
+
+    torch.manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 2), (7,)]
+    params = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+    plain = [p.clone().requires_grad_() for p in params]
+    reference = torch.optim.Adam(plain, lr=0.1)
+    chosen = [(p, f"p{i}", i, 0) for i, p in enumerate(params)]
+    bucket = layout.build(chosen, "0", 0, ranks, position)
+    inner = torch.optim.Adam([bucket.shard], lr=0.1)
+    unused_by_iteration = [set(), {1}, {1, 2}, set(), {0}, set(), {3}, set()]
+
+    def check() -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in plain])
+        begin = bucket.start
+        end = min(begin + bucket.shard.numel(), flat.numel())
+        assert torch.equal(bucket.shard[: end - begin], flat[begin:end])
+        values = state.member_values([bucket], inner)
+        assert set(values) == set(reference.state_dict()["state"])
+        for i, entry in reference.state_dict()["state"].items():
+            assert torch.equal(values[i]["step"], entry["step"]), (i, values[i], entry["step"])
+        moments = torch.cat(
+            [
+                reference.state[p]["exp_avg"].reshape(-1)
+                if p in reference.state
+                else torch.zeros(p.numel(), dtype=p.dtype)
+                for p in plain
+            ]
+        )
+        assert torch.equal(inner.state[bucket.shard]["exp_avg"][: end - begin], moments[begin:end])
+
+    for iteration, unused in enumerate(unused_by_iteration):
+        grads = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+        for i, p in enumerate(plain):
+            p.grad = None if i in unused else grads[i]
+        reference.step()
+        flat = torch.zeros(bucket.padded, dtype=torch.float64)
+        flat[: sum(p.numel() for p in params)] = torch.cat([g.reshape(-1) for g in grads])
+        for i in unused:
+            m = bucket.members[i]
+            flat[m.offset : m.offset + m.numel] = 0
+        bucket.shard.grad = flat[bucket.start : bucket.start + bucket.shard.numel()].clone()
+        state.update(inner, [bucket], unused, inner.step)
+        check()
+        if iteration == 3:  # a load: the plain state cut into a fresh bucket of the same layout
+            saved = reference.state_dict()["state"]
+            fresh = layout.build([(p, f"p{i}", i, 0) for i, p in enumerate(plain)], "0", 0, ranks, position)
+            fresh.shard.copy_(bucket.shard)
+            plain_states = [
+                {k: v.clone() for k, v in saved[i].items()} if i in saved else {} for i in range(len(params))
+            ]
+            cut = state.cut(fresh, plain_states, layout.shard_state)
+            bucket = fresh
+            inner = torch.optim.Adam([bucket.shard], lr=0.1)
+            inner.state[bucket.shard] = cut
+            assert bucket.records is not None  # the parameters' steps differ
+            check()
 
 
 def test_shard_setting() -> None:

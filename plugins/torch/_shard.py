@@ -24,6 +24,7 @@ from typing import Any
 
 from commsched.torch import _optimizer_args as _args
 from commsched.torch import _shard_layout as layout
+from commsched.torch import _shard_state as _state
 from commsched.torch import _wire
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import bucket_limit
@@ -91,22 +92,10 @@ class ShardedOptimizer(DistributedOptimizer):
         shard: bool | None = True,
     ) -> None:
         """The arguments of DistributedOptimizer; compression is not supported with shard=True."""
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("the optimizer is already a commsched DistributedOptimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}"
-            )
+        named = _args.check_wrap(
+            optimizer, backward_passes_per_step, overlap_forward, model, named_parameters, num_groups, groups
+        )
         check_elementwise(optimizer)
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be an integer >= 1, not {backward_passes_per_step!r}"
-            )
-        if overlap_forward and model is None:
-            raise ValueError("overlap_forward=True needs model= (the next forward waits module by module)")
-        named = _args.named(named_parameters)
-        _args.check_all_named(named, optimizer)
-        _args.check_groups(num_groups, groups, optimizer)
         how = _args.reduction(op, compression, gradient_predivide_factor, process_set)
         if how.wire_dtype is not None:
             raise ValueError("shard=True sends gradients uncompressed; pass compression=Compression.none")
@@ -152,6 +141,8 @@ class ShardedOptimizer(DistributedOptimizer):
         self._handles: list[Any] = []
         self._waits: ModuleWaits | None = None
         self._recorder: ForwardOrder | None = None
+        # A checkpoint loaded before the layout exists: (layout, this rank's shard, values, plain form).
+        self._deferred: tuple[dict[str, Any], Any, Any, Callable[[], dict[str, Any]]] | None = None
         if not self._member:
             return  # outside the process set: a plain optimizer on this rank's own gradients
         for index, (_, param) in enumerate(labelled):
@@ -208,11 +199,19 @@ class ShardedOptimizer(DistributedOptimizer):
         self._where = {
             id(m.param): (bucket, k) for bucket in self._buckets for k, m in enumerate(bucket.members)
         }
+        deferred, self._deferred = self._deferred, None
+        now = _state.layout_key(_state.layout_json(self._buckets, self._inner, self._ranks))
+        direct = deferred is not None and now == _state.layout_key(deferred[0])
+        if deferred is not None and not direct:
+            self._inner.load_state_dict(deferred[3]())  # saved at another layout: cut again below
         full_state = {i: self._inner.state.get(p) for i, (_, p) in enumerate(self._labelled)}
         for g, group in enumerate(self._inner.param_groups):
             group["params"] = [b.shard for b in self._buckets if b.group == g]
         self._inner.state = defaultdict(dict)
-        self._cut(full_state)
+        if direct and deferred is not None:
+            _state.install(self._buckets, self._inner, *deferred[:3])
+        else:
+            self._cut(full_state)
         self._built = True
         if self._overlap and self._model is not None:
             self._waits = ModuleWaits(self._model, set(self._where), self._settle)
@@ -223,22 +222,9 @@ class ShardedOptimizer(DistributedOptimizer):
         """Gives each shard its part of per-parameter state (a plain optimizer's, keyed by parameter index)."""
         for bucket in self._buckets:
             states = [full_state.get(m.index) or {} for m in bucket.members]
-            keys = sorted({key for state in states for key in state})
-            if not keys:
-                continue
-            cut: dict[str, Any] = {}
-            for key in keys:
-                values = [state.get(key) for state in states]
-                example = next(v for v in values if v is not None)
-                per_element = [
-                    v if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == m.numel else None
-                    for v, m in zip(values, bucket.members)
-                ]
-                if any(v is not None for v in per_element):
-                    cut[key] = layout.shard_state(example, bucket, per_element)
-                else:
-                    cut[key] = example.clone() if isinstance(example, torch.Tensor) else example
-            self._inner.state[bucket.shard] = cut
+            cut = _state.cut(bucket, states, layout.shard_state)
+            if cut:
+                self._inner.state[bucket.shard] = cut
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for _, p in self._labelled]
@@ -401,40 +387,14 @@ class ShardedOptimizer(DistributedOptimizer):
             grad.mul_(coefficient.to(grad.dtype))
         return norm.float().reshape(())
 
-    @torch.no_grad()
     def _update(self) -> None:
         """Steps the wrapped optimizer on the shards; a parameter no rank used keeps its values and state."""
-        keep: list[tuple[torch.Tensor, slice, torch.Tensor]] = []
-        fresh: list[tuple[layout.ShardBucket, set[str], list[slice]]] = []
         for bucket in self._buckets:
             layout.refresh(bucket)
-            state = self._inner.state.get(bucket.shard, {})
-            parts = []
-            for member in bucket.members:
-                where = bucket.overlaps(member) if member.index in self._unused else None
-                if where is not None:
-                    parts.append(slice(where[0], where[0] + where[2]))
-            for part in parts:
-                tensors = [bucket.shard] + [
-                    v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == bucket.shard.shape
-                ]
-                keep.extend((t, part, t[part].clone()) for t in tensors)
-            if parts:
-                fresh.append((bucket, set(state), parts))
-        self._updating(self._parameters(), self._inner.step)
-        for tensor, part, value in keep:
-            tensor[part] = value
-        # State made by this step did not exist for an unused parameter: as in a plain optimizer,
-        # it starts from zeros (momentum, moments) at its first real update.
-        for bucket, before, parts in fresh:
-            for key, value in self._inner.state.get(bucket.shard, {}).items():
-                if (
-                    key not in before
-                    and isinstance(value, torch.Tensor)
-                    and value.shape == bucket.shard.shape
-                ):
-                    for part in parts:
-                        value[part] = 0
+        self._updating(
+            self._parameters(),
+            lambda: _state.update(self._inner, self._buckets, self._unused, self._inner.step),
+        )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finishes the reduce-scatters, updates this rank's shards and all-gathers them (overlap: in flight)."""
@@ -483,11 +443,19 @@ class ShardedOptimizer(DistributedOptimizer):
 
     # -- state -------------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return {"ranks": self._ranks, "rank": self._position, "buckets": self.buckets()}
+        records = {k: b.records for k, b in enumerate(self._buckets) if b.records is not None}
+        return {"ranks": self._ranks, "rank": self._position, "buckets": self.buckets(), "records": records}
+
+    def _undefer(self) -> None:
+        """Loads a checkpoint kept for the layout in plain form now: its state is asked for before it."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._inner.load_state_dict(deferred[3]())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (the wrapped optimizer's state_dict) with its layout under "shard"."""
         self._settle_all()
+        self._undefer()
         result = self._inner.state_dict()
         if self._member and self._built:
             result["shard"] = self._meta()
@@ -512,12 +480,16 @@ class ShardedOptimizer(DistributedOptimizer):
             )
         if meta["rank"] == self._position:
             self._inner.load_state_dict(body)
+            records = meta.get("records", {})
+            for k, bucket in enumerate(self._buckets):
+                bucket.records = records.get(k)
             return
         for group, saved in zip(self._inner.param_groups, body["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def _load_plain(self, state_dict: dict[str, Any]) -> None:
         """A plain optimizer's state_dict: loaded over the parameters, then cut into this rank's shards."""
+        self._deferred = None
         if not self._built or not self._member:
             self._inner.load_state_dict(state_dict)
             return
@@ -534,42 +506,86 @@ class ShardedOptimizer(DistributedOptimizer):
         self._inner.state = defaultdict(dict)
         self._cut(full_state)
 
+    def plain_parameters(self) -> list[torch.Tensor]:
+        """The wrapped optimizer's parameters in group order: what a plain state_dict's indices count."""
+        return self._parameters()
+
+    def plain_groups(self) -> list[dict[str, Any]]:
+        """The param_groups of a plain optimizer's state_dict: hyper-parameters and parameter indices."""
+        index = {id(p): i for i, (_, p) in enumerate(self._labelled)}
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in params]}
+            for group, params in zip(self._inner.param_groups, self._original_groups)
+        ]
+
     def full_state_dict(self) -> dict[str, Any]:
         """The plain per-parameter state_dict, gathered from every rank's shard (a collective: call on every rank)."""
         self._settle_all()
+        self._undefer()
         if not self._member or not self._built:
             return self._inner.state_dict()
         state: dict[int, dict[str, Any]] = {}
         for bucket in self._buckets:
             shard_state = self._inner.state.get(bucket.shard, {})
+            for k, member in enumerate(bucket.members):
+                record = _state.record_of(bucket, shard_state, k)
+                if record is not None:
+                    state[member.index] = dict(_state.copy_record(record) or {})
             for key in sorted(shard_state):
                 value = shard_state[key]
-                if isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape:
-                    handle = commsched.allgather_async(
-                        value.detach().contiguous(),
-                        name=f"{self._prefix}state.{bucket.name}.{key}",
-                        priority=-1,
-                        **self._how.core,
-                    )
-                    full = handle.wait(self._timeout)
-                    full = (full if isinstance(full, torch.Tensor) else torch.as_tensor(full)).reshape(-1)
-                    for m in bucket.members:
+                if not _state.per_element(value, bucket.shard.numel()):
+                    continue
+                handle = commsched.allgather_async(
+                    value.detach().contiguous(),
+                    name=f"{self._prefix}state.{bucket.name}.{key}",
+                    priority=-1,
+                    **self._how.core,
+                )
+                full = handle.wait(self._timeout)
+                full = (full if isinstance(full, torch.Tensor) else torch.as_tensor(full)).reshape(-1)
+                for m in bucket.members:
+                    if m.index in state:
                         piece = full[m.offset : m.offset + m.numel].view_as(m.param).to(value.device).clone()
-                        state.setdefault(m.index, {})[key] = piece
-                else:
-                    for m in bucket.members:
-                        copied = value.clone() if isinstance(value, torch.Tensor) else value
-                        state.setdefault(m.index, {})[key] = copied
-        groups = []
-        index = {id(p): i for i, (_, p) in enumerate(self._labelled)}
-        for group, params in zip(self._inner.param_groups, self._original_groups):
-            groups.append(
-                {
-                    **{k: v for k, v in group.items() if k != "params"},
-                    "params": [index[id(p)] for p in params],
-                }
-            )
-        return {"state": state, "param_groups": groups}
+                        state[m.index][key] = piece
+        return {"state": state, "param_groups": self.plain_groups()}
+
+    # -- checkpoints (commsched.torch.Checkpointer) ------------------------------------------
+    def checkpoint_layout(self) -> dict[str, Any] | None:
+        """The shard layout as JSON (None before the layout exists: the state is still per parameter)."""
+        self._settle_all()
+        if not self._member or not self._built:
+            return None
+        return _state.layout_json(self._buckets, self._inner, self._ranks)
+
+    def shard_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """Per bucket, this rank's per-element state tensors by key (live: they change at the next step)."""
+        return _state.shard_tensors(self._buckets, self._inner)
+
+    def member_values(self) -> dict[int, dict[str, Any]]:
+        """Each parameter's per-parameter values (Adam's step), by parameter index; none for one without state."""
+        return _state.member_values(self._buckets, self._inner)
+
+    def load_shards(
+        self,
+        saved: dict[str, Any],
+        tensors: list[dict[str, torch.Tensor]],
+        values: dict[int, dict[str, Any]],
+        plain: Callable[[], dict[str, Any]],
+    ) -> bool:
+        """Installs this rank's saved shard as it is when saved at this rank count and layout; False otherwise.
+
+        Before the layout exists (the first forward lays it out) the shard is kept, and installed then
+        if the layout matches; if not, `plain()` (the per-parameter form) is loaded and cut instead.
+        """
+        if not self._member:
+            return False
+        layout_now = self.checkpoint_layout()
+        if layout_now is None:
+            self._deferred = (saved, tensors, values, plain)
+            return True
+        if _state.layout_key(layout_now) != _state.layout_key(saved):
+            return False
+        return _state.install(self._buckets, self._inner, saved, tensors, values)
 
     def remove(self) -> None:
         """Detaches every hook of this optimizer (gradient hooks, forward recording, module waits)."""

@@ -42,6 +42,8 @@ class ShardBucket:
     used: list[bool] = field(default_factory=list)
     scatter: Any = None  # the reduce-scatter in flight
     gather: Any = None  # the all-gather in flight (overlap mode: until a module needs it)
+    # Per-member per-parameter optimizer values (Adam's step) once they differ; see _shard_state.
+    records: list[dict[str, Any] | None] | None = None
 
     def overlaps(self, member: Member) -> tuple[int, int, int] | None:
         """(offset in the shard, offset in the parameter, length) of `member`'s part in this shard."""

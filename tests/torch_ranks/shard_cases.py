@@ -192,8 +192,11 @@ def run(case: str, overlap: bool, process_set: Any = None) -> tuple[bool, str]:
             for key, value in entry.items()
             if isinstance(value, torch.Tensor) and value.dim() > 0
         )
-        # The sharded state also covers parameters no rank used yet (zeros there).
-        keys_match = set(reference["state"]) <= set(full["state"]) and bool(reference["state"])
+        # Parameters no rank used yet have no state in either, and every `step` counts that parameter's updates.
+        keys_match = set(reference["state"]) == set(full["state"]) and bool(reference["state"])
+        keys_match = keys_match and all(
+            torch.equal(full["state"][i]["step"], entry["step"]) for i, entry in reference["state"].items()
+        )
         sharded.remove()  # the new optimizer takes over this model's gradient hooks
         fresh = ct.DistributedOptimizer(make(sharded_model.parameters()), model=sharded_model, shard=True)
         fresh.load_state_dict(full)
