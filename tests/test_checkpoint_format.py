@@ -145,3 +145,45 @@ def test_single_process_save_load_round_trip(tmp_path: Path) -> None:
     for index, state in expected_optimizer["state"].items():
         for key, value in state.items():
             assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def test_plan_puts_fixed_entries_whole_on_their_rank() -> None:
+    """A sharded optimizer's state goes whole to the rank that holds it; the rest is still split once."""
+    entries = _entries(4) + [fmt.Entry(f"s{r}", torch.float32, (1000,)) for r in range(3)]
+    fixed = {f"s{r}": r for r in range(3)}
+    pieces = fmt.plan(entries, 3, frozenset(), fixed)
+    rows: dict[str, int] = {e.key: 0 for e in entries}
+    for rank, mine in enumerate(pieces):
+        for piece in mine:
+            rows[piece.entry.key] += piece.stop - piece.start
+            if piece.entry.key in fixed:
+                assert piece.whole and fixed[piece.entry.key] == rank
+    assert rows == {e.key: e.rows for e in entries}
+
+
+def _sharded_manifest(padded: int) -> dict[str, object]:
+    member = {"index": 0, "offset": 0, "numel": 6, "shape": [2, 3], "state": True}
+    return {
+        "format": fmt.FORMAT,
+        "step": 1,
+        "run": "00000000000000ab",
+        "ranks": 2,
+        "optimizer": {"class": "Adam", "param_groups": [{"params": [0]}], "values": {}},
+        "lr_scheduler": None,
+        "extra": {},
+        "shards": [{"file": f"shard-0000{r}-of-00002.safetensors", "bytes": 0, "crc32": 0} for r in range(2)],
+        "tensors": {},
+        "sharded": {"ranks": 2, "buckets": [{"group": 0, "padded": padded, "members": [member]}]},
+    }
+
+
+def test_manifest_layout_of_a_sharded_optimizer_is_checked(tmp_path: Path) -> None:
+    """The "sharded" field is part of the schema: a bucket not cut evenly between the ranks is refused."""
+    folder = tmp_path / fmt.version_name(1, 0xAB)
+    folder.mkdir()
+    version = fmt.Version(1, folder)
+    (folder / fmt.MANIFEST).write_bytes(fmt.manifest_bytes(_sharded_manifest(6)))
+    assert fmt.read_manifest(version)["sharded"]["ranks"] == 2
+    (folder / fmt.MANIFEST).write_bytes(fmt.manifest_bytes(_sharded_manifest(7)))
+    with pytest.raises(fmt.DamagedVersion, match=r"sharded.buckets\[0\].padded is 7"):
+        fmt.read_manifest(version)

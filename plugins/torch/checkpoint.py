@@ -31,6 +31,11 @@ shard's size and CRC-32, skipping a version it cannot trust with a warning. A sa
 (a full disk) is reported by the next wait() or save() and leaves no files behind. save() calls
 from several threads run one after another, never interleaved.
 
+With DistributedOptimizer(..., shard=True) each rank writes its own shard of the optimizer state
+(nothing is gathered), and the manifest records the layout and rank count (checkpoint_shards): at
+the same rank count and layout each rank loads its shard as it is; at another the shards are joined
+into per-parameter state and cut again (checkpoint_read).
+
 The directory must be shared by all ranks (or the same path on one host). Settings:
 COMMSCHED_CHECKPOINT_DIR (directory when not passed), COMMSCHED_CHECKPOINT_KEEP (versions kept).
 """
@@ -43,18 +48,20 @@ import itertools
 import os
 import queue
 import random
-import shutil
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from commsched.torch import checkpoint_format as fmt
+from commsched.torch import checkpoint_shards as sharded
 from commsched.torch.checkpoint_capture import READY, WAITING, Capture, Copy, Unit
+from commsched.torch.checkpoint_read import Contents, discard, read_version, shard_name
+from commsched.torch.checkpoint_worker import Job, finish_at_exit, now_us, trace, work
 from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
@@ -72,42 +79,6 @@ class Restored:
     step: int
     extra: dict[str, Any]
     path: Path
-
-
-@dataclass(eq=False)
-class _Job:
-    """One save() in progress."""
-
-    step: int
-    path: Path
-    capture: Capture
-    pieces: list[list[fmt.Piece]]
-    placed: list[tuple[fmt.Piece, int]]
-    buffer: torch.Tensor
-    manifest: dict[str, Any]
-    state_values: dict[str, dict[str, Any]] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    durable_after: float | None = None  # seconds from save() to a complete version
-
-
-def _now_us() -> int:
-    return time.time_ns() // 1000  # wall clock, like the core's timeline
-
-
-def _trace(name: str, start_us: int, args: str = "{}") -> None:
-    """A span on the timeline's "checkpoint" track (COMMSCHED_TIMELINE), if tracing."""
-    span = getattr(commsched._core, "timeline_span", None)
-    if span is not None and commsched.is_initialized():
-        span("checkpoint", name, start_us, max(_now_us() - start_us, 1), args)
-
-
-def _lower_priority() -> None:
-    try:  # Linux: a thread's nice value is its own; the core's thread and training go first
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
 
 
 class Checkpointer:
@@ -128,11 +99,11 @@ class Checkpointer:
             raise TypeError(f"Checkpointer(model=...) takes a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Checkpointer(optimizer=...) takes an optimizer, not {type(optimizer).__name__}")
-        if getattr(optimizer, "sharded", False):
+        self._rank, self._size = _ranks()
+        if sharded.is_sharded(optimizer) and getattr(optimizer, "_ranks", self._size) != self._size:
             raise NotImplementedError(
-                "Checkpointer cannot save DistributedOptimizer(shard=True) yet: its state is cut across ranks. "
-                "Save optimizer.full_state_dict() (call it on every rank) with torch.save on rank 0, and load it "
-                "with optimizer.load_state_dict() at any number of ranks"
+                "Checkpointer saves DistributedOptimizer(shard=True) over every rank only, not over a process "
+                "set; save optimizer.full_state_dict() (call it on every rank) with torch.save on rank 0 instead"
             )
         self.directory = Path(settings["directory"])
         self.keep: int = settings["keep"]
@@ -140,22 +111,21 @@ class Checkpointer:
         self._optimizer = optimizer
         self._inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         self._scheduler = lr_scheduler
-        self._rank, self._size = _ranks()
         self._run = self._agreed_run_id(next(_instances))
         self.directory.mkdir(parents=True, exist_ok=True)
         # save(), wait(), load() and close() run one at a time: saves from several threads are
         # serialized, so no version is overwritten, lost or blamed on another save's caller.
         self._lock = threading.RLock()
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._capture: Capture | None = None  # the capture the update hooks feed, while one runs
         self._stateless = False  # the optimizer updated a parameter and kept no state for it
         self._last_step: int | None = None
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._hooks = self._register_hooks()
         self.last_durable_seconds: float | None = None
-        atexit.register(_finish_at_exit, weakref.ref(self))
+        atexit.register(finish_at_exit, weakref.ref(self))
 
     # -- setup -------------------------------------------------------------------------------
     def _agreed_run_id(self, instance: int) -> int:
@@ -220,9 +190,14 @@ class Checkpointer:
             ) from error.__cause__
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"save({step}) after save({self._last_step}): steps must increase")
-        started_us = _now_us()
+        started_us = now_us()
+        # The layout of a sharded optimizer (its pending gathers applied), None while its state is per parameter.
+        layout = self._optimizer.checkpoint_layout() if sharded.is_sharded(self._optimizer) else None
         pending = self._pending_updates()
-        params = [p for group in self._inner.param_groups for p in group["params"]]
+        if layout is not None:
+            params = self._optimizer.plain_parameters()
+        else:
+            params = [p for group in self._inner.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         entries: list[fmt.Entry] = []
         sources: dict[str, tuple[Any, Any]] = {}  # key -> (owner parameter or None, source)
@@ -232,13 +207,21 @@ class Checkpointer:
                 entries.append(fmt.Entry(key, tensor.dtype, tuple(tensor.shape)))
                 owner = tensor if id(tensor) in index else None
                 sources[key] = (owner, lambda t=tensor: t)
-        for i, param in enumerate(params):
+        fixed: dict[str, int] = {}
+        values: dict[str, Any] | None = None
+        if layout is not None:
+            found, shard_sources, fixed, values = sharded.entries(
+                self._optimizer, layout, self._rank, self._size
+            )
+            entries.extend(found)
+            sources.update(shard_sources)
+        for i, param in enumerate(params if layout is None else []):
             for name, value in self._inner.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     key = f"optimizer.{i}.{name}"
                     entries.append(fmt.Entry(key, value.dtype, tuple(value.shape)))
                     sources[key] = (param, lambda p=param, n=name: self._inner.state[p][n])
-        manifest = self._manifest_skeleton(step, params)
+        manifest = self._manifest_skeleton(step, params, layout)
         for name, value in sorted((extra or {}).items()):
             if not isinstance(name, str):
                 raise TypeError(f"save(extra=...) keys must be strings, not {name!r}")
@@ -251,12 +234,14 @@ class Checkpointer:
         for entry in entries:
             fmt.dtype_name(entry.dtype)  # refuses what the format cannot hold, on the caller's thread
         rank_local = frozenset(key for key, (owner, _) in sources.items() if owner is None)
-        pieces = fmt.plan(entries, self._size, rank_local)
+        pieces = fmt.plan(entries, self._size, rank_local, fixed)
         placed = fmt.arrange(pieces[self._rank])
         buffer = self._host_buffer(sum(p.nbytes for p, _ in placed), params)
         path = self.directory / fmt.version_name(step, self._run)
-        job = _Job(step, path, Capture([]), pieces, placed, buffer, manifest)
-        units = self._units(job, sources, params, pending)
+        job = Job(step, path, Capture([]), pieces, placed, buffer, manifest)
+        if values is not None:
+            job.state_values = values
+        units = self._units(job, sources, params, pending, keep_values=values is None)
         job.capture = Capture(units)
         for unit in units:
             if unit.param is None:
@@ -267,12 +252,12 @@ class Checkpointer:
         path.mkdir(parents=True, exist_ok=True)
         self._start_worker()
         self._jobs.put(job)
-        _trace(f"save {step}", started_us)
+        trace(f"save {step}", started_us)
 
     def _pending_updates(self) -> set[int]:
         """Parameters whose update of a closed iteration is still to come (overlap mode)."""
-        if not isinstance(self._optimizer, DistributedOptimizer):
-            return set()
+        if not isinstance(self._optimizer, DistributedOptimizer) or sharded.is_sharded(self._optimizer):
+            return set()  # a sharded optimizer's pending gathers were applied by checkpoint_layout()
         pending = self._optimizer.pending_updates()
         if pending and not self._stateless and any(not self._inner.state.get(p) for p in pending):
             # The pending update creates this state (the first step): its shape is not known yet.
@@ -280,16 +265,26 @@ class Checkpointer:
             return set()
         return {id(p) for p in pending}
 
-    def _manifest_skeleton(self, step: int, params: list[torch.Tensor]) -> dict[str, Any]:
+    def _manifest_skeleton(
+        self, step: int, params: list[torch.Tensor], layout: dict[str, Any] | None
+    ) -> dict[str, Any]:
         index = {id(p): i for i, p in enumerate(params)}
+        plain = (
+            self._optimizer.plain_groups()
+            if layout is not None
+            else [
+                {**group, "params": [index[id(p)] for p in group["params"]]}
+                for group in self._inner.param_groups
+            ]
+        )
         groups = []
-        for g, group in enumerate(self._inner.param_groups):
+        for g, group in enumerate(plain):
             values = {
                 k: fmt.to_json(v, f"optimizer param_groups[{g}][{k!r}]")
                 for k, v in group.items()
                 if k != "params"
             }
-            groups.append({**values, "params": [index[id(p)] for p in group["params"]]})
+            groups.append({**values, "params": list(group["params"])})
         scheduler = None
         if self._scheduler is not None:
             scheduler = fmt.to_json(self._scheduler.state_dict(), "lr_scheduler.state_dict()")
@@ -301,10 +296,15 @@ class Checkpointer:
             "optimizer": {"class": type(self._inner).__name__, "param_groups": groups, "values": {}},
             "lr_scheduler": scheduler,
             "extra": {},
-        }
+        } | ({} if layout is None else {"sharded": layout})
 
     def _units(
-        self, job: _Job, sources: dict[str, tuple[Any, Any]], params: list[torch.Tensor], pending: set[int]
+        self,
+        job: Job,
+        sources: dict[str, tuple[Any, Any]],
+        params: list[torch.Tensor],
+        pending: set[int],
+        keep_values: bool,
     ) -> list[Unit]:
         units: dict[int, Unit] = {}
         loose: list[Unit] = []
@@ -316,7 +316,7 @@ class Checkpointer:
                 loose.append(Unit(None, [copy]))
             else:
                 units.setdefault(id(owner), Unit(owner)).copies.append(copy)
-        if self._rank == 0:  # rank 0 writes the manifest, so it keeps every parameter's non-tensor state
+        if self._rank == 0 and keep_values:  # rank 0 writes the manifest: it keeps non-tensor state
             for i, param in enumerate(params):
                 unit = units.setdefault(id(param), Unit(param))
                 unit.on_copied = lambda i=i, p=param: self._keep_values(job, i, p)
@@ -328,7 +328,7 @@ class Checkpointer:
         ordered = sorted(units.values(), key=lambda u: order.get(id(u.param), len(order)))
         return loose + ordered
 
-    def _keep_values(self, job: _Job, index: int, param: torch.Tensor) -> None:
+    def _keep_values(self, job: Job, index: int, param: torch.Tensor) -> None:
         state = self._inner.state.get(param, {})
         values = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         if values:
@@ -345,20 +345,20 @@ class Checkpointer:
     def _start_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(
-                target=_work, args=(weakref.ref(self), self._jobs), name="commsched-checkpoint", daemon=True
+                target=work, args=(weakref.ref(self), self._jobs), name="commsched-checkpoint", daemon=True
             )
             self._worker.start()
 
-    def _complete(self, job: _Job) -> None:
+    def _complete(self, job: Job) -> None:
         """Capture, write this rank's shard, agree, and (rank 0) write the manifest; on the worker."""
         ok, size, crc = 1, 0, 0
         try:
-            start = _now_us()
+            start = now_us()
             job.capture.run()
-            _trace(f"capture {job.step}", start, f'{{"inline_units":{job.capture.inline_copies}}}')
-            start = _now_us()
+            trace(f"capture {job.step}", start, f'{{"inline_units":{job.capture.inline_copies}}}')
+            start = now_us()
             size, crc = self._write_shard(job)
-            _trace(f"write {job.step}", start, f'{{"bytes":{size}}}')
+            trace(f"write {job.step}", start, f'{{"bytes":{size}}}')
         except Exception as error:  # noqa: BLE001 - still take part in the agreement: no rank is left waiting
             job.error, ok = error, 0
         finally:
@@ -381,13 +381,13 @@ class Checkpointer:
             if committed[0]:
                 self._remove_old(job)
             else:
-                _discard(job.path)
+                discard(job.path)
         committed = self._allreduce(committed, f"{job.step}.commit")
         if not committed[0] and job.error is None:
             job.error = RuntimeError(f"checkpoint {job.path}: another rank failed to write its shard")
         job.durable_after = time.perf_counter() - job.started
 
-    def _write_shard(self, job: _Job) -> tuple[int, int]:
+    def _write_shard(self, job: Job) -> tuple[int, int]:
         metadata = {
             "format": fmt.FORMAT,
             "step": str(job.step),
@@ -396,13 +396,13 @@ class Checkpointer:
         }
         header = fmt.shard_header(job.placed, metadata)
         body = job.buffer.numpy() if job.buffer.numel() else b""
-        return fmt.write_durable(job.path / _shard_name(self._rank, self._size), [header, body])
+        return fmt.write_durable(job.path / shard_name(self._rank, self._size), [header, body])
 
-    def _write_manifest(self, job: _Job, shards: np.ndarray) -> None:
+    def _write_manifest(self, job: Job, shards: np.ndarray) -> None:
         manifest = job.manifest
         manifest["optimizer"]["values"] = job.state_values
         manifest["shards"] = [
-            {"file": _shard_name(r, self._size), "bytes": int(shards[r, 1]), "crc32": int(shards[r, 2])}
+            {"file": shard_name(r, self._size), "bytes": int(shards[r, 1]), "crc32": int(shards[r, 2])}
             for r in range(self._size)
         ]
         tensors: dict[str, Any] = {}
@@ -419,7 +419,7 @@ class Checkpointer:
         manifest["tensors"] = tensors
         fmt.write_durable(job.path / fmt.MANIFEST, [fmt.manifest_bytes(manifest)])
 
-    def _remove_old(self, job: _Job) -> None:
+    def _remove_old(self, job: Job) -> None:
         """Keeps the newest `keep` complete versions up to this one; drops the rest (and abandoned runs)."""
         kept = 0
         for version in reversed(fmt.versions(self.directory)):
@@ -484,7 +484,7 @@ class Checkpointer:
         candidates = [v for v in fmt.versions(self.directory) if step is None or v.step == step]
         for version in reversed(candidates):
             try:
-                contents = _read_version(version)
+                contents = read_version(version)
             except fmt.DamagedVersion as why:
                 warnings.warn(f"checkpoint {version.path} is skipped: {why}", RuntimeWarning, stacklevel=3)
                 continue
@@ -503,10 +503,8 @@ class Checkpointer:
         self._agree_loaded(-1)
         return None
 
-    def _restore(self, version: fmt.Version, contents: _Contents) -> Restored:
-        self._optimizer.load_state_dict(
-            {"state": contents.optimizer_state, "param_groups": contents.param_groups}
-        )
+    def _restore(self, version: fmt.Version, contents: Contents) -> Restored:
+        sharded.restore(self._optimizer, contents, self._rank)
         self._model.load_state_dict(contents.model)
         if self._scheduler is not None and contents.lr_scheduler is not None:
             self._scheduler.load_state_dict(contents.lr_scheduler)
@@ -555,99 +553,3 @@ def _ranks() -> tuple[int, int]:
             "DistributedOptimizer) before the Checkpointer"
         )
     return 0, 1
-
-
-def _shard_name(rank: int, size: int) -> str:
-    return f"shard-{rank:05d}-of-{size:05d}.safetensors"
-
-
-def _discard(path: Path) -> None:
-    """Removes the folder of a save that failed, unless it holds a complete version."""
-    if not (path / fmt.MANIFEST).exists():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclass
-class _Contents:
-    """A version read and verified, in the form load_state_dict() takes."""
-
-    step: int
-    verified: bool  # the manifest carries a checksum that matched (False: saved before checksums)
-    model: dict[str, torch.Tensor]
-    optimizer_state: dict[int, dict[str, Any]]
-    param_groups: list[dict[str, Any]]
-    lr_scheduler: Any
-    extra: dict[str, Any]
-
-
-def _read_version(version: fmt.Version) -> _Contents:
-    """Every tensor and value of a version, verified against its manifest; raises DamagedVersion."""
-    manifest = fmt.read_manifest(version)
-    pieces: dict[str, torch.Tensor] = {}
-    try:
-        for shard in manifest["shards"]:
-            data = fmt.read_verified(version.path / shard["file"], shard["bytes"], shard["crc32"])
-            for name, tensor in fmt.shard_tensors(data).items():
-                pieces[f"{shard['file']}/{name}"] = tensor
-        tensors = {}
-        for key, record in manifest["tensors"].items():
-            parts = [
-                pieces[f"{manifest['shards'][p['shard']]['file']}/{p['name']}"] for p in record["pieces"]
-            ]
-            tensor = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-            if list(tensor.shape) != record["shape"]:
-                raise fmt.DamagedVersion(
-                    f"'{key}' has shape {list(tensor.shape)}, the manifest says {record['shape']}"
-                )
-            tensors[key] = tensor
-    except (KeyError, IndexError, ValueError) as error:
-        raise fmt.DamagedVersion(f"its shards do not match the manifest ({error!r})") from None
-    optimizer_state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        if key.startswith("optimizer."):
-            _, index, name = key.split(".", 2)
-            optimizer_state.setdefault(int(index), {})[name] = value
-    try:
-        for index, values in manifest["optimizer"]["values"].items():
-            optimizer_state.setdefault(int(index), {}).update(fmt.from_json(values))
-        groups = [fmt.from_json(group) for group in manifest["optimizer"]["param_groups"]]
-        scheduler = None if manifest["lr_scheduler"] is None else fmt.from_json(manifest["lr_scheduler"])
-        extra = {k: fmt.from_json(v) for k, v in manifest["extra"].items()}
-    except (TypeError, ValueError) as error:  # a malformed tuple or item list (only without a checksum)
-        raise fmt.DamagedVersion(f"its manifest holds a value that cannot be read ({error})") from None
-    extra.update({k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")})
-    return _Contents(
-        step=manifest["step"],
-        verified=fmt.CHECKSUM in manifest,
-        model={k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")},
-        optimizer_state=optimizer_state,
-        param_groups=groups,
-        lr_scheduler=scheduler,
-        extra=extra,
-    )
-
-
-def _work(owner: weakref.ref[Checkpointer], jobs: queue.Queue[_Job | None]) -> None:
-    _lower_priority()
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        checkpointer = owner()
-        try:
-            if checkpointer is not None:
-                checkpointer._complete(job)
-        except Exception as error:  # noqa: BLE001 - a failed collective: the job is over anyway
-            job.error = job.error or error
-        finally:
-            del checkpointer
-            job.done.set()
-
-
-def _finish_at_exit(owner: weakref.ref[Checkpointer]) -> None:
-    checkpointer = owner()
-    if checkpointer is not None and checkpointer._job is not None:
-        try:
-            checkpointer.wait()
-        except Exception as error:  # noqa: BLE001 - at exit there is nobody left to raise to
-            warnings.warn(str(error), RuntimeWarning, stacklevel=1)

@@ -36,7 +36,9 @@ _UNSEALED_KEYS = frozenset(
     {"format", "step", "run", "ranks", "optimizer", "lr_scheduler", "extra", "shards", "tensors"}
 )
 _SHARD_NAME = re.compile(r"shard-\d+-of-\d+\.safetensors")  # a plain name: nothing outside the folder is read
-_TENSOR_KEY = re.compile(r"model\..+|optimizer\.\d+\..+|extra\..+", re.DOTALL | re.ASCII)
+_TENSOR_KEY = re.compile(
+    r"model\..+|optimizer\.\d+\..+|optimizer\.shard\.\d+\.\d+\..+|extra\..+", re.DOTALL | re.ASCII
+)
 _WRITE_CHUNK = 8 * 1024 * 1024
 _VERSION_NAME = re.compile(r"step-(\d+)-([0-9a-f]+)")
 DTYPES: dict[torch.dtype, str] = {
@@ -114,22 +116,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPES[dtype]
 
 
-def plan(entries: list[Entry], ranks: int, first: frozenset[str] = frozenset()) -> list[list[Piece]]:
+def plan(
+    entries: list[Entry], ranks: int, first: frozenset[str] = frozenset(), fixed: dict[str, int] | None = None
+) -> list[list[Piece]]:
     """Splits the entries between ranks by bytes, in order, cutting big tensors between rows.
 
     Entries named in `first` (state that may differ between ranks, e.g. batch-norm statistics)
-    go whole to rank 0, as torch.save on rank 0 would keep them. Every rank computes the same
-    plan from the same entries, so nobody sends it.
+    go whole to rank 0, as torch.save on rank 0 would keep them; those in `fixed` go whole to the
+    rank it names (a sharded optimizer's state, which only that rank holds). Every rank computes
+    the same plan from the same entries, so nobody sends it.
     """
+    placed = {key: 0 for key in first} | dict(fixed or {})
     total = sum(e.nbytes for e in entries)
     boundaries = [total * (r + 1) / ranks for r in range(ranks)]
     pieces: list[list[Piece]] = [[] for _ in range(ranks)]
     for entry in entries:
-        if entry.key in first:
-            pieces[0].append(Piece(entry, 0, entry.rows))
-    rank, filled = 0, sum(p.nbytes for p in pieces[0])
+        if entry.key in placed:
+            pieces[placed[entry.key]].append(Piece(entry, 0, entry.rows))
+    held = [sum(p.nbytes for p in pieces[r]) for r in range(ranks)]
+    rank, filled = 0, held[0]
     for entry in entries:
-        if entry.key in first:
+        if entry.key in placed:
             continue
         rows, start = entry.rows, 0
         row_bytes = entry.nbytes // rows if rows else 0
@@ -147,6 +154,7 @@ def plan(entries: list[Entry], ranks: int, first: frozenset[str] = frozenset()) 
                 start += take
             if rank < ranks - 1 and (start < rows or filled >= boundaries[rank]):
                 rank += 1
+                filled += held[rank]
     return pieces
 
 
@@ -407,6 +415,8 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
         )
         _need(_count(shard.get("bytes")), f"shards[{r}].bytes is {shard.get('bytes')!r}")
         _need(_count(shard.get("crc32"), 2**32), f"shards[{r}].crc32 is {shard.get('crc32')!r}")
+    if "sharded" in manifest:
+        _check_layout(manifest["sharded"], manifest["ranks"])
     tensors = manifest.get("tensors")
     _need(isinstance(tensors, dict), "tensors is not an object")
     for key, record in tensors.items():
@@ -429,6 +439,29 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
                 isinstance(rows, list) and len(rows) == 2 and all(map(_count, rows)) and rows[0] <= rows[1]
             )
             _need(ordered, f"a piece of {key!r} has rows {rows!r}")
+
+
+def _check_layout(layout: Any, ranks: int) -> None:
+    """The "sharded" field: a sharded optimizer's rank count and buckets, as load() reads them."""
+    _need(isinstance(layout, dict), "sharded is not an object")
+    _need(layout.get("ranks") == ranks, f"sharded.ranks is {layout.get('ranks')!r}, the version has {ranks}")
+    buckets = layout.get("buckets")
+    _need(isinstance(buckets, list), "sharded.buckets is not a list")
+    for k, bucket in enumerate(buckets):
+        _need(isinstance(bucket, dict), f"sharded.buckets[{k}] is not an object")
+        padded = bucket.get("padded")
+        _need(_count(bucket.get("group")), f"sharded.buckets[{k}].group is {bucket.get('group')!r}")
+        _need(_count(padded) and padded % ranks == 0, f"sharded.buckets[{k}].padded is {padded!r}")
+        members = bucket.get("members")
+        _need(isinstance(members, list), f"sharded.buckets[{k}].members is not a list")
+        for member in members:
+            where = f"a member of sharded.buckets[{k}]"
+            _need(isinstance(member, dict), f"{where} is not an object")
+            _need(all(_count(member.get(f)) for f in ("index", "offset", "numel")), f"{where}: {member!r}")
+            _need(member["offset"] + member["numel"] <= padded, f"{where} ends past the bucket: {member!r}")
+            shape = member.get("shape")
+            _need(isinstance(shape, list) and all(map(_count, shape)), f"{where} has shape {shape!r}")
+            _need(isinstance(member.get("state"), bool), f"{where} has state {member.get('state')!r}")
 
 
 def remove_version(version: Version) -> None:

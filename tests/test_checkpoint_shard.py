@@ -1,0 +1,78 @@
+"""Checkpointer with DistributedOptimizer(shard=True): each rank writes its own optimizer shard, and a
+version loads at the same rank count as saved (nothing cut again) and at another (the shards re-cut).
+
+The rank script (tests/torch_ranks/shard_checkpoint.py) also checks that the sharded Adam keeps each
+parameter's own `step`, as a plain torch Adam does, before the save and after each load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
+from mpirun import unglue
+from torch_launcher import have_mpiexec, launch
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
+
+SCRIPT = "shard_checkpoint.py"
+
+
+def _run(ranks: int, phase: str, directory: Path) -> str:
+    result = launch("mpiexec", ranks, SCRIPT, phase, str(directory), timeout=90)
+    text = unglue(result.stdout, "PASS ", "FAIL ")
+    assert result.returncode == 0, text[-4000:]
+    assert len(re.findall(rf"PASS {phase} ranks={ranks}", text)) == ranks, text[-4000:]
+    return text
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Version 4 of a sharded Adam at 2 ranks, and the parameters of the run that went on to 8."""
+    root = tmp_path_factory.mktemp("sharded")
+    _run(2, "save", root)
+    return root
+
+
+def test_each_rank_writes_its_own_shard_and_the_manifest_records_the_layout(saved: Path) -> None:
+    """Each rank's file holds only its own shard of the optimizer state (nothing gathered); the
+    manifest names the rank count, every bucket's members and each rank's flat pieces."""
+    (version,) = [p for p in (saved / "versions").iterdir()]
+    manifest = json.loads((version / "manifest.json").read_text())
+    layout = manifest["sharded"]
+    assert layout["ranks"] == 2 and manifest["ranks"] == 2
+    members = [m for bucket in layout["buckets"] for m in bucket["members"]]
+    assert len({m["index"] for m in members}) == len(members) > 0
+    assert not all(m["state"] for m in members), "the never-used layer has no state"
+    shard_keys = [k for k in manifest["tensors"] if k.startswith("optimizer.shard.")]
+    assert shard_keys and {k.split(".")[3] for k in shard_keys} == {
+        str(k) for k in range(len(layout["buckets"]))
+    }
+    for key in shard_keys:
+        rank = int(key.split(".")[2])
+        bucket = layout["buckets"][int(key.split(".")[3])]
+        record = manifest["tensors"][key]
+        assert record["shape"] == [bucket["padded"] // 2]
+        assert [p["shard"] for p in record["pieces"]] == [rank], (key, record["pieces"])
+    for rank in (0, 1):
+        keys = [k for k in shard_keys if k.split(".")[2] == str(rank)]
+        assert {k.split(".", 4)[4] for k in keys} == {"exp_avg", "exp_avg_sq"}, keys
+
+
+def test_loads_at_the_same_rank_count_as_saved(saved: Path) -> None:
+    """At 2 ranks each rank installs its own shard as saved; training on gives exactly the parameters
+    of the run that was never interrupted, and the same state as an unsharded Adam loading the version."""
+    text = _run(2, "load", saved)
+    assert "recut=False" in text
+
+
+def test_loads_at_three_ranks(saved: Path) -> None:
+    """At 3 ranks the shards are joined and cut again; training on matches the unsharded Adam."""
+    text = _run(3, "load", saved)
+    assert "recut=True" in text
