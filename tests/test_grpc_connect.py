@@ -219,6 +219,37 @@ def test_a_rank_with_another_world_size_ends_the_rendezvous_at_once() -> None:
     assert took < 4, took
 
 
+def test_listed_peers_with_another_world_size_fail_at_once() -> None:
+    """Rank 1 lists three peers with WORLD_SIZE=3, rank 0 two with WORLD_SIZE=2: rank 1 refuses
+    rank 0's streams, and both name the two sizes at once instead of waiting out the 8 s limit
+    (rank 1 for a rank 2 that does not exist, rank 0 for rank 1's first report)."""
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    made: list[Any] = [None, None]
+
+    def build(rank: int, size: int) -> None:
+        try:
+            endpoint = endpoint_from(rank, size, "", 0, addresses[:size], "", False)
+            made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            made[rank] = error
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=build, args=args) for args in ((0, 2), (1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    took = time.monotonic() - started
+    close_all(made)
+    assert all(isinstance(error, GrpcError) for error in made), made
+    for rank in (0, 1):
+        assert "rank 0 (" in str(made[rank]) and "has WORLD_SIZE=2, but rank 1 has WORLD_SIZE=3" in str(
+            made[rank]
+        ), made[rank]
+        assert "COMMSCHED_GRPC_PEERS" in str(made[rank]), made[rank]
+    assert took < 4, took
+
+
 def test_listed_peer_with_a_certificate_of_another_ca_is_named_not_waited_for() -> None:
     """COMMSCHED_GRPC_PEERS with TLS, rank 1 (starting 1 s late) holds a certificate of another CA:
     both ranks name the TLS refusal within a few seconds instead of waiting out the 8 s limit."""

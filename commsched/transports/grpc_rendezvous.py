@@ -79,6 +79,7 @@ class MeetingOwner(Protocol):
     tls: TlsFiles | None
     token: str
     closing: bool
+    failure: str  # set when the node failed (a peer that cannot be part of this job, say)
 
     def channel_to(self, peer: int) -> grpc.Channel:
         """The node's channel to `peer` (kept for the streams)."""
@@ -135,6 +136,8 @@ class Rendezvous:
         probed: dict[int, float] = {}
         try:
             while pending := [peer for peer in peers if not ready[peer].done()]:
+                if node.failure:
+                    raise GrpcError(node.failure)
                 now = time.monotonic()
                 if now >= self._deadline:
                     raise GrpcError(self._unreachable(pending, addresses))

@@ -177,6 +177,7 @@ class _Node:
             ("commsched-token", self.token),
             ("commsched-rank", str(self.rank)),
             ("commsched-channel", channel),
+            ("commsched-size", str(self.size)),
         ]
 
     def channel_to(self, peer: int) -> grpc.Channel:
@@ -223,6 +224,16 @@ class _Node:
             peer = int(metadata.get("commsched-rank", ""))
         except ValueError:
             peer = -1
+        size = str(metadata.get("commsched-size", self.size))
+        if size != str(self.size) and metadata.get("commsched-channel") != "join":  # a join says it itself
+            # A rank of this job (it has the token) started with another WORLD_SIZE: no wait can help.
+            message = (
+                f"rank {peer} ({context.peer()}) has WORLD_SIZE={size}, but rank {self.rank} has WORLD_SIZE="
+                f"{self.size}; every rank of a job must be started with the same WORLD_SIZE"
+                + (" and COMMSCHED_GRPC_PEERS" if self.endpoint.peers else "")
+            )
+            self.fail(f"rank {self.rank}: {message}", tell_peers=False)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         if not 0 <= peer < self.size or peer == self.rank:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {peer} is not a peer of rank {self.rank}")
         return peer, str(metadata.get("commsched-channel", ""))
