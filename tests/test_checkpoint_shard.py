@@ -76,3 +76,30 @@ def test_loads_at_three_ranks(saved: Path) -> None:
     """At 3 ranks the shards are joined and cut again; training on matches the unsharded Adam."""
     text = _run(3, "load", saved)
     assert "recut=True" in text
+
+
+def test_a_damaged_optimizer_shard_or_layout_is_not_trusted(saved: Path, tmp_path: Path) -> None:
+    """The CRC of each rank's file and the manifest's checksum cover the optimizer shards and the layout."""
+    import shutil
+
+    import commsched.torch.checkpoint_format as fmt
+    from commsched.torch.checkpoint_read import read_version
+
+    (original,) = [p for p in (saved / "versions").iterdir()]
+    contents = read_version(fmt.Version(4, original))
+    assert contents.sharded is not None and contents.shards is not None
+    assert set(contents.shards) == {(r, k) for r in (0, 1) for k in range(len(contents.sharded["buckets"]))}
+    copy = tmp_path / original.name
+    shutil.copytree(original, copy)
+    data = bytearray((copy / "shard-00001-of-00002.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (copy / "shard-00001-of-00002.safetensors").write_bytes(bytes(data))
+    with pytest.raises(fmt.DamagedVersion, match="CRC-32"):
+        read_version(fmt.Version(4, copy))
+    shutil.rmtree(copy)
+    shutil.copytree(original, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["sharded"]["buckets"][0]["members"][0]["offset"] += 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(fmt.DamagedVersion, match="checksum"):
+        read_version(fmt.Version(4, copy))
