@@ -229,6 +229,7 @@ bool Runtime::run_round() {
     const bool had_news = agreement_.has_announcements();
     const uint64_t exchange_start_us = timeline_.stamp_us();
     if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, exchange_start_us);
+    timeline_.flush_if_due(exchange_start_us);
     // With nothing in flight a round carrying news is all this rank waits on: worth a brief spin.
     // Heartbeats and retries while a slower rank catches up sleep, so waiting costs no CPU.
     const bool critical = had_news && in_flight_.empty();

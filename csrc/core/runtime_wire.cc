@@ -1,6 +1,7 @@
 // A tensor's way from the agreement to the wire and back: intake, inline completion, launch
 // (with fusion), completion and the handle's end.
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 
 #include "core/elementwise.h"
@@ -40,7 +41,13 @@ void Runtime::take_submissions(ReportStatus& status) {
   for (Submission& submission : batch) {
     const uint64_t id = next_tensor_id_++;
     timeline_.async_begin(submission.spec.name, "negotiate", id, submission.enqueued_us);
-    if (timeline_.enabled()) timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us);
+    if (timeline_.enabled()) {
+      // Horovod's name for the phase that starts here (NEGOTIATE_ALLREDUCE, ...), which its tools look for.
+      std::string activity = std::string("NEGOTIATE_") + kind_name(submission.spec.kind);
+      for (char& c : activity) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      timeline_.instant("ready " + submission.spec.name, Timeline::kTensorTrack, now_us,
+                        "{\"activity\":\"" + activity + "\"}");
+    }
     const uint64_t bytes = submission.spec.bytes();
     const bool sends_bytes = submission.spec.kind == CollectiveKind::kAllreduce ||
                              (submission.spec.kind == CollectiveKind::kBroadcast && submission.spec.root == rank_);

@@ -145,4 +145,12 @@ void Timeline::flush() {
   if (out_.is_open()) out_.flush();
 }
 
+void Timeline::flush_if_due(uint64_t now_us) {
+  constexpr uint64_t kFlushInterval_us = 20000;
+  if (!enabled() || now_us < last_flush_us_ + kFlushInterval_us) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_flush_us_ = now_us;
+  if (out_.is_open()) out_.flush();
+}
+
 }  // namespace commsched

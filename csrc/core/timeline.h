@@ -44,6 +44,9 @@ class Timeline {
   void span(const std::string& track, const std::string& name, uint64_t ts_us, uint64_t dur_us,
             const std::string& args_json);
   void flush();
+  // Flushes when the last flush is 20 ms older than `now_us`, so a reader sees a running job's events
+  // (Horovod's tests read the trace while the job runs); a no-op while not recording.
+  void flush_if_due(uint64_t now_us);
 
   static std::string quote(const std::string& text);
 
@@ -56,6 +59,7 @@ class Timeline {
   std::ofstream out_;
   int rank_ = 0;
   bool first_ = true;
+  uint64_t last_flush_us_ = 0;
   std::atomic<bool> enabled_{false};
   std::atomic<bool> mark_cycles_{false};
 };
