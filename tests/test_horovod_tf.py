@@ -43,6 +43,8 @@ SET_CHECKS = [
     "refusals",
     "grouped",
     "integer-average",
+    "legacy-optimizer",
+    "partial-distributed",
     "graph-broadcast-variables",
 ]
 

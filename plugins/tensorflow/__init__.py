@@ -40,6 +40,7 @@ from commsched.tensorflow.collectives import (
     barrier,
     broadcast_,
     broadcast_object,
+    broadcast_object_fn,
     grouped_allgather,
     grouped_reducescatter,
     join,
@@ -53,8 +54,8 @@ from commsched.tensorflow.functions import (
     broadcast_variables,
     grouped_allreduce,
 )
-from commsched.tensorflow.optimizer import DistributedOptimizer
-from commsched.tensorflow.tape import DistributedGradientTape
+from commsched.tensorflow.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from commsched.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from commsched.tensorflow.util import (
     _executing_eagerly,  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
     local_rank_op,
@@ -109,6 +110,8 @@ __all__ = [
     "DistributedOptimizer",
     "Max",
     "Min",
+    "PartialDistributedGradientTape",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Product",
     "Sum",
@@ -122,6 +125,7 @@ __all__ = [
     "broadcast_",
     "broadcast_global_variables",
     "broadcast_object",
+    "broadcast_object_fn",
     "broadcast_variables",
     "callbacks",
     "ccl_built",

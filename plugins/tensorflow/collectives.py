@@ -107,6 +107,17 @@ def broadcast_object(
     )
 
 
+def broadcast_object_fn(
+    root_rank: int = 0, session: Any = None, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """A function that returns root_rank's (picklable) object on every rank (Horovod's broadcast_object_fn)."""
+
+    def broadcast_fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, session, name, process_set)
+
+    return broadcast_fn
+
+
 def allgather_object(
     obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
 ) -> list[Any]:

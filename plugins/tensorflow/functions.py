@@ -335,9 +335,52 @@ def reduce_gradients(
     op: str = "average",
     forward_order: Sequence[Any] | None = None,
     how: Reduction | None = None,
+    local: set[Any] | frozenset[Any] = frozenset(),
+    scale_local: bool = True,
 ) -> list[tf.Tensor | None]:
-    """Averages (or sums) each variable's gradient over ranks, first-used variables first."""
+    """Averages (or sums) each variable's gradient over ranks, first-used variables first.
+
+    A variable whose variable_key() is in `local` keeps its own gradient, divided by the process set's size
+    when `scale_local` (Horovod's register_local_var / local_layers, scale_local_gradients).
+    """
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
     names = [f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables)]
-    return allreduce_many(grads, names, priorities_for(variables, forward_order), op, how)
+    priorities = priorities_for(variables, forward_order)
+    if not local:
+        return allreduce_many(grads, names, priorities, op, how)
+    shared = [i for i, v in enumerate(variables) if variable_key(v) not in local]
+    reduced = allreduce_many(
+        [grads[i] for i in shared], [names[i] for i in shared], [priorities[i] for i in shared], op, how
+    )
+    result = list(grads)
+    for i, grad in zip(shared, reduced):
+        result[i] = grad
+    if scale_local:
+        size = float(_horovod.set_size(how.process_set if how is not None else global_process_set))
+        for i, (grad, variable) in enumerate(zip(grads, variables)):
+            if grad is not None and variable_key(variable) in local:
+                result[i] = (
+                    tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
+                    if isinstance(grad, tf.IndexedSlices)
+                    else grad / size
+                )
+    return result
+
+
+def variable_key(variable: Any) -> Any:
+    """A hashable identity of a variable: tf.Variable.ref(), or the object's id for a Keras 3 variable."""
+    ref = getattr(variable, "ref", None)
+    return ref() if callable(ref) else id(variable)
+
+
+def local_variables_of(local_layers: Any) -> list[Any]:
+    """The trainable variables of Horovod's `local_layers` (one Keras layer, a list of them, or None)."""
+    import keras
+
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError("local_layers must be Keras layers (keras.layers.Layer); pass layers of the model")
+    return [variable for layer in layers for variable in layer.trainable_weights]

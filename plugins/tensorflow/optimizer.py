@@ -17,6 +17,7 @@ import keras
 from commsched.tensorflow import functions
 from commsched.tensorflow.compression import Compression
 
+import tensorflow as tf
 from commsched._horovod import Average, global_process_set
 
 
@@ -28,6 +29,10 @@ class _Settings:
     op: str
     forward_order: tuple[Any, ...] | None
     how: functions.Reduction | None = None
+    local: set[Any] = dataclasses.field(
+        default_factory=set
+    )  # variable_key()s of register_local_var()'s variables
+    scale_local: bool = True
 
 
 class _DistributedMixin:
@@ -46,9 +51,20 @@ class _DistributedMixin:
             variables = list(getattr(self, "_trainable_variables", []))
         settings = self._commsched
         reduced = functions.reduce_gradients(
-            grads, variables, settings.prefix, settings.op, settings.forward_order, settings.how
+            grads,
+            variables,
+            settings.prefix,
+            settings.op,
+            settings.forward_order,
+            settings.how,
+            local=settings.local,
+            scale_local=settings.scale_local,
         )
         return super().apply(reduced, trainable_variables)  # type: ignore[misc]
+
+    def register_local_var(self, var: Any) -> None:
+        """Keeps `var`'s gradient on this rank (not reduced; scaled by 1/size as in Horovod)."""
+        self._commsched.local.add(functions.variable_key(var))
 
 
 _classes: dict[type, type] = {}
@@ -76,6 +92,30 @@ def check_groups(num_groups: Any, groups: Any) -> None:
         raise TypeError(f"groups must be an integer or a list of lists of variables, not {groups!r}")
 
 
+def _legacy(
+    optimizer: Any,
+    name: str | None,
+    compression: Any,
+    gradient_predivide_factor: float,
+    op: Any,
+    process_set: Any,
+    backward_passes_per_step: int,
+    num_groups: int,
+    groups: Any,
+    scale_local_gradients: bool,
+) -> Any:
+    from commsched.tensorflow._legacy_optimizer import LegacyDistributedOptimizer
+
+    if backward_passes_per_step != 1:
+        raise NotImplementedError(
+            "backward_passes_per_step > 1 is not available for a tf.compat.v1.train.Optimizer; "
+            "accumulate with a Keras optimizer (DistributedOptimizer(keras optimizer, backward_passes_per_step=N))"
+        )
+    check_groups(num_groups, groups)
+    how = functions.reduction(op, compression, gradient_predivide_factor, process_set)
+    return LegacyDistributedOptimizer(optimizer, how, name, scale_local_gradients=scale_local_gradients)
+
+
 def DistributedOptimizer(
     optimizer: Any,
     name: str | None = None,
@@ -94,7 +134,8 @@ def DistributedOptimizer(
     *,
     forward_order: Sequence[Any] | None = None,
 ) -> Any:
-    """Returns a copy of the Keras optimizer that averages gradients over ranks before applying them.
+    """Returns a copy of the Keras optimizer that averages gradients over ranks before applying them
+    (a tf.compat.v1.train.Optimizer is wrapped as Horovod's legacy optimizer instead).
 
     Horovod's arguments: `compression` (Compression.fp16/bf16 cast gradients for the wire),
     `gradient_predivide_factor` (divide by it before the sum, by size/it after),
@@ -109,6 +150,19 @@ def DistributedOptimizer(
     if is_distributed(optimizer):
         raise ValueError(
             "this optimizer is already a commsched DistributedOptimizer; wrap an optimizer only once"
+        )
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return _legacy(
+            optimizer,
+            name,
+            compression,
+            gradient_predivide_factor,
+            op,
+            process_set,
+            backward_passes_per_step=backward_passes_per_step,
+            num_groups=num_groups,
+            groups=groups,
+            scale_local_gradients=scale_local_gradients,
         )
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
@@ -143,5 +197,43 @@ def DistributedOptimizer(
         op=how.op,
         forward_order=tuple(forward_order) if forward_order is not None else None,
         how=how,
+        scale_local=scale_local_gradients,
     )
+    return wrapped
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """A DistributedOptimizer that keeps the gradients of `local_layers` on each rank (Horovod's)."""
+    wrapped = DistributedOptimizer(
+        optimizer,
+        name,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for variable in functions.local_variables_of(local_layers):
+        wrapped.register_local_var(variable)
     return wrapped

@@ -54,6 +54,12 @@ class DistributedGradientTape:
         self._name = name
         self._op = self._how.op
         self._forward_order = list(forward_order) if forward_order is not None else None
+        self._local: set[Any] = set()
+        self._scale_local = scale_local_gradients
+
+    def register_local_source(self, source: Any) -> None:
+        """Keeps `source`'s gradient on this rank (not reduced; scaled by 1/size as in Horovod)."""
+        self._local.add(functions.variable_key(source))
 
     def __enter__(self) -> DistributedGradientTape:  # noqa: PYI034 (typing.Self needs 3.11)  # noqa: PYI034 - Self needs Python 3.11
         self._tape.__enter__()
@@ -78,6 +84,46 @@ class DistributedGradientTape:
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         reduced = functions.reduce_gradients(
-            flat_grads, flat_sources, self._name, self._op, self._forward_order, self._how
+            flat_grads,
+            flat_sources,
+            self._name,
+            self._op,
+            self._forward_order,
+            self._how,
+            local=self._local,
+            scale_local=self._scale_local,
         )
         return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> DistributedGradientTape:
+    """A DistributedGradientTape that keeps the gradients of `local_layers` on each rank (Horovod's)."""
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    for variable in functions.local_variables_of(local_layers):
+        tape.register_local_source(variable)
+    return tape

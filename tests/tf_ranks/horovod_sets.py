@@ -3,7 +3,8 @@
 Eager collectives on a set run as the custom ops, so they have Horovod's gradients; size_op and
 process_set_included_op answer per set; a non-member is refused with InvalidArgumentError and an
 unregistered set with ValueError; grouped allgather/reducescatter; an integer average rounds
-toward zero (Horovod's); broadcast_variables gives a session an op in graph mode. Prints "PASS <check>" or "FAIL <check> ..." per check.
+toward zero (Horovod's); a TF1 optimizer is wrapped as Horovod's legacy one; Partial* keep local
+layers' gradients; broadcast_variables gives a session an op in graph mode. Prints "PASS <check>" or "FAIL <check> ..." per check.
 """
 
 from __future__ import annotations
@@ -106,6 +107,40 @@ def main() -> int:
         floats = hvd.allreduce(tf.cast(value, tf.float32), op=hvd.Average).numpy().tolist()
         assert floats == [-37.5, 7.5, -1.0], floats
 
+    def legacy_optimizer() -> None:
+        # A TF1 optimizer in a graph: the shared gradient is averaged, a local one only scaled by 1/size.
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            shared, local = tf.Variable([0.0]), tf.Variable([0.0])
+            loss = tf.reduce_sum(shared * float(rank + 1) + local * float(rank + 1))
+            opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+            opt.register_local_var(local)
+            update = opt.apply_gradients(opt.compute_gradients(loss, [shared, local]))
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(update)
+            assert session.run(shared).tolist() == [-1.5], session.run(shared)
+            assert session.run(local).tolist() == [-(rank + 1) / size], session.run(local)
+
+    def partial_distributed() -> None:
+        # Dense(1) layers without bias on input 1: each kernel's gradient is the loss weight rank + 1.
+        import keras
+
+        shared, local = keras.layers.Dense(1, use_bias=False), keras.layers.Dense(1, use_bias=False)
+        ones = tf.ones([1, 1])
+        shared(ones), local(ones)
+        with tf.GradientTape() as plain:
+            loss = float(rank + 1) * tf.reduce_sum(shared(ones) + local(ones))
+        tape = hvd.PartialDistributedGradientTape(plain, local_layers=[local])
+        grads = tape.gradient(loss, [shared.kernel, local.kernel])
+        assert [float(g.numpy()[0][0]) for g in grads] == [1.5, (rank + 1) / size], grads
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=local)
+        before = [float(shared.kernel.numpy()[0][0]), float(local.kernel.numpy()[0][0])]
+        opt.apply([tf.fill([1, 1], float(rank + 1))] * 2, [shared.kernel, local.kernel])
+        after = [float(shared.kernel.numpy()[0][0]), float(local.kernel.numpy()[0][0])]
+        steps = [b - a for b, a in zip(before, after)]
+        assert np.allclose(steps, [1.5, (rank + 1) / size]), steps
+        send = hvd.broadcast_object_fn(root_rank=1)
+        assert send({"from": rank}) == {"from": 1}
+
     def graph_broadcast_variables() -> None:
         with tf.Graph().as_default(), tf.compat.v1.Session() as session:
             variable = tf.Variable([float(rank)])
@@ -120,6 +155,8 @@ def main() -> int:
     check("refusals", refusals)
     check("grouped", grouped)
     check("integer-average", integer_average)
+    check("legacy-optimizer", legacy_optimizer)
+    check("partial-distributed", partial_distributed)
     check("graph-broadcast-variables", graph_broadcast_variables)
     hvd.shutdown()
     return failures
