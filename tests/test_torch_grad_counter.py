@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
-import weakref
 import importlib.util
+import weakref
 from typing import Any
 
 import pytest
@@ -31,6 +31,24 @@ def _backward(model: Any) -> None:
     model(torch.ones(2, 4)).sum().backward()
 
 
+@pytest.fixture(params=COUNTERS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each counter in turn; the native one only where commsched._torch_hooks is built."""
+    if request.param == "native" and not _counter.is_native():
+        pytest.skip("commsched._torch_hooks not built")
+    return str(request.param)
+
+
+def _hooked(kind: str, passes: int, on_event: Any) -> tuple[Any, Any]:
+    """A fresh model and a counter of `kind` hooked on each of its parameters (slot i: parameter i)."""
+    model = _model()
+    params = list(model.parameters())
+    counter = _make(kind, len(params), passes, on_event)
+    for index, param in enumerate(params):
+        counter.hook(param, index)
+    return model, counter
+
+
 def test_the_native_counter_is_built_wherever_native_gloo_is() -> None:
     """Both are built against the same torch headers: one without the other is a broken build."""
     if importlib.util.find_spec("commsched._gloo") is None:
@@ -38,17 +56,10 @@ def test_the_native_counter_is_built_wherever_native_gloo_is() -> None:
     assert _counter.is_native()
 
 
-@pytest.mark.parametrize("kind", COUNTERS)
 def test_a_bucket_is_reported_once_when_its_last_member_arrives(kind: str) -> None:
     """Members only count down; the last one's event names the bucket; unbucketed ones report each."""
-    if kind == "native" and not _counter.is_native():
-        pytest.skip("commsched._torch_hooks not built")
     events: list[tuple[int, int, int]] = []
-    model = _model()
-    params = list(model.parameters())
-    counter = _make(kind, len(params), 1, lambda *e: events.append(e))
-    for index, param in enumerate(params):
-        counter.hook(param, index)
+    model, counter = _hooked(kind, 1, lambda *e: events.append(e))
     # Slots 0 and 1 (the first layer) share bucket 0, slot 3 has bucket 1, slot 2 none.
     counter.set_buckets([0, 0, -1, 1], [2, 1])
     assert not counter.opened()
@@ -65,17 +76,10 @@ def test_a_bucket_is_reported_once_when_its_last_member_arrives(kind: str) -> No
     assert not counter.opened()
 
 
-@pytest.mark.parametrize("kind", COUNTERS)
 def test_flying_members_report_again_and_reset_buckets_count_anew(kind: str) -> None:
     """A gradient ready while its bucket is on the wire is an AGAIN event; after reset it counts again."""
-    if kind == "native" and not _counter.is_native():
-        pytest.skip("commsched._torch_hooks not built")
     events: list[tuple[int, int, int]] = []
-    model = _model()
-    params = list(model.parameters())
-    counter = _make(kind, len(params), 1, lambda *e: events.append(e))
-    for index, param in enumerate(params):
-        counter.hook(param, index)
+    model, counter = _hooked(kind, 1, lambda *e: events.append(e))
     counter.set_buckets([0, 0, 0, 0], [4])
     _backward(model)
     assert [e[0] for e in events] == [_counter.BUCKET_FULL]
@@ -93,17 +97,10 @@ def test_flying_members_report_again_and_reset_buckets_count_anew(kind: str) -> 
     assert [e[0] for e in events] == [_counter.BUCKET_FULL]
 
 
-@pytest.mark.parametrize("kind", COUNTERS)
 def test_passes_per_step_counts_before_reporting(kind: str) -> None:
     """With 2 passes per step a member counts down on its second pass, not its first or third."""
-    if kind == "native" and not _counter.is_native():
-        pytest.skip("commsched._torch_hooks not built")
     events: list[tuple[int, int, int]] = []
-    model = _model()
-    params = list(model.parameters())
-    counter = _make(kind, len(params), 2, lambda *e: events.append(e))
-    for index, param in enumerate(params):
-        counter.hook(param, index)
+    model, counter = _hooked(kind, 2, lambda *e: events.append(e))
     counter.set_buckets([0, 0, 0, 0], [4])
     _backward(model)
     assert events == []
@@ -114,17 +111,10 @@ def test_passes_per_step_counts_before_reporting(kind: str) -> None:
     assert counter.take_passes() == [3, 3, 3, 3]
 
 
-@pytest.mark.parametrize("kind", COUNTERS)
 def test_unhooked_slots_are_not_counted_and_bad_layouts_are_refused(kind: str) -> None:
     """unhook stops the count; a layout of the wrong length or with an unknown bucket is an error."""
-    if kind == "native" and not _counter.is_native():
-        pytest.skip("commsched._torch_hooks not built")
     events: list[tuple[int, int, int]] = []
-    model = _model()
-    params = list(model.parameters())
-    counter = _make(kind, len(params), 1, lambda *e: events.append(e))
-    for index, param in enumerate(params):
-        counter.hook(param, index)
+    model, counter = _hooked(kind, 1, lambda *e: events.append(e))
     assert counter.hooked(0)
     counter.unhook(0)
     assert not counter.hooked(0)
@@ -139,20 +129,13 @@ def test_unhooked_slots_are_not_counted_and_bad_layouts_are_refused(kind: str) -
         counter.set_buckets([0, 0, 0, 5], [4])
 
 
-@pytest.mark.parametrize("kind", COUNTERS)
 def test_an_error_raised_for_an_event_fails_the_backward_pass(kind: str) -> None:
     """What Python raises on an event (a gradient ready again) reaches the caller of backward()."""
-    if kind == "native" and not _counter.is_native():
-        pytest.skip("commsched._torch_hooks not built")
-    model = _model()
-    params = list(model.parameters())
 
     def refuse(kind_: int, slot: int, bucket: int) -> None:
         raise RuntimeError(f"gradient of slot {slot} became ready again")
 
-    counter = _make(kind, len(params), 1, refuse)
-    for index, param in enumerate(params):
-        counter.hook(param, index)
+    model, _counter = _hooked(kind, 1, refuse)  # held: a dropped counter's hooks call nothing
     with pytest.raises(RuntimeError, match="became ready again"):
         _backward(model)
 
