@@ -1,4 +1,5 @@
-"""Makes the tests' helper modules (mpirun.py, fake_cuda.py) importable; fixtures for the fake NCCL."""
+"""Makes the tests' helper modules (mpirun.py, fake_cuda.py) importable; fixtures for the fake NCCL and one
+loopback rank."""
 
 import ctypes
 import os
@@ -67,3 +68,15 @@ def new_stream(fake: ctypes.CDLL) -> Iterator[Callable[[], int]]:
     yield make
     for stream in made:
         assert fake.cudaStreamDestroy(stream) == 0
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """commsched on one rank (the loopback transport) for the test, shut down after it."""
+    import commsched
+
+    commsched.init(transport="loopback")
+    try:
+        yield
+    finally:
+        commsched.shutdown()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -58,15 +57,6 @@ def test_collectives_with_a_pause_between_tests_of_collectives_in_flight() -> No
     assert done.returncode == 0, output
     assert all(f"rank {rank}: COLLECTIVES OK" in output for rank in range(3)), output
     assert output.count("pausing 300 us between tests of collectives in flight") >= 3, output
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    commsched.init(transport="loopback")
-    try:
-        yield
-    finally:
-        commsched.shutdown()
 
 
 def test_results_on_one_rank_keep_shape_and_type(one_rank: None) -> None:

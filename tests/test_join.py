@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,15 +63,6 @@ def test_tensorflow_eager_join() -> None:
     output = _run("grpc", 2, ["--tensorflow-only"])
     for rank in range(2):
         assert f"rank {rank}: TENSORFLOW JOIN OK" in output, output[-6000:]
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    commsched.init(transport="loopback")
-    try:
-        yield
-    finally:
-        commsched.shutdown()
 
 
 def test_join_on_one_rank_returns_at_once_and_training_goes_on(one_rank: None) -> None:
