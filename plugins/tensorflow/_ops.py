@@ -211,9 +211,9 @@ def barrier(name: str) -> Any:
 # -- gradients (what Horovod registers for its ops) ------------------------------------------------
 
 
-# How the gradients of broadcast and allgather combine every rank's gradient: a sum, as Horovod's
-# TensorFlow ops define it up to 0.27 (and its test suite checks); Horovod 0.28 averages.
-_GATHERED_GRADIENT_OP = "sum"
+# How the gradients of broadcast and allgather combine every rank's gradient: the average, as
+# Horovod 0.28.1's TensorFlow ops (and its test suite) define it; Horovod up to 0.27 summed.
+_GATHERED_GRADIENT_OP = "average"
 
 
 def _dense(grad: Any) -> tf.Tensor:
@@ -262,7 +262,7 @@ def _grouped_allreduce_gradient(op: Any, *grads: Any) -> list[tf.Tensor]:
 
 @tf.RegisterGradient("CommschedBroadcast")
 def _broadcast_gradient(op: Any, grad: Any) -> tf.Tensor:
-    """The sum of every rank's gradient on the root, zero elsewhere (Horovod 0.28 averages instead)."""
+    """The average of every rank's gradient on the root, zero elsewhere (as Horovod 0.28.1)."""
     name = f"{_text(op.get_attr('tensor_name'))}.grad"
     reduced = allreduce(_dense(grad), name, _GATHERED_GRADIENT_OP, process_set_id=_set_of(op))
     return reduced if commsched.rank() == op.get_attr("root_rank") else reduced * 0
@@ -270,7 +270,7 @@ def _broadcast_gradient(op: Any, grad: Any) -> tf.Tensor:
 
 @tf.RegisterGradient("CommschedAllgather")
 def _allgather_gradient(op: Any, grad: Any, _rows_grad: Any) -> tf.Tensor:
-    """This rank's rows of the sum of every rank's gradient of the gathered tensor."""
+    """This rank's rows of the average of every rank's gradient of the gathered tensor (Horovod 0.28.1)."""
     name = f"{_text(op.get_attr('tensor_name'))}.grad"
     reduced = allreduce(_dense(grad), name, _GATHERED_GRADIENT_OP, process_set_id=_set_of(op))
     position, size = _position(_set_of(op))

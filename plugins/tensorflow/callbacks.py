@@ -31,17 +31,20 @@ import commsched
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of fit(), sets every rank's model (and built optimizer) variables to root_rank's."""
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None) -> None:
+        """`local_variables`: variables that keep each rank's own value (Horovod's argument)."""
         super().__init__()
         self.root_rank = root_rank
         self.device = device  # accepted for Horovod's signature; TensorFlow places the ops
+        self.local_variables = {functions.variable_key(v) for v in local_variables or []}
         self.done = False
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        """Broadcasts the model's variables once, before the first batch."""
+        """Broadcasts the model's variables (but the local ones) once, before the first batch."""
         if self.done:
             return
-        functions.broadcast_variables(self.model.variables, self.root_rank, prefix="broadcast.model")
+        shared = [v for v in self.model.variables if functions.variable_key(v) not in self.local_variables]
+        functions.broadcast_variables(shared, self.root_rank, prefix="broadcast.model")
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             functions.broadcast_variables(optimizer.variables, self.root_rank, prefix="broadcast.optimizer")

@@ -66,7 +66,7 @@ def main() -> int:
                 run = tf.function(lambda t, op=op: hvd.allreduce(t, op=HVD_OPS[op]))
                 want = reference(inputs, axis=0)
                 if op == "average" and not dtype.startswith(("float", "bfloat")):
-                    want = np.floor(want)  # integer average rounds down, as in Horovod
+                    want = np.trunc(want)  # integer average rounds toward zero, as in Horovod
                 tolerance = 1e-2 if dtype in ("float16", "bfloat16") else 1e-6
                 equal(run(tensor(inputs[rank], dtype)), want, tolerance, f"{op} {dtype}")
         flags = [values(r, 2, (5,), "bool") for r in range(size)]
@@ -204,7 +204,7 @@ def main() -> int:
             "broadcast": (
                 lambda t: hvd.broadcast(t, root_rank=0),
                 weights[rank],
-                np.sum(weights, axis=0) if rank == 0 else np.zeros_like(x),
+                np.mean(weights, axis=0) if rank == 0 else np.zeros_like(x),
             ),
             "reducescatter sum": (
                 lambda t: hvd.reducescatter(t, op=hvd.Sum),
@@ -221,7 +221,7 @@ def main() -> int:
         cases["allgather"] = (
             lambda t: hvd.allgather(t),
             gathered_weights[rank],
-            np.sum(gathered_weights, axis=0)[rank * rows : (rank + 1) * rows],
+            np.mean(gathered_weights, axis=0)[rank * rows : (rank + 1) * rows],
         )
         # Alltoall: rank d receives splits[d] rows from every rank, so its weights cover size * splits[d]
         # rows, and the gradient of this rank's rows sent to d is d's weights on this rank's block.
