@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ["types", "elementwise", "scheduler", "agreement", "agreement_membership"]
+CORE = ["types", "elementwise", "scheduler", "agreement", "agreement_report", "agreement_membership"]
 
 
 def build(output: Path) -> None:
