@@ -186,3 +186,41 @@ def test_allreduce_helpers_on_one_rank() -> None:
     t = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
     assert torch.equal(ct.allreduce(t), t)
     assert torch.equal(ct.allreduce(t, op="sum"), t)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_only_barrier_mode_leaves_the_core_thread_asleep_for_what_step_waits_on(
+    overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Barrier mode's last bucket and used counts go in without waking the core's thread (step()
+    waits for them next and runs the round itself); earlier buckets and overlap mode wake it."""
+    woken: dict[str, list[bool]] = {}
+    enqueue = commsched._core.enqueue
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        woken.setdefault(args[0], []).append(kwargs.get("wake_core", True))
+        return enqueue(*args, **kwargs)
+
+    monkeypatch.setattr(commsched._core, "enqueue", recording)
+    commsched.shutdown()
+    commsched.init(transport="loopback", bucket_bytes=640)  # two buckets of two layers
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = ct.DistributedOptimizer(inner, model=model, overlap_forward=overlap)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+    optimizer.synchronize()
+    buckets = sorted(name for name in woken if ".bucket" in name)
+    assert len(buckets) == 2, woken
+    used = [name for name in woken if name.endswith("used")]
+    assert used, woken
+    last_step = {name: flags[-1] for name, flags in woken.items()}
+    if overlap:
+        assert all(last_step[name] for name in buckets + used), woken
+    else:
+        # The first bucket to fill (the last layers') wakes the core; the last one and the counts do not.
+        assert sorted(last_step[name] for name in buckets) == [False, True], woken
+        assert not any(last_step[name] for name in used), woken

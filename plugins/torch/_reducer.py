@@ -275,7 +275,16 @@ class Reducer:
         if zeros:
             torch._foreach_zero_(zeros)
         bucket.iteration = self._iteration
-        bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+        if self.options.overlap or not self._last_to_fly(bucket):
+            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+            return
+        # Barrier mode's last bucket: step() waits for it next and runs the core's round itself.
+        with commsched._caller_drives():
+            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+
+    def _last_to_fly(self, bucket: _buckets.Bucket) -> bool:
+        """Whether every other bucket of the layout is already in flight this iteration."""
+        return all(other.out is not None or other is bucket for other in self._buckets)
 
     def close(self) -> None:
         """Ends the iteration: zeros for trainable parameters with no gradient here, then the used counts."""
@@ -506,7 +515,8 @@ class Reducer:
 
     def synchronize(self, counts_too: bool = True) -> None:
         """Closes the iteration if still open and finishes every reduction (and the used counts)."""
-        self.close()
+        with commsched._caller_drives():  # what close() submits is waited for right below
+            self.close()
         self.settle_previous()
         if counts_too:
             self.finish_masks()
