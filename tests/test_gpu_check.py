@@ -128,10 +128,10 @@ def test_replicas_have_torchvisions_parameter_tensors() -> None:
     """Without torchvision the step-time section builds ResNet-50 and ViT-B/16 itself, with the same
     parameter tensors (count and elements) as torchvision's models."""
     torch = pytest.importorskip("torch")
-    import gpu_step_time
+    import step_time_models
 
     with torch.device("meta"):  # shapes only: no 450 MB of weights to initialise
-        resnet, vit = gpu_step_time.resnet50_replica(), gpu_step_time.vit_b_16_replica()
+        resnet, vit = step_time_models.resnet50_replica(), step_time_models.vit_b_16_replica()
     for model, tensors, elements in ((resnet, 161, 25_557_032), (vit, 152, 86_567_656)):
-        assert gpu_step_time.parameter_tensors(model) == tensors
+        assert step_time_models.parameter_tensors(model) == tensors
         assert sum(p.numel() for p in model.parameters()) == elements
