@@ -45,6 +45,7 @@ SET_CHECKS = [
     "integer-average",
     "legacy-optimizer",
     "partial-distributed",
+    "sparse-allreduce",
     "graph-broadcast-variables",
 ]
 

@@ -150,6 +150,9 @@ def allreduce(
     a process set alike. device_* are accepted for Horovod's signature; TensorFlow places the ops.
     """
     require_init("allreduce()")
+    if isinstance(tensor, tf.IndexedSlices):
+        name = f"tf.allreduce.{name}" if name is not None else unnamed("allreduce")
+        return sparse_allreduce(tensor, op, average, prescale_factor, postscale_factor, name, process_set)
     op = _horovod.resolve_op(op, average)
     value = tf.convert_to_tensor(densify(tensor))
     if name is None:
@@ -178,6 +181,36 @@ def broadcast(
     if name is None:
         name = unnamed("broadcast")
     return _broadcast_op(tf.convert_to_tensor(tensor), name, root_rank, priority, set_id_of(process_set))
+
+
+def sparse_allreduce(
+    slices: tf.IndexedSlices,
+    op: Any,
+    average: bool | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    name: str,
+    process_set: Any,
+) -> tf.IndexedSlices:
+    """Horovod's allreduce of tf.IndexedSlices: every rank's values and indices gathered (two allgathers),
+    the values divided by the set's size for an average; only Sum and Average, without scale factors."""
+    op = _horovod.resolve_op(op, average, adasum=True)
+    if op == _horovod.Adasum:
+        raise NotImplementedError(
+            "Adasum does not take tf.IndexedSlices (as in Horovod); pass sparse_as_dense=True or a dense tensor"
+        )
+    if op not in (_horovod.Sum, _horovod.Average):
+        raise NotImplementedError(f"op={op} on tf.IndexedSlices: only hvd.Sum and hvd.Average are supported")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("prescale_factor/postscale_factor are not supported with tf.IndexedSlices")
+    set_id = set_id_of(process_set)
+    values = _ops.allgather(tf.convert_to_tensor(slices.values), f"{name}.values", process_set_id=set_id)[0]
+    indices = _ops.allgather(tf.convert_to_tensor(slices.indices), f"{name}.indices", process_set_id=set_id)[
+        0
+    ]
+    if op == _horovod.Average:
+        values = values / tf.cast(_horovod.set_size(process_set), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def _allreduce_group(
@@ -270,8 +303,30 @@ def grouped_allreduce(
     appearance), as Horovod's grouped op takes one dtype.
     """
     require_init("grouped_allreduce()")
-    op = _horovod.resolve_op(op, average)
     base = name or unnamed("grouped_allreduce")
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        # As Horovod: each IndexedSlices goes its own sparse way, the dense rest as one group.
+        scales = (prescale_factor, postscale_factor)
+        result = list(tensors)
+        for i in sparse:
+            result[i] = sparse_allreduce(tensors[i], op, average, *scales, f"{base}.{i}", process_set)
+        dense = [i for i in range(len(tensors)) if i not in sparse]
+        if dense:
+            reduced = grouped_allreduce(
+                [tensors[i] for i in dense],
+                average,
+                compression=compression,
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                process_set=process_set,
+                name=f"{base}.dense",
+            )
+            for i, value in zip(dense, reduced):
+                result[i] = value
+        return result
+    op = _horovod.resolve_op(op, average)
     set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed = [chosen.compress(tf.convert_to_tensor(densify(tensor))) for tensor in tensors]

@@ -140,6 +140,35 @@ def main() -> int:
         assert np.allclose(steps, [1.5, (rank + 1) / size]), steps
         send = hvd.broadcast_object_fn(root_rank=1)
         assert send({"from": rank}) == {"from": 1}
+        # BroadcastGlobalVariablesCallback leaves local_variables at each rank's own value.
+        model = keras.Sequential([keras.Input((1,)), shared, local])
+        callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
+            root_rank=1, local_variables=local.variables
+        )
+        own = float(local.kernel.numpy()[0][0])
+        callback.set_model(model)
+        callback.on_train_begin()
+        assert float(local.kernel.numpy()[0][0]) == own
+        assert hvd.allgather(shared.kernel.value)[0].numpy() == hvd.allgather(shared.kernel.value)[1].numpy()
+
+    def sparse_allreduce() -> None:
+        # IndexedSlices are gathered (values and indices), as Horovod's allreduce does for them.
+        def slices() -> tf.IndexedSlices:
+            return tf.IndexedSlices(tf.constant([[rank + 1.0]]), tf.constant([rank]), tf.constant([2, 1]))
+
+        summed = hvd.allreduce(slices(), op=hvd.Sum)
+        assert isinstance(summed, tf.IndexedSlices)
+        assert summed.values.numpy().tolist() == [[1.0], [2.0]] and summed.indices.numpy().tolist() == [0, 1]
+        mixed = hvd.grouped_allreduce([slices(), tf.constant([float(rank)])], op=hvd.Average)
+        assert mixed[0].values.numpy().tolist() == [[0.5], [1.0]], mixed[0]
+        assert mixed[1].numpy().tolist() == [0.5], mixed[1]
+        for op in (hvd.Min, hvd.Adasum):
+            try:
+                hvd.allreduce(slices(), op=op)
+            except NotImplementedError:
+                pass
+            else:
+                raise AssertionError(f"op {op} on IndexedSlices was accepted")
 
     def graph_broadcast_variables() -> None:
         with tf.Graph().as_default(), tf.compat.v1.Session() as session:
@@ -157,6 +186,7 @@ def main() -> int:
     check("integer-average", integer_average)
     check("legacy-optimizer", legacy_optimizer)
     check("partial-distributed", partial_distributed)
+    check("sparse-allreduce", sparse_allreduce)
     check("graph-broadcast-variables", graph_broadcast_variables)
     hvd.shutdown()
     return failures
