@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from local_ranks import run_ranks  # beside this file: the script's folder is on sys.path
+
 RESULT_TAG = "SHARD_RESULT "
 VARIANTS = {
     "ddp": "PyTorch DDP, Adam",
@@ -129,40 +128,12 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     commsched.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Starts the ranks of one variant and returns rank 0's result."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant]
     for option in ("layers", "width", "batch", "warmup", "windows", "steps"):
         argv += [f"--{option}", str(getattr(args, option))]
-    port = _free_port()
-    procs = []
-    for rank in range(args.ranks):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(args.ranks),
-            "LOCAL_WORLD_SIZE": str(args.ranks),
-        }
-        procs.append(
-            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{variant} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    for line in outputs[0].splitlines():
-        if line.startswith(RESULT_TAG):
-            return dict(json.loads(line[len(RESULT_TAG) :]))
-    raise RuntimeError(f"{variant}: rank 0 printed no result:\n{outputs[0][-3000:]}")
+    return run_ranks(argv, args.ranks, args.timeout, RESULT_TAG, variant)
 
 
 def main() -> int:
