@@ -104,6 +104,28 @@ def exchange_and_allreduce(made: list[GrpcTransport]) -> None:
     assert all((array == total).all() for array in arrays)
 
 
+def start_mismatched_sizes(endpoint_of: Any) -> tuple[list[Any], float]:
+    """Rank 0 with WORLD_SIZE=2 and rank 1 with WORLD_SIZE=3, each from endpoint_of(rank, size), built
+    at once: what each made (a transport or its error) and the seconds until both ended, all closed."""
+    made: list[Any] = [None, None]
+
+    def build(rank: int, size: int) -> None:
+        try:
+            made[rank] = GrpcTransport(endpoint_of(rank, size), TOKEN, timeout_s=1.0, join_timeout_s=8.0)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            made[rank] = error
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=build, args=args) for args in ((0, 2), (1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    took = time.monotonic() - started
+    close_all(made)
+    return made, took
+
+
 def test_listed_peer_that_never_starts_is_named_within_the_limit(caplog: pytest.LogCaptureFixture) -> None:
     """COMMSCHED_GRPC_PEERS lists 3 ranks, rank 2 never starts: ranks 0 and 1 fail after the join
     limit naming rank 2, its address, the limit, the variable that sets it and COMMSCHED_GRPC_PEERS,
@@ -192,23 +214,9 @@ def test_a_rank_with_another_world_size_ends_the_rendezvous_at_once() -> None:
     """Rank 1 joins with WORLD_SIZE=3 a rank 0 of WORLD_SIZE=2: both name the two sizes at once
     instead of rank 0 waiting out the 8 s limit for a rank 1 it refused."""
     port = free_port()
-    made: list[Any] = [None, None]
-
-    def build(rank: int, size: int) -> None:
-        try:
-            endpoint = endpoint_from(rank, size, "127.0.0.1", port, [], "", False)
-            made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0)
-        except Exception as error:  # noqa: BLE001 - the test reads it
-            made[rank] = error
-
-    started = time.monotonic()
-    threads = [threading.Thread(target=build, args=args) for args in ((0, 2), (1, 3))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    took = time.monotonic() - started
-    close_all(made)
+    made, took = start_mismatched_sizes(
+        lambda rank, size: endpoint_from(rank, size, "127.0.0.1", port, [], "", False)
+    )
     assert all(isinstance(error, GrpcError) for error in made), made
     assert "rank 0: rank 1 (" in str(
         made[0]
@@ -224,23 +232,9 @@ def test_listed_peers_with_another_world_size_fail_at_once() -> None:
     rank 0's streams, and both name the two sizes at once instead of waiting out the 8 s limit
     (rank 1 for a rank 2 that does not exist, rank 0 for rank 1's first report)."""
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    made: list[Any] = [None, None]
-
-    def build(rank: int, size: int) -> None:
-        try:
-            endpoint = endpoint_from(rank, size, "", 0, addresses[:size], "", False)
-            made[rank] = GrpcTransport(endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0)
-        except Exception as error:  # noqa: BLE001 - the test reads it
-            made[rank] = error
-
-    started = time.monotonic()
-    threads = [threading.Thread(target=build, args=args) for args in ((0, 2), (1, 3))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    took = time.monotonic() - started
-    close_all(made)
+    made, took = start_mismatched_sizes(
+        lambda rank, size: endpoint_from(rank, size, "", 0, addresses[:size], "", False)
+    )
     assert all(isinstance(error, GrpcError) for error in made), made
     for rank in (0, 1):
         assert "rank 0 (" in str(made[rank]) and "has WORLD_SIZE=2, but rank 1 has WORLD_SIZE=3" in str(
