@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from local_ranks import run_ranks  # beside this file: the script's folder is on sys.path
+
 RESULT_TAG = "PARAM_COST_RESULT "
 VARIANTS = {
     "plain": "torch.optim.SGD, no communication",
@@ -106,44 +105,15 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
         commsched.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_variant(variant: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     """Starts `ranks` processes of one variant and returns rank 0's result."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant]
     argv += ["--layers", str(args.layers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     argv += ["--windows", str(args.windows), "--steps", str(args.steps)]
-    port = _free_port()
-    procs = []
-    for rank in range(ranks):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(ranks),
-            "LOCAL_WORLD_SIZE": str(ranks),
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-        }
-        procs.append(
-            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{variant} at {ranks} ranks failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    for line in outputs[0].splitlines():
-        if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG) :])
-            result["ranks"] = ranks
-            result["step_seconds"] = statistics.median(result["window_step_seconds"])
-            return result
-    raise RuntimeError(f"{variant} printed no result:\n{outputs[0][-3000:]}")
+    result = run_ranks(argv, ranks, args.timeout, RESULT_TAG, f"{variant} at {ranks} ranks")
+    result["ranks"] = ranks
+    result["step_seconds"] = statistics.median(result["window_step_seconds"])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
