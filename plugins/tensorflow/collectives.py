@@ -59,6 +59,10 @@ def reducescatter(
     """This rank's part of the average (or sum) of every rank's `tensor`, cut on the first dimension;
     the first (rows % size) ranks get one row more, as in Horovod."""
     require_init("reducescatter()")
+    if tf.convert_to_tensor(tensor).shape.rank == 0:
+        raise ValueError(
+            "reducescatter() cuts the first dimension: pass a tensor of rank 1 or more, not a scalar"
+        )
     op = _horovod.resolve_op(op)
     chosen = compressor(compression)
     compressed, context = chosen.compress(tf.convert_to_tensor(tensor))
@@ -149,12 +153,19 @@ def join() -> int:
 def broadcast_(
     variables: Any, root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> Any:
-    """Overwrites `variables` (one or a list) with root_rank's values and returns them."""
+    """Overwrites `variables` (one or a list) with root_rank's values and returns them (in a graph: tensors
+    that broadcast, then read them)."""
     from commsched.tensorflow.functions import broadcast_variables
 
     many = variables if isinstance(variables, (list, tuple)) else [variables]
-    broadcast_variables(many, root_rank, process_set, prefix=_name("broadcast_", name))
-    return variables
+    assigned = broadcast_variables(many, root_rank, process_set, prefix=_name("broadcast_", name))
+    if tf.executing_eagerly():
+        return variables
+    # In a graph the assignment runs only when something depends on it: as Horovod, return tensors
+    # whose evaluation broadcasts, then reads the variables.
+    with tf.control_dependencies([assigned]):
+        values = [tf.identity(v) for v in many]
+    return values if isinstance(variables, (list, tuple)) else values[0]
 
 
 def grouped_allgather(
@@ -181,6 +192,11 @@ def grouped_reducescatter(
 ) -> list[tf.Tensor]:
     """reducescatter of each tensor (one collective each, named `<name>.<i>`), with its gradients."""
     require_init("grouped_reducescatter()")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if any(t.shape.rank == 0 for t in tensors):  # refused before any member is submitted
+        raise ValueError(
+            "grouped_reducescatter() cuts the first dimension: every tensor needs rank 1 or more"
+        )
     base = name or unnamed("grouped_reducescatter")
     scales = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
     return [

@@ -162,6 +162,21 @@ def main() -> int:
         mixed = hvd.grouped_allreduce([slices(), tf.constant([float(rank)])], op=hvd.Average)
         assert mixed[0].values.numpy().tolist() == [[0.5], [1.0]], mixed[0]
         assert mixed[1].numpy().tolist() == [0.5], mixed[1]
+        for scalar_call in (
+            lambda: hvd.reducescatter(tf.constant(1.0)),
+            lambda: hvd.grouped_reducescatter([tf.ones([2]), tf.constant(1.0)]),
+        ):
+            try:
+                scalar_call()
+            except ValueError as error:
+                assert "first dimension" in str(error), error
+            else:
+                raise AssertionError("a scalar was reduce-scattered")
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            variable = tf.Variable([float(rank)])
+            session.run(tf.compat.v1.global_variables_initializer())
+            (sent,) = hvd.broadcast_([variable], root_rank=1)
+            assert session.run(sent).tolist() == [1.0] and session.run(variable).tolist() == [1.0]
         for op in (hvd.Min, hvd.Adasum):
             try:
                 hvd.allreduce(slices(), op=op)
