@@ -133,6 +133,9 @@ class Settings:
     # The link the defaults are fitted to (default_sizes); None: measured at init under MPI.
     link_bandwidth: float | None = None  # bytes per second of each rank's link
     link_latency: float | None = None  # seconds per message
+    # commsched's own host cost per collective (agreement, queueing, launch, completion): on a fast
+    # link it puts a floor under partition and fusion (link_defaults.overhead_floor_bytes).
+    collective_overhead: float = 20 * 1e-6  # 20us, the same float parse_duration("20us") gives
     # Pause between tests of collectives in flight; None: the transport's own, or on MPI half the link's
     # per-message latency when that is over 8 us, else none (polling.h: poll_interval_for).
     poll_interval: float | None = None
@@ -253,6 +256,12 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "COMMSCHED_LINK_LATENCY",
         parse_duration,
         _DURATION_FORM + " per message, e.g. 20us (unset: measured at init under MPI)",
+    ),
+    "collective_overhead": (
+        "COMMSCHED_COLLECTIVE_OVERHEAD",
+        parse_duration,
+        _DURATION_FORM.replace("60, 30s or 500ms", "20us or 0.05ms")
+        + " per collective (0: partitions and fusion follow the wire alone); commsched-bench schedule measures it",
     ),
     "poll_interval": (
         "COMMSCHED_POLL_INTERVAL",

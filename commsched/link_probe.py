@@ -203,7 +203,13 @@ def fit_to_link(
     algorithm = transport_algorithm(kind)
     rounds = rounds_path(settings.control_channel, kind)
     sizes: dict[str, int] = default_sizes(
-        size, bandwidth, latency, partition_bytes=given_partition, algorithm=algorithm, rounds=rounds
+        size,
+        bandwidth,
+        latency,
+        partition_bytes=given_partition,
+        algorithm=algorithm,
+        rounds=rounds,
+        collective_overhead_s=settings.collective_overhead,
     )
     if "credit_bytes" in user_given:
         sizes["credit_bytes"] = settings.credit_for(size)

@@ -28,9 +28,13 @@ assert link[0] > 0 and link[1] >= 0, link
 assert comm.allgather((link, sizes)) == [(link, sizes)] * comm.Get_size(), comm.allgather((link, sizes))
 if scenario == "given":
     assert abs(link[0] - 1.25e9) < 1 and abs(link[1] - 20e-6) < 1e-12, link
-expected = default_sizes(comm.Get_size(), *link)
+# Partitions and fusion also cover commsched's own cost per collective (COMMSCHED_COLLECTIVE_OVERHEAD).
+overhead = settings["collective_overhead"]
+expected = default_sizes(comm.Get_size(), *link, collective_overhead_s=overhead)
 if scenario == "explicit":
-    expected = default_sizes(comm.Get_size(), *link, partition_bytes=128 * 1024)
+    expected = default_sizes(
+        comm.Get_size(), *link, partition_bytes=128 * 1024, collective_overhead_s=overhead
+    )
     expected["fusion_bytes"] = 12345
     assert sizes["partition_bytes"] == 128 * 1024, sizes
 # The inline limit follows the link and the algorithm MPI runs for a small message.
