@@ -31,6 +31,7 @@ RESULT_TAG = "PARAM_COST_RESULT "
 VARIANTS = {
     "plain": "torch.optim.SGD, no communication",
     "ddp": "PyTorch DDP (Gloo)",
+    "floor": "SGD + one Gloo allreduce of all gradients",
     "barrier": "commsched DistributedOptimizer, barrier",
     "overlap": "commsched DistributedOptimizer, overlap_forward",
 }
@@ -59,6 +60,26 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         net = torch.nn.parallel.DistributedDataParallel(model)
+    elif variant == "floor":
+        # What any barrier-mode wrapper pays at least: one collective of every gradient, after
+        # backward, with no per-gradient work (the flat copy stands for bucket views' zero cost).
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        plain_step = optimizer.step
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        views = [chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in params]), params)]
+
+        def reduced_step() -> None:
+            grads = [p.grad for p in params]
+            torch._foreach_copy_(views, grads)
+            dist.all_reduce(flat)
+            torch._foreach_copy_(grads, views)
+            plain_step()
+
+        optimizer.step = reduced_step
     elif variant in ("barrier", "overlap"):
         import commsched.torch as ct
 
@@ -91,7 +112,7 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
         params = sum(1 for _ in model.parameters())
         result = {"variant": variant, "parameters": params, "window_step_seconds": per_window}
         print(RESULT_TAG + json.dumps(result), flush=True)
-    if variant == "ddp":
+    if variant in ("ddp", "floor"):
         # Tearing DDP down can deadlock inside torch (~ProcessGroupGloo joins its loop thread, which
         # waits for the GIL this thread holds); the result is out, so leave without the teardown.
         import torch.distributed as dist

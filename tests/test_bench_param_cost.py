@@ -22,7 +22,7 @@ def test_every_variant_at_one_and_two_ranks(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     cells = {(row["ranks"], row["variant"]) for row in report["results"]}
-    assert cells == {(r, v) for r in (1, 2) for v in ("plain", "ddp", "barrier", "overlap")}
+    assert cells == {(r, v) for r in (1, 2) for v in ("plain", "ddp", "floor", "barrier", "overlap")}
     for row in report["results"]:
         assert row["parameters"] == 8 and row["step_seconds"] > 0
         if row["variant"] == "plain":
