@@ -6,15 +6,17 @@ unsharded and sharded, and compares parameters, state and per-rank memory; see i
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
-from mpirun import unglue
-from torch_launcher import have_mpiexec, launch
+from mpirun import clean_rank_env, local_launch, unglue
+from torch_launcher import HERE, have_mpiexec, launch
 
 torch = pytest.importorskip("torch")
 needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
@@ -27,13 +29,15 @@ def _runs(cases: tuple[str, ...]) -> int:
     return sum(1 if case in ("memory", "clip") else 2 for case in cases)
 
 
-def _check(result: object, ranks: int, cases: tuple[str, ...]) -> str:
+def _check(result: object, ranks: int, cases: tuple[str, ...], transport: str = "") -> str:
     output = result.stdout  # type: ignore[attr-defined]
     assert result.returncode == 0, output[-4000:]  # type: ignore[attr-defined]
     text = unglue(output, "PASS ", "FAIL ")
     assert "FAIL" not in text, text[-4000:]
     passes = re.findall(r"PASS (\S+)", text)
     assert len(passes) == ranks * _runs(cases), text[-4000:]
+    if transport:  # every run went over the transport asked for
+        assert text.count(f"transport={transport}") == len(passes), text[-4000:]
     return text
 
 
@@ -67,6 +71,33 @@ def test_torchrun_gloo_two_ranks() -> None:
     """torchrun (Gloo, no MPI), 2 ranks: equivalence in both modes, many buckets, exact data, state."""
     cases = ("sgd", "small", "adamw", "exact", "state")
     _check(launch("torchrun", 2, "shard_cases.py", "--cases", ",".join(cases), timeout=90), 2, cases)
+
+
+# Per rank count: cases that cover buckets cut across parameters, exact data and the state round trip
+# between the two launches while keeping each launch short.
+TRANSPORT_CASES = {2: ("sgd", "adamw", "exact", "state"), 3: ("small", "exact", "mixed")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="needs grpcio")
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_grpc_matches_the_unsharded_optimizer(ranks: int) -> None:
+    """gRPC transport (commsched-run), 2 and 3 ranks: reduce-scatter and all-gather over its rings give
+    the unsharded optimizer's parameters, bit for bit on integer data."""
+    cases = TRANSPORT_CASES[ranks]
+    argv = local_launch(
+        ranks, str(HERE / "shard_cases.py"), "--transport", "grpc", "--cases", ",".join(cases)
+    )
+    result = subprocess.run(
+        argv,
+        check=False,
+        env=clean_rank_env(HERE),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=90,
+    )
+    text = _check(result, ranks, cases, "grpc")
+    assert "exact/overlap difference=0 " in text
 
 
 def test_whole_tensor_optimizer_is_refused_by_name() -> None:
