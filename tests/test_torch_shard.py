@@ -76,6 +76,8 @@ def test_torchrun_gloo_two_ranks() -> None:
 # Per rank count: cases that cover buckets cut across parameters, exact data and the state round trip
 # between the two launches while keeping each launch short.
 TRANSPORT_CASES = {2: ("sgd", "adamw", "exact", "state"), 3: ("small", "exact", "mixed")}
+# broadcast_parameters (the sgd case) asks torch for a CUDA device, which the fake GPU cannot give.
+FAKE_GPU_CASES = {2: ("adamw", "exact", "state"), 3: ("small", "exact", "mixed")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="needs grpcio")
@@ -97,6 +99,30 @@ def test_grpc_matches_the_unsharded_optimizer(ranks: int) -> None:
         timeout=90,
     )
     text = _check(result, ranks, cases, "grpc")
+    assert "exact/overlap difference=0 " in text
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_nccl_on_the_fake_gpu_matches_the_unsharded_optimizer(
+    ranks: int, fake_nccl: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL transport over the fake libnccl (which reduces across the rank processes), 2 and 3 ranks:
+    CUDA-claiming parameters reduce-scattered and all-gathered through ncclReduceScatter/ncclAllGather
+    give the unsharded optimizer's parameters."""
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", str(ranks))
+    cases = FAKE_GPU_CASES[ranks]
+    result = launch(
+        "mpiexec",
+        ranks,
+        "shard_cases.py",
+        "--fake-gpu",
+        str(fake_nccl[0]),
+        "--cases",
+        ",".join(cases),
+        timeout=90,
+    )
+    text = _check(result, ranks, cases, "nccl")
     assert "exact/overlap difference=0 " in text
 
 

@@ -5,11 +5,14 @@ reduces across real processes)."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
-from commsched import buffers
+from commsched import buffers, device_output
+
+real_device_result = device_output.device_result
 
 
 class CudaParameter(torch.nn.Parameter):
@@ -35,6 +38,25 @@ def route_through(library: str) -> None:
 
     os.environ["COMMSCHED_NCCL_LIBRARY"] = os.environ["COMMSCHED_CUDART_LIBRARY"] = library
     buffers._gpu_view = device_view
+    device_output.device_result = host_result
+
+
+def host_result(memory: Any, elements: int, dtype: str, row_shape: tuple[int, ...], like: Any) -> Any:
+    """commsched.device_output.device_result for this setting: an allgather's or reducescatter's output
+    in the fake's "device" memory (host memory) copied into a CPU torch tensor, since torch would start
+    CUDA on a __cuda_array_interface__."""
+    if not isinstance(like, torch.Tensor):
+        return real_device_result(memory, elements, dtype, row_shape, like)
+    torch_dtype = getattr(torch, dtype)
+    size = torch.empty(0, dtype=torch_dtype).element_size()
+    raw = (ctypes.c_uint8 * (elements * size)).from_address(int(memory.address)) if elements else b""
+    flat = (
+        torch.frombuffer(bytearray(raw), dtype=torch_dtype) if elements else torch.empty(0, dtype=torch_dtype)
+    )
+    row = 1
+    for extent in row_shape:
+        row *= extent
+    return flat.reshape((elements // row if row else 0, *row_shape))
 
 
 def device_view(array: Any, name: str) -> buffers.BufferView | None:

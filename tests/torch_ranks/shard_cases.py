@@ -312,7 +312,9 @@ def main() -> int:
             over = commsched.config()["transport"]
             print(f"{'PASS' if ok else 'FAIL'} {case}/{mode} {measured} transport={over}", flush=True)
             failed += not ok
-        ct.allreduce(torch.zeros(1), name=f"done.{case}")  # a rank outside the set must not stop the others
+        # A rank outside the set must not stop the others; the core's in-place allreduce asks torch for
+        # no CUDA device (the fake GPU has none to give).
+        commsched.allreduce(torch.zeros(1), name=f"done.{case}")
         commsched.shutdown()
     return 1 if failed else 0
 
