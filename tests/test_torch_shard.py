@@ -126,6 +126,23 @@ def test_nccl_on_the_fake_gpu_matches_the_unsharded_optimizer(
     assert "exact/overlap difference=0 " in text
 
 
+def test_python_gloo_two_ranks(tmp_path: Path) -> None:
+    """The Python Gloo transport (commsched._gloo made unimportable), 2 ranks: the same parameters."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['commsched._gloo'] = None\n")
+    cases = ("small", "exact")
+    argv = local_launch(2, str(HERE / "shard_cases.py"), "--transport", "gloo", "--cases", ",".join(cases))
+    result = subprocess.run(
+        argv,
+        check=False,
+        env=clean_rank_env(tmp_path, HERE),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=90,
+    )
+    _check(result, 2, cases, "gloo(python)")
+
+
 def test_whole_tensor_optimizer_is_refused_by_name() -> None:
     """An optimizer whose step needs whole tensors (LBFGS) is refused at wrap time, naming it."""
     import commsched.torch as ct

@@ -310,6 +310,10 @@ def main() -> int:
         for mode in modes:
             ok, measured = run(case, mode == "overlap", process_set)
             over = commsched.config()["transport"]
+            if over == "gloo":  # native or python
+                from commsched.transports import gloo
+
+                over += f"({gloo.last_path.split()[0]})"
             print(f"{'PASS' if ok else 'FAIL'} {case}/{mode} {measured} transport={over}", flush=True)
             failed += not ok
         # A rank outside the set must not stop the others; the core's in-place allreduce asks torch for
