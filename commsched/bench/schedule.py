@@ -519,7 +519,8 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: Text
         f" time scale {header['time_scale']:.4g}); communication {header['communication_s'] * 1e3:.1f} ms"
         f" (raw MPI allreduce of all gradients, {header['bandwidth_bytes_per_s'] * 8 / 1e9:.3f} Gbit/s on the wire,"
         f" {header['latency_s'] * 1e6:.0f} us per message; commsched adds"
-        f" {header.get('collective_overhead_s', 0.0) * 1e6:.0f} us per collective)"
+        f" {header.get('collective_overhead_s', 0.0) * 1e6:.0f} us per collective: for training on these hosts,"
+        f" COMMSCHED_COLLECTIVE_OVERHEAD={round(header.get('collective_overhead_s', 0.0) * 1e6)}us)"
     )
     if header["size_costs"]:
         costs = ", ".join(f"{report.human_size(size)} {factor:.2f}" for size, factor in header["size_costs"])
