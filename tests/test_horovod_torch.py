@@ -65,7 +65,7 @@ def _check(result: object, ranks: int, expected: list[str]) -> None:
     tail = output[-6000:]
     assert "FAIL" not in output, tail
     assert result.returncode == 0, tail  # type: ignore[attr-defined]
-    passes = re.findall(r"^PASS (\S+)", output, re.MULTILINE)
+    passes = re.findall(r"^PASS ([\w-]+)", output, re.MULTILINE)
     assert sorted(passes) == sorted(label for label in expected for _ in range(ranks)), tail
 
 
