@@ -49,7 +49,8 @@ def test_schedule_replay_on_two_ranks(tmp_path):
         "--scale",
         "1",
     ]
-    argv += ["--device-tflops", "1", "--iterations", "2", "--warmup", "1", "--json", "-"]
+    # 3 iterations in 2 interleaved rounds: 2 in the first, 1 in the second, all reported.
+    argv += ["--device-tflops", "1", "--iterations", "3", "--rounds", "2", "--warmup", "1", "--json", "-"]
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
@@ -172,3 +173,18 @@ def test_raw_stalls_times_raw_mpi_iterations(tmp_path):
     assert 0 < data["median_s"] <= data["slowest_s"] and data["mean_s"] <= data["slowest_s"]
     assert 0 <= data["stalled"] < 6
     assert "nonblocking allreduces, 2 ranks" in proc.stdout
+
+
+def test_rounds_spread_the_iterations_and_refuse_nonsense():
+    """Every measured iteration lands in one round, the first rounds taking the remainder."""
+    from commsched.bench import cli
+    from commsched.bench.replay import round_share
+
+    assert [round_share(7, 3, r) for r in range(3)] == [3, 2, 2]
+    assert [round_share(2, 3, r) for r in range(3)] == [1, 1, 0]
+    assert sum(round_share(101, 4, r) for r in range(4)) == 101
+    parser = cli._parser()
+    assert parser.parse_args(["schedule", "--model", "vgg16"]).rounds == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["schedule", "--model", "vgg16", "--rounds", bad])

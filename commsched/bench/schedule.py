@@ -10,18 +10,17 @@ next forward waits only for its own parameters).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from commsched.bench import report
 from commsched.bench.overhead import measure_collective_overhead
+from commsched.bench.replay import TimedLayer, replay, round_share, warm_up
 from commsched.config import parse_size, resolve
 from commsched.link_defaults import default_inline_bytes, default_sizes
 
@@ -58,6 +57,16 @@ class _Renamed(argparse.Action):
         )
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -83,16 +92,6 @@ def add_compute_over_comm(
     parser.add_argument(
         _OLD_COMPUTE_FLAG, action=_Renamed, replacement=COMPUTE_FLAG, meaning=_COMPUTE_MEANING
     )
-
-
-@dataclass
-class TimedLayer:
-    """One layer as replayed: compute seconds and its parameters' (name, element count)."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    params: list[tuple[str, int]]
 
 
 def load_model(name_or_path: str) -> Any:
@@ -141,74 +140,6 @@ def compute_s(layers: list[TimedLayer]) -> float:
 def gradient_bytes(layers: list[TimedLayer]) -> int:
     """Total float32 gradient bytes of one iteration."""
     return sum(4 * count for l in layers for _, count in l.params)
-
-
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
-
-
-def _tighten_timer_slack() -> None:
-    """Asks Linux to wake this thread's sleeps within 1 us (the default slack is 50 us)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: sleeps keep the platform's precision
-
-
-def replay(
-    layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int
-) -> list[float]:
-    """Runs the training loop on this rank; returns each measured period between first-layer forwards."""
-    import commsched
-
-    index_of = {}
-    for layer in layers:
-        for name, _ in layer.params:
-            index_of[name] = len(index_of)
-    handles: list[list[Any]] = [[] for _ in layers]
-    starts: list[float] = []
-    _tighten_timer_slack()
-    # Compute ends where it was planned to, not where a sleep happened to wake up: a GPU does
-    # not overshoot, and a few tens of microseconds per layer would add up over hundreds of
-    # layers. Only waiting for communication moves the plan later.
-    clock = time.perf_counter()
-    for iteration in range(warmup + iterations + 1):
-        for j, layer in enumerate(layers):
-            if mode == "overlap" or j == 0:
-                waited = False
-                for pending in handles if mode == "barrier" else [handles[j]]:
-                    for handle in pending:
-                        waited = waited or not handle.done()
-                        handle.wait()
-                    pending.clear()
-                if waited:
-                    clock = max(clock, time.perf_counter())
-            if j == 0:
-                tuning_start = time.perf_counter()
-                commsched.autotune_step()  # the iteration boundary; a no-op unless autotune is on
-                clock += time.perf_counter() - tuning_start  # the tuner's own time counts
-                starts.append(clock)
-                if iteration == warmup + iterations:
-                    break
-            clock += layer.forward_s
-            _sleep_until(clock)
-        else:
-            for j in range(len(layers) - 1, -1, -1):
-                layer = layers[j]
-                clock += layer.backward_s
-                _sleep_until(clock)
-                for name, _ in reversed(layer.params):
-                    position = index_of[name]
-                    handles[j].append(
-                        commsched.allreduce_async(grads[position], name=name, priority=position)
-                    )
-    for pending in handles:
-        for handle in pending:
-            handle.wait()
-    return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
 def _slowest_per_iteration(comm: Any, periods: list[float]) -> list[float]:
@@ -294,7 +225,6 @@ def measure_size_costs(
     return costs
 
 
-_PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
 _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
@@ -374,15 +304,17 @@ def run(args: argparse.Namespace) -> int:
     grads = [
         np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
     ]
-    rows = []
     # --autotune adds one run per mode that starts from the defaults and tunes during the
     # warm-up; the fixed policies still run, for the baseline the speedup is measured against.
     runs = [(p, args.modes, False) for p in args.policies]
     runs += [("autotune", [m], True) for m in args.modes] if args.autotune else []
     progress = report.Progress(
-        sum(len(m) for _, m, _ in runs), "schedule", enabled=None if rank == 0 else False
+        sum(len(m) * (1 if tuned else min(args.rounds, args.iterations)) for _, m, tuned in runs),
+        "schedule",
+        enabled=None if rank == 0 else False,
     )
-    used = []
+    periods: dict[tuple[str, str], list[float]] = {}
+    used_by: dict[tuple[str, str], dict[str, Any]] = {}
     settings: dict[str, Any] = {}
     # The sizes scaled from commsched's defaults stand for the defaults: with --autotune the
     # search starts there and may change them, as it would change the defaults themselves.
@@ -391,39 +323,50 @@ def run(args: argparse.Namespace) -> int:
         for name in _SCALED_SETTINGS
         if name in autotune.FIELDS and getattr(args, name) is None and sizes[name] is not None
     ]
-    for policy, modes, tuned in runs:
-        commsched.init(
-            policy=None if tuned else policy,
-            autotune=False if tuned else None,
-            transport="mpi",
-            cycle_time=args.cycle_time,
-            # The link as measured here: the sizes are given, but the core also paces its tests of
-            # collectives in flight by the per-message latency (COMMSCHED_POLL_INTERVAL unset).
-            link_bandwidth=bandwidth,
-            link_latency=latency,
-            **sizes,
-        )
-        if tuned:
-            autotune.start(starting=starting)
-        settings = settings or commsched.config()  # the header shows the first run's settings
-        for mode in modes:
-            comm.Barrier()
-            periods = replay(layers, grads, mode, args.iterations, args.warmup)
-            # The mean is what a run takes; the median and the slowest iteration show stalls.
-            rows.append(
-                {
-                    "policy": policy,
-                    "mode": mode,
-                    "iteration_s": comm.allreduce(statistics.fmean(periods), op=MPI.MAX),
-                    "median_iteration_s": comm.allreduce(statistics.median(periods), op=MPI.MAX),
-                    "slowest_iteration_s": comm.allreduce(max(periods), op=MPI.MAX),
-                    # Each measured iteration on its slowest rank, so a stall can be placed.
-                    "iterations_s": _slowest_per_iteration(comm, periods),
-                }
+    warm_up(layers, grads, bandwidth, latency, sizes, args)
+    # Rounds interleave the policies, so a host that speeds up or slows down during the run
+    # (other jobs, frequency) weighs on each alike; a tuned run keeps its iterations together.
+    for round_index in range(args.rounds):
+        for policy, modes, tuned in runs:
+            count = args.iterations if tuned else round_share(args.iterations, args.rounds, round_index)
+            if count == 0 or (tuned and round_index > 0):
+                continue
+            commsched.init(
+                policy=None if tuned else policy,
+                autotune=False if tuned else None,
+                transport="mpi",
+                cycle_time=args.cycle_time,
+                # The link as measured here: the sizes are given, but the core also paces its tests of
+                # collectives in flight by the per-message latency (COMMSCHED_POLL_INTERVAL unset).
+                link_bandwidth=bandwidth,
+                link_latency=latency,
+                **sizes,
             )
-            used.append(commsched.config())  # what the tuner chose, for the simulator's column
-            progress.step(f"{policy}/{mode}")
-        commsched.shutdown()
+            if tuned:
+                autotune.start(starting=starting)
+            settings = settings or commsched.config()  # the header shows the first run's settings
+            for mode in modes:
+                comm.Barrier()
+                periods.setdefault((policy, mode), []).extend(replay(layers, grads, mode, count, args.warmup))
+                used_by[(policy, mode)] = commsched.config()  # what the tuner chose, for the simulator
+                progress.step(f"{policy}/{mode}")
+            commsched.shutdown()
+    rows = []
+    used = []
+    for (policy, mode), measured in periods.items():
+        # The mean is what a run takes; the median and the slowest iteration show stalls.
+        rows.append(
+            {
+                "policy": policy,
+                "mode": mode,
+                "iteration_s": comm.allreduce(statistics.fmean(measured), op=MPI.MAX),
+                "median_iteration_s": comm.allreduce(statistics.median(measured), op=MPI.MAX),
+                "slowest_iteration_s": comm.allreduce(max(measured), op=MPI.MAX),
+                # Each measured iteration on its slowest rank, so a stall can be placed.
+                "iterations_s": _slowest_per_iteration(comm, measured),
+            }
+        )
+        used.append(used_by[(policy, mode)])
     if rank != 0:
         return 0
     spec = sim_layers(layers)
@@ -561,8 +504,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", type=_list(MODES), default=list(MODES), help="comma list: overlap, barrier"
     )
-    parser.add_argument("--iterations", type=int, default=5, help="measured iterations per policy and mode")
+    parser.add_argument(
+        "--iterations", type=_count, default=5, help="measured iterations per policy and mode"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="iterations before measuring")
+    parser.add_argument(
+        "--rounds",
+        type=_count,
+        default=3,
+        help="interleave the policies in this many rounds, the iterations spread over them (default 3)",
+    )
     parser.add_argument(
         "--scale",
         type=float,
