@@ -73,7 +73,9 @@ def test_reconfigure_switches_every_rank_together() -> None:
     assert result.stdout.count("SCENARIO-OK") == 3
 
 
-@pytest.mark.parametrize(("scenario", "ranks"), [("identical", 3), ("mixed", 2), ("threads", 2), ("late", 2)])
+@pytest.mark.parametrize(
+    ("scenario", "ranks"), [("identical", 3), ("mixed", 2), ("budget", 2), ("threads", 2), ("late", 2)]
+)
 def test_inline_payloads_and_waiting_callers(scenario: str, ranks: int) -> None:
     """Small tensors reduced inline in the agreement round, and callers that run the core while waiting."""
     result = run_ranks(ranks, "inline_and_callers.py", scenario, timeout=180)

@@ -25,7 +25,8 @@ struct SchedulingSettings {
 inline constexpr int kMaxQuietCycles = 32;
 
 // Every rank receives every rank's inline payload, so the payloads one tensor puts in a round
-// (its size times the ranks) stay under this budget: at scale only the smallest go inline. It lets
+// (its size times the ranks), and all the payloads of one rank's report times the ranks, stay
+// under this budget: at scale only the smallest go inline. It lets
 // 64 KiB (COMMSCHED_INLINE_BYTES' largest) go inline at up to 4 ranks, where a CNN's first layer
 // (ResNet-50's conv1: 37 KiB), ready last and needed first, then skips the collectives in flight.
 inline constexpr uint64_t kInlineRoundBudgetBytes = 256 * 1024;
