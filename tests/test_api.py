@@ -176,6 +176,43 @@ def test_synchronous_calls_take_every_host_buffer(runtime: None, monkeypatch: py
     assert commsched.stats()["completed_tensors"] == 15
 
 
+def test_async_allreduce_takes_host_buffers_in_one_call(
+    runtime: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """allreduce_async hands a named host buffer to the core without the Python view, and leaves
+    torch tensors and numpy-integer priorities to the checked path."""
+    import array
+
+    def slow_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a host buffer went through the Python view")
+
+    monkeypatch.setattr(commsched, "_enqueue", slow_path)
+    for values in (
+        bytearray(b"\x01\x02"),
+        array.array("q", [2**40, -5]),
+        np.array([[1, 2], [3, 4]], np.int64),
+    ):
+        before = bytes(memoryview(values))
+        handle = commsched.allreduce_async(values, f"async.{type(values).__name__}", priority=-3)
+        assert handle.wait(timeout=10) is values and handle.name == f"async.{type(values).__name__}"
+        assert bytes(memoryview(values)) == before
+    averaged = commsched.allreduce_async(np.full(3, 4.0), "async.average", op="average").wait(10)
+    assert averaged.tolist() == [4.0, 4.0, 4.0]
+    monkeypatch.undo()
+    taken: list[str] = []
+    checked = commsched._enqueue
+
+    def counting(array: object, name: str, *args: object, **kwargs: object) -> object:
+        taken.append(name)
+        return checked(array, name, *args, **kwargs)
+
+    monkeypatch.setattr(commsched, "_enqueue", counting)
+    commsched.allreduce_async(np.ones(2), "numpy-priority", priority=np.int32(1)).wait(10)
+    torch = pytest.importorskip("torch")
+    commsched.allreduce_async(torch.ones(2), "torch-tensor").wait(10)
+    assert taken == ["numpy-priority", "torch-tensor"]
+
+
 @pytest.mark.parametrize("wait", [False, True], ids=["async", "sync"])
 def test_misuse_gets_clear_errors(runtime: None, wait: bool) -> None:
     """Read-only, non-contiguous, unsupported dtype, bool average, bad root, bad op, bad priority."""

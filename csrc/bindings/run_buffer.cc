@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "bindings/owner_table.h"
 #include "bindings/runtime_slot.h"
@@ -67,14 +68,13 @@ std::optional<DType> dtype_of(const char* format, Py_ssize_t itemsize) {
   }
 }
 
-// 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype
-// (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
-int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
-               double timeout_s, OwnerTable& owners) {
-  HeldBuffer buffer(array.ptr());
-  if (!buffer.held() || buffer.view().len == 0) return -1;
+// The spec of a collective on `buffer`; none when it is not a non-empty host buffer of a supported
+// dtype (commsched.buffers.view then says why, or handles it if it is a torch or GPU tensor).
+std::optional<TensorSpec> spec_of(const HeldBuffer& buffer, const std::string& name, ReduceOp op, CollectiveKind kind,
+                                  int root, int priority) {
+  if (!buffer.held() || buffer.view().len == 0) return std::nullopt;
   const std::optional<DType> dtype = dtype_of(buffer.view().format, buffer.view().itemsize);
-  if (!dtype) return -1;
+  if (!dtype) return std::nullopt;
   TensorSpec spec;
   spec.name = name;
   spec.dtype = *dtype;
@@ -89,10 +89,43 @@ int run_buffer(py::handle array, const std::string& name, ReduceOp op, Collectiv
   for (int dim = 1; dim < view.ndim && view.shape != nullptr; ++dim) {
     spec.row_shape.push_back(static_cast<uint64_t>(view.shape[dim]));
   }
+  return spec;
+}
+
+// What keeps `array`'s memory in place until the collective ends: a memoryview keeps the buffer
+// exported, so a bytearray cannot resize and an array cannot be freed under the core.
+py::object keeper_of(py::handle array) {
+  py::object keeper = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(array.ptr()));
+  if (!keeper) {
+    PyErr_Clear();
+    keeper = py::reinterpret_borrow<py::object>(array);
+  }
+  return keeper;
+}
+
+// Sum or average from commsched's op argument, and a priority that fits 32 bits; none when
+// Python must check them and name what is wrong (or take a numpy integer priority).
+std::optional<std::pair<ReduceOp, int>> checked_op_priority(py::handle op, py::handle priority_object) {
+  const bool average = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "average") == 0;
+  const bool sum = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "sum") == 0;
+  int overflow = 0;
+  const bool exact_int = PyLong_CheckExact(priority_object.ptr());
+  const long long priority = exact_int ? PyLong_AsLongLongAndOverflow(priority_object.ptr(), &overflow) : 0;
+  const bool priority_fits = exact_int && overflow == 0 && priority >= INT32_MIN && priority <= INT32_MAX;
+  if (!(sum || average) || !priority_fits) return std::nullopt;
+  return std::make_pair(average ? ReduceOp::kAverage : ReduceOp::kSum, static_cast<int>(priority));
+}
+
+// 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype.
+int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
+               double timeout_s, OwnerTable& owners) {
+  HeldBuffer buffer(array.ptr());
+  const std::optional<TensorSpec> spec = spec_of(buffer, name, op, kind, root, priority);
+  if (!spec) return -1;
   const std::shared_ptr<Runtime> runtime =
       runtime_slot().require(kind == CollectiveKind::kBroadcast ? "broadcast" : "allreduce");
   // This thread waits next and runs the core itself: waking the core's thread would only take a CPU.
-  const std::shared_ptr<HandleState> handle = runtime->enqueue(spec, buffer.view().buf, /*wake_core=*/false);
+  const std::shared_ptr<HandleState> handle = runtime->enqueue(*spec, buffer.view().buf, /*wake_core=*/false);
   using Clock = std::chrono::steady_clock;
   const bool limited = timeout_s >= 0;
   const Clock::time_point start = limited ? Clock::now() : Clock::time_point{};  // no clock read without a limit
@@ -115,12 +148,7 @@ int run_buffer(py::handle array, const std::string& name, ReduceOp op, Collectiv
       // bytearray cannot resize, an array cannot be freed) until it finishes.
       std::optional<py::error_already_set> signal;
       if (interrupted) signal.emplace();  // fetched first: no Python call may run with it set
-      py::object keeper = py::reinterpret_steal<py::object>(PyMemoryView_FromObject(array.ptr()));
-      if (!keeper) {
-        PyErr_Clear();
-        keeper = py::reinterpret_borrow<py::object>(array);
-      }
-      owners.keep(handle, std::move(keeper));
+      owners.keep(handle, keeper_of(array));
       if (signal) throw *signal;
       return 0;
     }
@@ -137,20 +165,33 @@ void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTa
       [owners](py::handle array, const std::string& name, py::handle op, py::handle priority_object, double timeout_s) {
         // Arguments commsched.allreduce has not checked yet: -2 sends the call to the path that
         // names what is wrong with them (or takes a numpy integer priority; a bool is refused).
-        const bool average = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "average") == 0;
-        const bool sum = PyUnicode_Check(op.ptr()) && PyUnicode_CompareWithASCIIString(op.ptr(), "sum") == 0;
-        int overflow = 0;
-        const bool exact_int = PyLong_CheckExact(priority_object.ptr());
-        const long long priority = exact_int ? PyLong_AsLongLongAndOverflow(priority_object.ptr(), &overflow) : 0;
-        const bool priority_fits = exact_int && overflow == 0 && priority >= INT32_MIN && priority <= INT32_MAX;
-        if (name.empty() || !(sum || average) || !priority_fits) return -2;
-        return commsched::run_buffer(array, name, average ? commsched::ReduceOp::kAverage : commsched::ReduceOp::kSum,
-                                     commsched::CollectiveKind::kAllreduce, 0, static_cast<int>(priority), timeout_s,
-                                     *owners);
+        const auto checked = commsched::checked_op_priority(op, priority_object);
+        if (name.empty() || !checked) return -2;
+        return commsched::run_buffer(array, name, checked->first, commsched::CollectiveKind::kAllreduce, 0,
+                                     checked->second, timeout_s, *owners);
       },
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("timeout_s"),
       "Allreduces a host buffer in place and waits (timeout_s < 0: no limit); 1 done, 0 timed out, "
       "-1 not a host buffer this call takes, -2 a name, op or priority to check in Python.");
+  module.def(
+      "allreduce_buffer_async",
+      [owners](py::handle array, const std::string& name, py::handle op, py::handle priority_object,
+               bool wake_core) -> py::object {
+        // As allreduce_buffer, without the wait: the handle, or None for the path that checks the
+        // arguments and the array in Python and names what is wrong.
+        const auto checked = commsched::checked_op_priority(op, priority_object);
+        if (name.empty() || !checked) return py::none();
+        commsched::HeldBuffer buffer(array.ptr());
+        const std::optional<commsched::TensorSpec> spec = commsched::spec_of(
+            buffer, name, checked->first, commsched::CollectiveKind::kAllreduce, 0, checked->second);
+        if (!spec) return py::none();
+        auto handle = commsched::runtime_slot().require("allreduce_async")->enqueue(*spec, buffer.view().buf, wake_core);
+        owners->keep(handle, commsched::keeper_of(array));
+        return py::cast(handle);
+      },
+      py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
+      "Starts an in-place allreduce of a host buffer and returns its handle; None: a name, op, priority or "
+      "array to check in Python.");
   module.def(
       "broadcast_buffer",
       [owners](py::handle array, const std::string& name, int root, int priority, double timeout_s) {
