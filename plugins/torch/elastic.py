@@ -20,6 +20,7 @@ import random
 from typing import Any
 
 from commsched.torch.collectives import broadcast_object
+from commsched.torch.elastic_commit import BackgroundCommit, directory_setting, supported
 from commsched.torch.functions import broadcast_optimizer_state, broadcast_parameters
 
 import commsched
@@ -115,10 +116,11 @@ class ElasticSampler(torch.utils.data.Sampler):
 class _Handler:
     """Commits, restores and synchronises one tracked object of a TorchState."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, keep: bool = True) -> None:
         self.value = value
         self.saved: Any = None
-        self.save()
+        if keep:
+            self.save()
 
     def set_value(self, value: Any) -> None:
         self.value = value
@@ -183,55 +185,102 @@ def _discard_in_flight(optimizer: Any) -> None:
     optimizer._synchronized = False
 
 
-def _handler_for(value: Any) -> _Handler | None:
+def _handler_for(value: Any, keep: bool = True) -> _Handler | None:
     if isinstance(value, torch.nn.Module):
-        return _ModelHandler(value)
+        return _ModelHandler(value, keep)
     if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
+        return _OptimizerHandler(value, keep)
     if isinstance(value, ElasticSampler):
-        return _SamplerHandler(value)
+        return _SamplerHandler(value, keep)
     return None
+
+
+_PAIR = ("model", "optimizer")  # committed in the background together (elastic_commit)
 
 
 class TorchState(ObjectState):
     """The state of a PyTorch training process: models, optimizers, ElasticSamplers (by keyword) and
-    plain picklable objects, committed to memory together (Horovod's TorchState)."""
+    plain picklable objects, committed to memory together (Horovod's TorchState).
 
-    def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+    `model` and `optimizer` are committed through the Checkpointer's background capture: commit()
+    returns before their parameters are copied (elastic_commit). With `checkpoint_dir` each commit is
+    also saved there by a commsched.torch.Checkpointer.
+    """
+
+    def __init__(
+        self, model: Any = None, optimizer: Any = None, checkpoint_dir: Any = None, **kwargs: Any
+    ) -> None:
         kwargs.update(model=model, optimizer=optimizer)
+        directory = directory_setting(checkpoint_dir)
+        background = supported(model, optimizer)
+        if directory is not None and not background:
+            raise ValueError(
+                "TorchState(checkpoint_dir=...) needs model= a torch.nn.Module and optimizer= an optimizer "
+                "that is not DistributedOptimizer(shard=True); save such state with commsched.torch.Checkpointer"
+            )
         handlers: dict[str, _Handler] = {}
         plain: dict[str, Any] = {}
         for name, value in kwargs.items():
-            handler = _handler_for(value)
+            handler = _handler_for(value, keep=not (background and name in _PAIR))
             if handler is not None:
                 handlers[name] = handler
             else:
                 plain[name] = value
         object.__setattr__(self, "_handlers", handlers)
+        object.__setattr__(self, "_directory", directory)
+        object.__setattr__(self, "_background", None)
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
+        if background:
+            self._start_background()
         super().__init__(bcast_object=broadcast_object, get_rank=commsched.rank, **plain)
 
+    def _start_background(self) -> None:
+        """Commits model and optimizer in the background from now on, starting with their current state."""
+        if self._background is not None:
+            self._background.close()
+        background = BackgroundCommit(self.model, self.optimizer, self._directory)
+        background.commit(background=False)
+        object.__setattr__(self, "_background", background)
+
+    def _own(self) -> dict[str, _Handler]:
+        """The handlers that commit and restore themselves (not the background pair)."""
+        if self._background is None:
+            return self._handlers
+        return {name: h for name, h in self._handlers.items() if name not in _PAIR}
+
     def save(self) -> None:
-        """Copies every tracked object's state into memory."""
-        for handler in self._handlers.values():
+        """Copies every tracked object's state into memory (model and optimizer in the background)."""
+        for handler in self._own().values():
             handler.save()
+        if self._background is not None:
+            self._background.commit()
         super().save()
+
+    def wait(self) -> None:
+        """Blocks until the last commit of model and optimizer is captured (before changing them outside step())."""
+        if self._background is not None:
+            self._background.wait()
 
     def restore(self) -> None:
         """Loads the last committed state into every tracked object."""
-        for handler in self._handlers.values():
+        if self._background is not None:
+            self._background.restore(_discard_in_flight)
+        for handler in self._own().values():
             handler.restore()
         super().restore()
 
     def sync(self) -> None:
         """Broadcasts rank 0's state (parameters, optimizer, sampler, objects) to every rank."""
+        self.wait()  # the broadcast writes into parameters a capture may not have copied yet
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
 
     def reset(self) -> None:
         """Re-shards the samplers over the new ranks."""
+        if self._background is not None:
+            self._background.close_disk()  # its collectives belong to the ranks that were
         for handler in self._handlers.values():
             if isinstance(handler, _SamplerHandler):
                 handler.value.reset()
@@ -239,5 +288,10 @@ class TorchState(ObjectState):
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers:
-            handlers[name].set_value(value)
+            if self.__dict__.get("_background") is not None and name in _PAIR:
+                handlers[name].value = value
+                object.__setattr__(self, name, value)
+                self._start_background()
+            else:
+                handlers[name].set_value(value)
         super().__setattr__(name, value)

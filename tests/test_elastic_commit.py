@@ -1,0 +1,166 @@
+"""TorchState commits through the background capture: restore() gives exactly the committed values
+while the capture still runs and after training changed the parameters, a failed capture leaves the
+previous commit, and a commit with checkpoint_dir is loadable by a Checkpointer. One process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import commsched.torch as cst
+from commsched.torch import checkpoint_capture, elastic_commit
+from commsched.torch.elastic import TorchState
+
+import commsched
+
+
+def build() -> tuple[Any, Any, Any]:
+    """A model with a batch-norm buffer, Adam (tensor state, a tensor step) and one input."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    return model, optimizer, torch.randn(8, 16)
+
+
+def step(model: Any, optimizer: Any, data: Any) -> None:
+    optimizer.zero_grad()
+    model(data).square().sum().backward()
+    optimizer.step()
+
+
+def snapshot(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[Any]]:
+    """Copies of the model's state, the optimizer's per-parameter state and its learning rates."""
+    state = {
+        i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for i, s in optimizer.state_dict()["state"].items()
+    }
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        state,
+        [g["lr"] for g in optimizer.param_groups],
+    )
+
+
+def assert_equal(got: Any, expected: Any) -> None:
+    model, state, lrs = got
+    assert model.keys() == expected[0].keys() and state.keys() == expected[1].keys()
+    for name, tensor in model.items():
+        assert torch.equal(tensor, expected[0][name]), name
+    for index, values in state.items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(expected[1][index][name])), (
+                index,
+                name,
+            )
+    assert lrs == expected[2]
+
+
+def test_restore_gives_the_commit_after_the_parameters_changed() -> None:
+    """Steps, a changed learning rate and a new batch-norm statistic after commit() are all undone."""
+    model, optimizer, data = build()
+    state = TorchState(model, optimizer, epoch=0)
+    step(model, optimizer, data)
+    state.commit()
+    committed = snapshot(model, optimizer)
+    for _ in range(3):
+        step(model, optimizer, data)
+    optimizer.param_groups[0]["lr"] = 1.0
+    state.epoch = 5
+    assert not torch.equal(model[0].weight, committed[0]["0.weight"])
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+    assert state.epoch == 0
+    # And again from the same commit: restoring does not let training write into the commit.
+    step(model, optimizer, data)
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+
+
+def test_restore_while_the_capture_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps taken before the background thread copied anything copy each parameter first, on the
+    training thread; restore() waits for the capture and gives exactly the committed values."""
+    model, optimizer, data = build()
+    state = TorchState(model, optimizer)
+    step(model, optimizer, data)
+    release = threading.Event()
+    monkeypatch.setattr(elastic_commit, "lower_priority", lambda: release.wait(10))
+    state.commit()
+    committed = snapshot(model, optimizer)
+    step(model, optimizer, data)
+    step(model, optimizer, data)
+    running = state._background._running
+    assert running is not None and running[0].is_alive(), "the capture finished before the steps"
+    assert running[1].inline_copies > 0
+    threading.Timer(0.2, release.set).start()
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+
+
+def test_a_failed_capture_leaves_the_previous_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that fails in the background is warned of; restore() goes back to the commit before."""
+    model, optimizer, data = build()
+    state = TorchState(model, optimizer)
+    step(model, optimizer, data)
+    state.commit()
+    state.wait()
+    committed = snapshot(model, optimizer)
+    step(model, optimizer, data)
+    original = checkpoint_capture._check
+
+    def failing(copy: Any, tensor: Any) -> Any:
+        if copy.piece.entry.key.startswith("optimizer.2."):
+            raise OSError("no memory for the copy")
+        return original(copy, tensor)
+
+    monkeypatch.setattr(checkpoint_capture, "_check", failing)
+    state.commit()
+    with pytest.warns(RuntimeWarning, match="was not captured .*no memory for the copy"):
+        state.wait()
+    monkeypatch.setattr(checkpoint_capture, "_check", original)
+    step(model, optimizer, data)
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+
+
+@pytest.fixture
+def started() -> Iterator[None]:
+    """commsched running on one rank for the test's duration."""
+    commsched.init(transport="loopback")
+    try:
+        yield
+    finally:
+        commsched.shutdown()
+
+
+def test_a_disk_commit_is_loadable(started: None, tmp_path: Path) -> None:
+    """With checkpoint_dir every commit is saved too; a Checkpointer loads the last into a fresh model."""
+    model, optimizer, data = build()
+    state = TorchState(model, optimizer, checkpoint_dir=tmp_path)
+    for _ in range(2):
+        step(model, optimizer, data)
+        state.commit()
+    committed = snapshot(model, optimizer)
+    step(model, optimizer, data)
+    state.restore()  # waits for the disk version too
+    fresh_model, fresh_optimizer, _ = build()
+    step(fresh_model, fresh_optimizer, data)  # Adam's state exists, so loading has something to replace
+    checkpointer = cst.Checkpointer(fresh_model, fresh_optimizer, tmp_path)
+    restored = checkpointer.load()
+    checkpointer.close()
+    assert restored is not None and restored.step == 3  # the commit at construction counts
+    assert_equal(snapshot(fresh_model, fresh_optimizer), committed)
+
+
+def test_checkpoint_dir_refuses_what_it_cannot_save(tmp_path: Path) -> None:
+    """checkpoint_dir without a model and an optimizer, or not a path, names the fix."""
+    with pytest.raises(ValueError, match="checkpoint_dir=.*needs model="):
+        TorchState(checkpoint_dir=tmp_path)
+    model, optimizer, _ = build()
+    with pytest.raises(TypeError, match="checkpoint_dir=.*directory path"):
+        TorchState(model, optimizer, checkpoint_dir=3)
