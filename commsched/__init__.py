@@ -36,17 +36,36 @@ from typing import Any
 
 def _source_tree_error() -> ImportError | None:
     """The error to raise when this package is a checkout's source folder with no built core: run
-    from the repository root after a non-editable install, Python imports the folder, not the install."""
+    from the repository root after a non-editable install, Python imports the folder, not the install.
+    None when there is no such trap, or when an installed copy of this very package lends the folder
+    its modules (then `__path__` leads there)."""
+    import hashlib
+    import importlib.machinery
     from pathlib import Path
 
     package = Path(__file__).resolve().parent
     if not (package.parent / "setup.py").is_file() or any(package.glob("_core*.so")):
         return None
+    # The installed copy elsewhere on sys.path; used only when its __init__.py is this one, so the
+    # checkout's own code runs with the modules built from it (a newer checkout would not match them).
+    elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != package.parent]
+    spec = importlib.machinery.PathFinder.find_spec(__name__, elsewhere)
+    installed = Path(spec.origin).parent if spec and spec.origin else None
+    if installed and any(installed.glob("_core*.so")):
+        digests = {hashlib.sha256((p / "__init__.py").read_bytes()).digest() for p in (package, installed)}
+        if len(digests) == 1:
+            # Both name the installed copy, as from any other folder (commsched-info reads __file__).
+            __path__[:] = [str(installed)]
+            globals()["__file__"] = str(installed / "__init__.py")
+            return None
+        found = f"; the commsched installed at {installed} is from other sources"
+    else:
+        found = ""
     return ImportError(
         f"commsched was imported from its source folder {package}, which has no built C++ core "
-        "(commsched._core): Python looks in the current directory first. Run from outside the "
-        "checkout (cd elsewhere) to use the installed commsched, or build it in place with "
-        "`pip install -e .` in the checkout."
+        f"(commsched._core){found}: Python looks in the current directory first. Run from outside the "
+        "checkout (cd elsewhere) to use the installed commsched, reinstall it from this checkout "
+        "(`pip install .`), or build it in place with `pip install -e .` in the checkout."
     )
 
 
@@ -54,9 +73,9 @@ try:
     from commsched import _core
 except ImportError:
     _trap = _source_tree_error()
-    if _trap is None:
-        raise
-    raise _trap from None
+    if _trap is not None:
+        raise _trap from None
+    from commsched import _core  # from the installed copy, or the first error again
 
 from commsched import buffers, link_probe, transports
 from commsched import config as _config

@@ -88,6 +88,53 @@ def test_source_tree_without_core_says_what_to_do(tmp_path: Path) -> None:
         assert "circular import" not in done.stderr, done.stderr
 
 
+def test_source_tree_uses_the_installed_copy_built_from_it(tmp_path: Path) -> None:
+    """From a checkout's root after a non-editable install of that checkout, commsched runs with the
+    installed modules; a source folder whose code differs from the install's fails naming the install."""
+    import numpy
+
+    source, site = tmp_path / "checkout", tmp_path / "site-packages"
+    without_builds = shutil.ignore_patterns("*.so", "__pycache__", "_build_report.json")
+    shutil.copytree(ROOT / "commsched", source / "commsched", ignore=without_builds)
+    shutil.copy(ROOT / "setup.py", source / "setup.py")
+    shutil.copytree(ROOT / "commsched", site / "commsched", ignore=without_builds)
+    for built in (ROOT / "commsched").glob("_*.so"):
+        (site / "commsched" / built.name).symlink_to(built)
+    # -S leaves out this venv's editable finder, which would lend the source folder the real _core;
+    # the copy standing for the install goes on sys.path after the current folder, then numpy's.
+    path = [str(site), str(Path(numpy.__file__).resolve().parents[1])]
+    script = (
+        f"import sys; sys.path += {path!r}; import numpy as np, commsched, commsched.run; "
+        "commsched.init(); print(commsched.allreduce(np.arange(4, dtype=np.float32), name='g')); "
+        "print(commsched.__file__); print(commsched.run.__file__); commsched.shutdown()"
+    )
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-S", "-c", script],
+            cwd=source,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    done = run()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[0. 1. 2. 3.]", lines
+    assert lines[1:] == [str(site / "commsched" / name) for name in ("__init__.py", "run.py")], lines
+    with (source / "commsched" / "__init__.py").open("a") as init:
+        init.write("# edited after the install\n")
+    done = run()
+    assert done.returncode != 0, done.stdout
+    assert f"the commsched installed at {site / 'commsched'} is from other sources" in done.stderr, (
+        done.stderr
+    )
+    assert "pip install -e ." in done.stderr, done.stderr
+
+
 def test_missing_tensorflow_is_named(tmp_path: Path) -> None:
     """commsched.tensorflow without TensorFlow says TensorFlow is needed and how to install it."""
     hide = "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None; import commsched.tensorflow"
