@@ -1,17 +1,29 @@
-"""Seconds from the SIGKILL of one of 4 ranks to the next completed step at 3 ranks, under
-`commsched-run -n 4 --min-np 3` (elastic training, the survivors re-form without restarting).
+"""Elastic training: recovery from a SIGKILL against torchrun's restart, and the cost of commit().
 
-    python benchmarks/elastic_recovery.py [--trials 5] [--ranks 4] [--transport gloo]
+    python benchmarks/elastic_recovery.py [--trials 5] [--ranks 4] [--transport gloo] [--json F]
+        [--only recovery,torchrun,commit] [--rounds 5] [--steps 60] [--every 10]
 
-Each trial runs tests/elastic_ranks/train.py; the rank launched as the last one SIGKILLs itself after
-step() of step 3 and writes the time just before; the survivors write the time of every completed
-step. Recovery is the first step at the smaller size minus the kill. Prints the median and range.
+recovery: seconds from the SIGKILL of one of 4 ranks to the next completed step at 3 ranks, under
+`commsched-run -n 4 --min-np 3` (the survivors re-form without restarting). Each trial runs
+tests/elastic_ranks/train.py; the rank launched as the last one SIGKILLs itself after step() of
+step 3 and writes the time just before; the survivors write the time of every completed step.
+
+torchrun: the same kill under `torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1` (c10d
+rendezvous, plain DDP over Gloo, a torch.save checkpoint every 5 steps): seconds from the kill to the
+first step a restarted worker completes (benchmarks/elastic_workers.py).
+
+commit: ms per step of the same 2-rank training without commits and with commit() every 10 steps,
+alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more.
+
+Prints medians with the range and writes every trial to --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
+WORKERS = ROOT / "benchmarks" / "elastic_workers.py"
+CHECKPOINT_EVERY = 5  # steps between torchrun's disk checkpoints
 
 
 def trial(ranks: int, transport: str, timeout_s: float) -> float:
@@ -53,25 +67,126 @@ def _times(path: Path, what: str) -> list[float]:
     return [float(line.split(" ", 1)[0]) for line in lines if line.split(" ", 1)[1] == what]
 
 
+def torchrun_trial(ranks: int, timeout_s: float) -> float:
+    """One torchrun run with one SIGKILL; returns seconds from the kill to the first step after the restart."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-restart-") as out:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+        torchrun = Path(sys.executable).with_name("torchrun")
+        command = [
+            str(torchrun),
+            "--nnodes",
+            "1:1",
+            "--nproc-per-node",
+            str(ranks),
+            "--max-restarts",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{_free_port()}",
+            str(WORKERS),
+            "torchrun",
+            out,
+            str(CHECKPOINT_EVERY),
+        ]
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the torchrun run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        killed = _times(Path(out) / f"times.0.{ranks - 1}", "fault")[0]
+        after = [
+            float(line.split(" ", 1)[0])
+            for rank in range(ranks)
+            for line in (Path(out) / f"times.1.{rank}").read_text().splitlines()
+        ]
+        return min(after) - killed
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def commit_cost(rounds: int, steps: int, every: int, timeout_s: float) -> dict[str, object]:
+    """ms per step without and with commits at 2 ranks, from one run (elastic_workers.py commit)."""
+    with tempfile.TemporaryDirectory(prefix="commit-cost-") as out:
+        result = Path(out) / "commit.json"
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+        command = [sys.executable, "-m", "commsched.run", "-n", "2", str(WORKERS), "commit", str(result)]
+        done = subprocess.run(
+            [*command, str(rounds), str(steps), str(every)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the commit-cost run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> None:
-    """Runs the trials and prints each and the median with the range."""
+    """Runs the measurements, prints a table and writes the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5, help="elastic runs (default 5)")
+    parser.add_argument("--trials", type=int, default=5, help="kills per launcher (default 5)")
     parser.add_argument("--ranks", type=int, default=4, help="ranks at the start (default 4)")
     parser.add_argument("--transport", default="gloo", choices=("gloo", "grpc"), help="default gloo")
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds per run before it counts as hung"
     )
+    parser.add_argument("--only", default="recovery,torchrun,commit", help="measurements to run")
+    parser.add_argument("--rounds", type=int, default=5, help="commit: rounds of each variant (default 5)")
+    parser.add_argument("--steps", type=int, default=60, help="commit: steps per round (default 60)")
+    parser.add_argument("--every", type=int, default=10, help="commit: steps between commits (default 10)")
+    parser.add_argument("--json", type=Path, help="write every trial here")
     args = parser.parse_args()
-    seconds = []
-    for number in range(args.trials):
-        seconds.append(trial(args.ranks, args.transport, args.timeout))
-        print(f"trial {number + 1}: {seconds[-1]:.2f} s", flush=True)
-    print(
-        f"SIGKILL of 1 of {args.ranks} ranks to the next step at {args.ranks - 1} ({args.transport}): "
-        f"median {statistics.median(seconds):.2f} s, range {min(seconds):.2f}-{max(seconds):.2f} s "
-        f"over {len(seconds)} trials"
-    )
+    chosen = set(args.only.split(","))
+    if chosen - {"recovery", "torchrun", "commit"}:
+        parser.error(f"--only {args.only!r}: choose from recovery, torchrun, commit")
+    report: dict[str, object] = {"ranks": args.ranks, "transport": args.transport}
+    rows = []
+    for name, run in (
+        ("recovery", lambda: trial(args.ranks, args.transport, args.timeout)),
+        ("torchrun", lambda: torchrun_trial(args.ranks, args.timeout)),
+    ):
+        if name not in chosen:
+            continue
+        seconds = []
+        for number in range(args.trials):
+            seconds.append(run())
+            print(f"{name} trial {number + 1}: {seconds[-1]:.2f} s", flush=True)
+        report[name] = {"seconds": seconds, **_summary(seconds)}
+        what = (
+            f"commsched-run --min-np {args.ranks - 1} ({args.transport})"
+            if name == "recovery"
+            else (f"torchrun --max-restarts 1, checkpoint every {CHECKPOINT_EVERY} steps")
+        )
+        rows.append((what, _summary(seconds), "s"))
+    if "commit" in chosen:
+        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4)
+        ms = cost["ms_per_step"]  # type: ignore[index]
+        none, commit = _summary(ms["none"]), _summary(ms["commit"])
+        cost["overhead_percent"] = 100 * (commit["median"] / none["median"] - 1)
+        report["commit"] = cost
+        rows.append(("2 ranks, no commits", none, "ms/step"))
+        rows.append((f"2 ranks, commit() every {args.every} steps", commit, "ms/step"))
+    print(f"\n| {'measurement':<56} | median | range | unit |")
+    for what, summary, unit in rows:
+        spread = f"{summary['min']:.2f}-{summary['max']:.2f}"
+        print(f"| {what:<56} | {summary['median']:.2f} | {spread} | {unit} |")
+    if "commit" in report:
+        print(
+            f"commit() every {args.every} steps costs {report['commit']['overhead_percent']:+.2f}% per step"
+        )  # type: ignore[index]
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

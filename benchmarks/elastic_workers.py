@@ -1,0 +1,157 @@
+"""The ranks of benchmarks/elastic_recovery.py: the cost of commit() and torchrun's restart from disk.
+
+    commsched-run -n 2 benchmarks/elastic_workers.py commit OUT.json ROUNDS STEPS EVERY
+    torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1 ... benchmarks/elastic_workers.py torchrun OUT K
+
+commit: each round trains STEPS steps without commits and STEPS steps with TorchState.commit() every
+EVERY steps (the two alternate, which goes first too, so drift of the host falls on both), a 6 MiB
+MLP over DistributedOptimizer with Adam; rank 0 writes the ms per step of every round to OUT.json.
+
+torchrun: plain DDP over Gloo; rank 0 torch.saves model and optimizer every K steps (under a temporary
+name, then renamed); every rank loads the newest checkpoint at start. In the first attempt the last
+rank SIGKILLs itself after step 2K + 1 and notes the time; every rank notes when each step completes,
+so the driver reads the time from the kill to the first step completed after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WIDTH = 768  # 3 layers of 768x768: 1.8 M parameters, 6.8 MiB (plus Adam's 13.5 MiB)
+BATCH = 64
+
+
+def mlp() -> torch.nn.Module:
+    """The model of both measurements."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(3):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
+
+
+def commit_cost(out: Path, rounds: int, steps: int, every: int) -> None:
+    """Rounds of the same training without and with commits; rank 0 writes ms per step."""
+    import commsched.torch as hvd
+    from commsched.torch.elastic import TorchState
+
+    torch.set_num_threads(1)  # one core per rank, as torchrun sets OMP_NUM_THREADS=1
+    hvd.init()
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-4), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    state = TorchState(model, optimizer, epoch=0)
+    data = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(hvd.rank()))
+    target = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(1))
+
+    in_commit: list[float] = []  # ms inside commit() on the training thread, per commit
+
+    def train(count: int, commit_every: int) -> float:
+        hvd.barrier()
+        start = time.perf_counter()
+        for step in range(count):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(data), target).backward()
+            optimizer.step()
+            if commit_every and (step + 1) % commit_every == 0:
+                called = time.perf_counter()
+                state.commit()
+                in_commit.append((time.perf_counter() - called) * 1000)
+        state.wait()  # a capture still running counts against the commits
+        hvd.barrier()
+        return (time.perf_counter() - start) * 1000 / count
+
+    train(steps // 2, every)  # warm-up of both paths, not measured
+    in_commit.clear()
+    results: dict[str, list[float]] = {"none": [], "commit": []}
+    for number in range(rounds):
+        order = ("none", "commit") if number % 2 == 0 else ("commit", "none")
+        for variant in order:
+            results[variant].append(train(steps, every if variant == "commit" else 0))
+    if hvd.rank() == 0:
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        report = {
+            "ms_per_step": results,
+            "ms_in_commit": in_commit,
+            "parameter_bytes": size,
+            "ranks": hvd.size(),
+        }
+        out.write_text(json.dumps(report))
+    hvd.shutdown()
+
+
+def torchrun_worker(out: Path, every: int) -> None:
+    """One DDP rank that resumes from the newest checkpoint; see the module's docstring."""
+    import torch.distributed as dist
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The agent's store outlives a restart: Gloo would read the addresses the killed attempt's ranks
+    # published and fail to connect, so each attempt keeps its keys under its own prefix.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=rank == 0 and not agent_store,
+        multi_tenant=not agent_store,
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=size
+    )
+    model = torch.nn.parallel.DistributedDataParallel(mlp())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    checkpoint = out / "checkpoint.pt"
+    start = 0
+    if checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        model.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"] + 1
+    data = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+    target = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(1))
+    kill_at = 2 * every + 1
+    log = open(out / f"times.{attempt}.{rank}", "a")  # noqa: SIM115 - open for the whole run
+    for step in range(start, kill_at + every + 2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(data), target).backward()
+        optimizer.step()
+        log.write(f"{time.time():.6f} step {step}\n")
+        log.flush()
+        if rank == 0 and (step + 1) % every == 0:
+            partial = checkpoint.with_suffix(".tmp")
+            torch.save(
+                {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                partial,
+            )
+            partial.replace(checkpoint)
+        if attempt == 0 and step == kill_at and rank == size - 1:
+            log.write(f"{time.time():.6f} fault\n")
+            log.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    log.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Dispatches to the measurement named by the first argument."""
+    kind, out = sys.argv[1], Path(sys.argv[2])
+    if kind == "commit":
+        commit_cost(out, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif kind == "torchrun":
+        torchrun_worker(out, int(sys.argv[3]))
+    else:
+        raise SystemExit(f"elastic_workers.py: unknown measurement {kind!r}; use commit or torchrun")
+
+
+if __name__ == "__main__":
+    main()
