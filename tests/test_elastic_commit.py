@@ -5,7 +5,6 @@ previous commit, and a commit with checkpoint_dir is loadable by a Checkpointer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,6 @@ torch = pytest.importorskip("torch")
 import commsched.torch as cst
 from commsched.torch import checkpoint_capture, elastic_commit
 from commsched.torch.elastic import TorchState
-
-import commsched
 
 
 def build() -> tuple[Any, Any, Any]:
@@ -128,17 +125,7 @@ def test_a_failed_capture_leaves_the_previous_commit(monkeypatch: pytest.MonkeyP
     assert_equal(snapshot(model, optimizer), committed)
 
 
-@pytest.fixture
-def started() -> Iterator[None]:
-    """commsched running on one rank for the test's duration."""
-    commsched.init(transport="loopback")
-    try:
-        yield
-    finally:
-        commsched.shutdown()
-
-
-def test_a_disk_commit_is_loadable(started: None, tmp_path: Path) -> None:
+def test_a_disk_commit_is_loadable(one_rank: None, tmp_path: Path) -> None:
     """With checkpoint_dir every commit is saved too; a Checkpointer loads the last into a fresh model."""
     model, optimizer, data = build()
     state = TorchState(model, optimizer, checkpoint_dir=tmp_path)
