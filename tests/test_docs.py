@@ -6,13 +6,14 @@
   every variable the docs name is read somewhere.
 * Relative links and images resolve; the README's headline figures and the plots' data are
   figures recorded in docs/measurements.md.
+* The guide's stated defaults against commsched.config() on loopback, MPI and Gloo:
+  tests/test_docs_defaults.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import re
 import subprocess
@@ -309,137 +310,7 @@ def test_docs_speak_of_the_product_not_of_its_making() -> None:
     assert not hits, "reword as facts about the product:\n" + "\n".join(hits)
 
 
-# -- The guide's settings tables against the code: defaults, messages, figures --------------------
-
-# Phrases that mark, inside a default that depends on the link, the value at one rank on loopback.
-ONE_RANK_CLAUSE = re.compile(
-    r"`([^`]+)`(?:[^;`|]*?)\b(?:at one rank|where no link is known|where nothing is measured)\b"
-    r"|\b(?:at one rank)[^;`|]*?`([^`]+)`"
-)
-# Settings whose default `auto` config() shows as what it chose; the row must name that choice.
-CHOSEN_ON_ONE_RANK = {"transport": "loopback for one rank"}
-UNSET_WORDS = ("off", "unset", "none")
-
-
-def _default_cells() -> dict[str, str]:
-    """Variable -> the default column of its row in docs/guide.md's settings tables."""
-    cells = {}
-    for variable, row in _guide_rows().items():
-        columns = [cell.strip() for cell in row.strip().strip("|").split("|")]
-        cells[variable] = columns[1]
-    return cells
-
-
-def _stated_on_one_rank(cell: str, parse) -> tuple[bool, object]:
-    """(True, value) when the default cell states a value that holds at one rank; (False, None) when
-    it describes what happens left unset."""
-
-    def parsed(text: str) -> tuple[bool, object]:
-        try:
-            return True, parse(text)
-        except (TypeError, ValueError):
-            return False, None
-
-    if cell.lower().startswith(UNSET_WORDS):
-        return False, None
-    first = re.match(r"`([^`]+)`", cell)
-    if first:
-        found, value = parsed(first.group(1))
-        if found:
-            return True, value
-    for match in ONE_RANK_CLAUSE.finditer(cell):
-        found, value = parsed(match.group(1) or match.group(2))
-        if found:
-            return True, value
-    return False, None
-
-
-def _loopback_config() -> dict:
-    """commsched.config() of one process on loopback, with no COMMSCHED_* variable set."""
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith("COMMSCHED_")
-        and name
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "PMI_RANK",
-            "PMI_SIZE",
-            "OMPI_COMM_WORLD_RANK",
-            "PMIX_RANK",
-        )
-    }
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
-    script = "import json, commsched; commsched.init(); print(json.dumps(commsched.config())); commsched.shutdown()"
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=environment,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def test_the_guides_defaults_are_what_config_shows_on_loopback() -> None:
-    """Every default the guide's settings tables state is what commsched.config() shows in one process
-    on loopback (no COMMSCHED_* set), and the Checkpointer's defaults are CHECKPOINT_DEFAULTS.
-
-    A default cell states a value when it starts with one in backticks (`1ms`), or when a value in
-    backticks sits in a clause for one rank ("`0` at one rank", "`1MiB` where no link is known",
-    "`4KiB` where nothing is measured"); a cell that starts with off, unset or none, or only
-    describes what happens when the setting is left unset (fitted to the link, the transport's own),
-    must find config() showing the setting unset (None or ""). Only loopback is checked: the
-    defaults fitted to a link measured over MPI or Gloo need several ranks, and those are checked
-    against the fitted rule in tests/test_link_defaults.py. Rows of variables that are not
-    init() settings (the job token, library paths, build switches) have no config() entry.
-    """
-    config = _loopback_config()
-    assert config["transport"] == "loopback" and config["size"] == 1, config
-    cells = _default_cells()
-    problems = []
-    checked = set()
-    specs = {
-        variable: (field, parse, config) for field, (variable, parse, _) in settings_module._SPECS.items()
-    }
-    specs.update(
-        {
-            variable: (name, parse, settings_module.CHECKPOINT_DEFAULTS)
-            for name, (variable, parse, _) in settings_module.CHECKPOINT_SPECS.items()
-        }
-    )
-    for variable, (field, parse, shown) in specs.items():
-        cell = cells.get(variable)
-        if cell is None:
-            continue  # a missing row is test_the_guide_documents_every_setting_and_its_options' failure
-        checked.add(variable)
-        stated, value = _stated_on_one_rank(cell, parse)
-        actual = shown[field]
-        if field in CHOSEN_ON_ONE_RANK and stated and value == "auto":
-            if CHOSEN_ON_ONE_RANK[field] not in _guide_rows()[variable] or not CHOSEN_ON_ONE_RANK[
-                field
-            ].startswith(str(actual)):
-                problems.append(
-                    f"  {variable}: `auto` chose {actual!r}; the row must say '{CHOSEN_ON_ONE_RANK[field]}'"
-                )
-        elif stated and value != actual:
-            problems.append(
-                f"  {variable}: the guide gives {value!r}, config() shows {actual!r} ({cell[:120]})"
-            )
-        elif not stated and actual not in (None, ""):
-            problems.append(
-                f"  {variable}: config() shows {actual!r} on loopback, but the guide's default states no value "
-                f'for one rank ({cell[:120]}); add e.g. "`{actual}` at one rank"'
-            )
-    assert len(checked) == len(specs), sorted(set(specs) - checked)
-    assert not problems, "docs/guide.md's defaults against commsched.config() on loopback:\n" + "\n".join(
-        problems
-    )
+# -- The guide's settings tables against the code: messages, figures (defaults: test_docs_defaults.py)
 
 
 def test_the_guides_quoted_setting_error_is_the_real_one() -> None:
