@@ -29,7 +29,7 @@ if _importlib_util.find_spec("tensorflow") is None:
         "Python: pip install tensorflow-cpu (or tensorflow for GPUs); for PyTorch use commsched.torch"
     )
 
-from commsched.tensorflow import callbacks, util
+from commsched.tensorflow import callbacks, elastic, util
 from commsched.tensorflow._build import BuildError
 from commsched.tensorflow._order import forward_order
 from commsched.tensorflow.callbacks import BroadcastGlobalVariablesCallback
@@ -55,6 +55,7 @@ from commsched.tensorflow.functions import (
     grouped_allreduce,
 )
 from commsched.tensorflow.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from commsched.tensorflow.sync_batch_norm import SyncBatchNormalization
 from commsched.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from commsched.tensorflow.util import (
     _executing_eagerly,  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
@@ -115,6 +116,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "add_process_set",
     "allgather",
     "allgather_object",
@@ -133,6 +135,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "forward_order",
     "global_process_set",
     "gloo_built",

@@ -1,4 +1,4 @@
-"""``import commsched.tensorflow.keras as hvd``: Horovod's Keras API (hvd.callbacks, DistributedOptimizer).
+"""``import commsched.tensorflow.keras as hvd``: Horovod's Keras API (hvd.callbacks, hvd.elastic, DistributedOptimizer).
 
 Everything of commsched.tensorflow, plus ``broadcast_global_variables``, which TensorFlow 2
 cannot run (there is no global collection of variables); it says what to use instead.
@@ -6,11 +6,16 @@ cannot run (there is no global collection of variables); it says what to use ins
 
 from __future__ import annotations
 
+import importlib as _importlib
 from typing import Any
 
 from commsched.tensorflow import *
 from commsched.tensorflow import __all__ as _tensorflow_all
 from commsched.tensorflow.keras import callbacks
+
+# By its full name: the star import set `elastic` to commsched.tensorflow's, and `from ... import
+# elastic` would return that attribute instead of loading the Keras module.
+elastic = _importlib.import_module("commsched.tensorflow.keras.elastic")
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -22,4 +27,4 @@ def broadcast_global_variables(root_rank: int) -> Any:
     )
 
 
-__all__ = [*_tensorflow_all, "broadcast_global_variables", "callbacks"]  # noqa: PLE0604
+__all__ = [*_tensorflow_all, "broadcast_global_variables", "callbacks", "elastic"]  # noqa: PLE0604
