@@ -1,5 +1,6 @@
 """The replayed training loop of `commsched-bench schedule`: compute emulated by sleeping, real
-gradient buffers through the real transport, in barrier or overlap mode.
+gradient buffers through the real transport, in barrier or overlap mode, allreduced or split into
+reduce-scatter and all-gather (ZeRO-2).
 
 Compute is emulated by sleeping (the CPU stays free, as it would with a GPU doing the work);
 the gradients are float32 buffers of the profile's sizes.
@@ -89,6 +90,84 @@ def replay(
                         commsched.allreduce_async(grads[position], name=name, priority=position)
                     )
     for pending in handles:
+        for handle in pending:
+            handle.wait()
+    return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
+
+
+def replay_shard(
+    layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int
+) -> list[float]:
+    """The training loop of ZeRO-2's split on this rank; returns each measured period.
+
+    Backward reduce-scatters each gradient with its forward position as priority. overlap: after
+    the backward, each parameter is stepped and its shard all-gathered once its own reduce-scatter
+    is done (checked at every layer boundary), and each layer's forward waits for its own gathers
+    only; barrier: the step waits for every reduce-scatter, then the gathers go in forward order and
+    the first layer waits for all of them (ZeRO and Megatron without overlap).
+    """
+    import commsched
+
+    index_of = {}
+    for layer in layers:
+        for name, _ in layer.params:
+            index_of[name] = len(index_of)
+    layer_of = [j for j, layer in enumerate(layers) for _ in layer.params]
+    names = [name for layer in layers for name, _ in layer.params]
+    gathers: list[list[Any]] = [[] for _ in layers]
+    scatters: dict[int, Any] = {}
+
+    def step(position: int) -> None:
+        shard = scatters.pop(position).wait()
+        gathers[layer_of[position]].append(
+            commsched.allgather_async(shard, name=f"{names[position]}.param", priority=position)
+        )
+
+    def step_done() -> None:
+        for position in sorted(p for p, handle in scatters.items() if handle.done()):
+            step(position)
+
+    starts: list[float] = []
+    _tighten_timer_slack()
+    clock = time.perf_counter()  # compute keeps its plan; only waits for communication move it
+    for iteration in range(warmup + iterations + 1):
+        for j, layer in enumerate(layers):
+            if mode == "overlap" or j == 0:
+                step_done()
+                # This layer's parameters not yet stepped wait for their reduce-scatter now.
+                own = [p for p in sorted(scatters) if layer_of[p] == j] if mode == "overlap" else []
+                waited = any(not scatters[p].done() for p in own)
+                for position in own:
+                    step(position)
+                for pending in gathers if mode == "barrier" else [gathers[j]]:
+                    for handle in pending:
+                        waited = waited or not handle.done()
+                        handle.wait()
+                    pending.clear()
+                if waited:
+                    clock = max(clock, time.perf_counter())
+            if j == 0:
+                starts.append(clock)
+                if iteration == warmup + iterations:
+                    break
+            clock += layer.forward_s
+            _sleep_until(clock)
+        else:
+            for back in reversed(layers):
+                clock += back.backward_s
+                _sleep_until(clock)
+                for name, _ in reversed(back.params):
+                    position = index_of[name]
+                    scatters[position] = commsched.reducescatter_async(
+                        grads[position], name=f"{name}.grad", priority=position
+                    )
+            if mode == "barrier":
+                waited = not all(handle.done() for handle in scatters.values())
+                for position in sorted(scatters):
+                    step(position)
+                if waited:
+                    clock = max(clock, time.perf_counter())
+    for pending in gathers:
         for handle in pending:
             handle.wait()
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from commsched.bench import report
 from commsched.bench.overhead import measure_collective_overhead
-from commsched.bench.replay import TimedLayer, replay, round_share, warm_up
+from commsched.bench.replay import TimedLayer, replay, replay_shard, round_share, warm_up
 from commsched.config import parse_size, resolve
 from commsched.link_defaults import default_inline_bytes, default_sizes
 
@@ -264,6 +264,9 @@ def _replay_sizes(
 
 def run(args: argparse.Namespace) -> int:
     """Replays the profile under every requested policy and mode; rank 0 prints the report."""
+    if args.shard and args.autotune:
+        print("commsched-bench schedule: --shard replays fixed settings; drop --autotune", file=sys.stderr)
+        return 2
     import numpy as np
     from mpi4py import MPI
 
@@ -347,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
             settings = settings or commsched.config()  # the header shows the first run's settings
             for mode in modes:
                 comm.Barrier()
-                periods.setdefault((policy, mode), []).extend(replay(layers, grads, mode, count, args.warmup))
+                loop = replay_shard if args.shard else replay
+                periods.setdefault((policy, mode), []).extend(loop(layers, grads, mode, count, args.warmup))
                 used_by[(policy, mode)] = commsched.config()  # what the tuner chose, for the simulator
                 progress.step(f"{policy}/{mode}")
             commsched.shutdown()
@@ -372,7 +376,15 @@ def run(args: argparse.Namespace) -> int:
     spec = sim_layers(layers)
     predicted = [
         sim_cli.predict(
-            spec, ranks, bandwidth, latency, s, [s["policy"]], [row["mode"]], size_costs=size_costs
+            spec,
+            ranks,
+            bandwidth,
+            latency,
+            s,
+            [s["policy"]],
+            [row["mode"]],
+            size_costs=size_costs,
+            shard=args.shard,
         )[0]
         for s, row in zip(used, rows)
     ]
@@ -405,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
     header = {
         "model": profile.name,
         "ranks": ranks,
+        "shard": args.shard,
         "scale": args.scale,
         "device_tflops": args.device_tflops,
         "time_scale": time_scale,
@@ -453,8 +466,11 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: Text
     def say(text: str) -> None:
         print(text, file=out)
 
+    split = (
+        ", reduce-scatter in backward and all-gather after the step (ZeRO-2)" if header.get("shard") else ""
+    )
     say(
-        f"# model {header['model']} on {header['ranks']} ranks, sizes and compute scaled down by {header['scale']:g}"
+        f"# model {header['model']} on {header['ranks']} ranks{split}, sizes and compute scaled down by {header['scale']:g}"
         f" ({report.human_size(header['gradient_bytes'])} of gradients per iteration)"
     )
     say(
@@ -549,6 +565,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="measure the cost per byte by message size, for the simulator's column and for m and best "
         "(a few seconds; without it every size costs what the raw allreduce of all gradients does)",
+    )
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="ZeRO-2's split: reduce-scatter each gradient in backward, all-gather each parameter after "
+        "the step (overlap: each layer's forward waits for its own; barrier: for all); best is the split's",
     )
     parser.add_argument(
         "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"

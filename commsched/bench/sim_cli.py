@@ -79,6 +79,7 @@ def predict(
     scale: float = 1.0,
     algorithm: str = "ring",
     rounds: str = "channel",
+    shard: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (policy, mode): simulated iteration time with the bound and the best schedule.
 
@@ -92,8 +93,12 @@ def predict(
     `algorithm` is the allreduce the transport runs (collective_model.ALGORITHMS); the defaults and
     the best schedule use the same one. `rounds` is where agreement rounds travel: "channel" (their
     own connection, the default across hosts) or "data" (behind the collectives' bytes); the
-    defaults follow it as init() does.
+    defaults follow it as init() does. `shard` replays ZeRO-2's split (reduce-scatter in backward,
+    all-gather after the step, each half an allreduce) against the best schedule for the split; at
+    one rank nothing crosses a wire and every row is the compute.
     """
+    if ranks == 1:
+        return _one_rank_rows(layers, settings, policies, modes, bandwidth_bytes_per_s, algorithm)
     given_partition = settings.get("partition_bytes")
     link_defaults = default_sizes(
         ranks,
@@ -111,7 +116,7 @@ def predict(
     # The best schedule moves every byte at the best rate the link showed at any message size, and
     # pays the algorithm's latency once per reduction.
     best_rate = bandwidth_bytes_per_s / min([1.0] + [factor for _, factor in size_costs])
-    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s, algorithm)
+    best = simulate_ideal(layers, ranks, best_rate, iterations, warmup, latency_s, algorithm, shard)
     rows = []
     for policy in policies:
         for mode in modes:
@@ -133,6 +138,7 @@ def predict(
                 list(size_costs),
                 algorithm,
                 rounds,
+                shard,
             )
             result.pop("iteration_starts_s")
             # The columns' c and m: those of the best schedule (see the docstring).
@@ -154,12 +160,55 @@ def predict(
                     hidden=min(1.0, max(0.0, hidden)),
                 )
             )
+    return _compare(rows)
+
+
+def _compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     baseline = {(r["policy"], r["mode"]): r["iteration_s"] for r in rows}.get(("fifo", "barrier"))
     for row in rows:
         row["vs_best"] = row["iteration_s"] / row["best_s"]
         row["speedup"] = baseline / row["iteration_s"] if baseline else None
     return rows
 
+
+def _one_rank_rows(
+    layers: list[tuple[str, float, float, list[int]]],
+    settings: dict[str, Any],
+    policies: Sequence[str],
+    modes: Sequence[str],
+    bandwidth_bytes_per_s: float,
+    algorithm: str,
+) -> list[dict[str, Any]]:
+    # One rank holds every shard: no collective moves a byte, so each schedule is the compute.
+    compute = sum(forward + backward for _, forward, backward, _ in layers)
+    zero = {"launches": 0, "fused_launches": 0, "cycles": 0, "max_bytes_in_flight": 0, "communication_s": 0.0}
+    sizes = {
+        name: int(settings.get(name) or 0) for name in ("partition_bytes", "credit_bytes", "fusion_bytes")
+    }
+    rows = [
+        dict(
+            zero,
+            **sizes,
+            iteration_s=compute,
+            compute_s=compute,
+            bound_s=compute,
+            sum_s=compute,
+            best_s=compute,
+            hidden=1.0,
+            policy=policy,
+            mode=mode,
+            ranks=1,
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            algorithm=algorithm,
+        )
+        for policy in policies
+        for mode in modes
+    ]
+    return _compare(rows)
+
+
+# The split's collectives as the simulator costs them: half of an allreduce of these algorithms.
+SHARD_ALGORITHMS = ("ring", "halving-doubling")
 
 COLUMNS: list[report.Column] = [
     ("ranks", "ranks", "d"),
@@ -264,6 +313,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
     )
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="ZeRO-2's split: each gradient reduce-scattered in backward, each parameter all-gathered after "
+        "the step in forward order (overlap: each layer's forward waits for its own; barrier: for all), each "
+        "half an allreduce; best is the best schedule for the split; --ranks may include 1",
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart")
     return parser
 
@@ -281,12 +337,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency = parse_duration(args.latency)
         exchange = parse_duration(args.exchange) if args.exchange else -1.0
         rank_counts = [int(n) for n in args.ranks.split(",")]
-        if min(rank_counts) < 2:
-            raise ValueError(f"--ranks {args.ranks!r}: the simulator needs 2 or more ranks in each count")
+        if min(rank_counts) < (1 if args.shard else 2):
+            least = (
+                "1 or more ranks in each count with --shard"
+                if args.shard
+                else "2 or more ranks in each count"
+            )
+            raise ValueError(f"--ranks {args.ranks!r}: the simulator needs {least}")
         rates = [parse_rate(r) for r in args.bandwidth.split(",")]
         size_costs = parse_size_costs(args.size_costs)
         if args.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm {args.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if args.shard and args.algorithm not in SHARD_ALGORITHMS:
+            raise ValueError(
+                f"--shard models reduce-scatter and all-gather as half of a ring or halving-doubling allreduce; "
+                f"--algorithm {args.algorithm} has no such half: use --algorithm {' or '.join(SHARD_ALGORITHMS)}"
+            )
     except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"commsched-sim: {error}", file=sys.stderr)
         return 2
@@ -320,12 +386,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.scale,
                 args.algorithm,
                 args.rounds,
+                args.shard,
             )
     out = report.text_stream(args.json)
     print(
         f"# {profile.name}: {report.human_size(total)} of gradients, compute {compute * 1e3:.2f} ms per iteration "
         f"(FLOPs at {args.device_tflops:g} TFLOP/s, time scale {args.time_scale:g}, scale {args.scale:g}); "
-        f"latency {latency * 1e6:g} us, {args.algorithm} allreduce, agreement rounds "
+        f"latency {latency * 1e6:g} us, {args.algorithm} "
+        f"{'reduce-scatter in backward + all-gather after the step (ZeRO-2)' if args.shard else 'allreduce'}, "
+        "agreement rounds "
         f"{'on their own channel' if args.rounds == 'channel' else 'behind the data'}; simulated with the real scheduler",
         file=out,
     )
@@ -357,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "latency_s": latency,
                 "algorithm": args.algorithm,
                 "rounds": args.rounds,
+                "shard": args.shard,
                 "size_costs": size_costs,
                 "settings": settings,
                 "results": rows,

@@ -95,7 +95,7 @@ void register_simulator(py::module_& module) {
          const std::string& policy, uint64_t partition_bytes, uint64_t credit_bytes, uint64_t fusion_bytes,
          const std::string& mode, double cycle_time_s, double exchange_s, int iterations, int warmup,
          const std::string& link, const std::vector<SizeCostTuple>& size_costs, const std::string& algorithm,
-         const std::string& rounds) {
+         const std::string& rounds, bool shard) {
         if (policy != "priority" && policy != "fifo") throw UsageError("policy must be 'priority' or 'fifo'");
         if (mode != "barrier" && mode != "overlap") throw UsageError("mode must be 'barrier' or 'overlap'");
         if (rounds != "data" && rounds != "channel") throw UsageError("rounds must be 'data' or 'channel'");
@@ -108,6 +108,7 @@ void register_simulator(py::module_& module) {
         settings.exchange_s = exchange_s;
         settings.iterations = iterations;
         settings.warmup = warmup;
+        settings.shard = shard;
         const auto spec = to_layers(layers);
         sim::SimResult result;
         {
@@ -121,28 +122,32 @@ void register_simulator(py::module_& module) {
       py::arg("policy"), py::arg("partition_bytes"), py::arg("credit_bytes"), py::arg("fusion_bytes"),
       py::arg("mode"), py::arg("cycle_time_s") = 0.001, py::arg("exchange_s") = -1.0, py::arg("iterations") = 6,
       py::arg("warmup") = 2, py::arg("link") = "fifo", py::arg("size_costs") = std::vector<SizeCostTuple>{},
-      py::arg("algorithm") = "ring", py::arg("rounds") = "data",
+      py::arg("algorithm") = "ring", py::arg("rounds") = "data", py::arg("shard") = false,
       "Predicts the iteration time of a profile under the real Scheduler and a network model; rounds='data' "
       "queues agreement rounds behind the bytes on the link (rounds in the transport's own connection), "
-      "'channel' does not (the TCP control channel, low-delay marked, the default across hosts).");
+      "'channel' does not (the TCP control channel, low-delay marked, the default across hosts). shard=True "
+      "replays ZeRO-2's split: reduce-scatters in backward, each half an allreduce's cost, then each parameter's "
+      "step and all-gather (overlap: once its own reduce-scatter is done; barrier: once all are).");
 
   module.def(
       "simulate_ideal",
       [](const std::vector<LayerTuple>& layers, int ranks, double bandwidth_bytes_per_s, int iterations,
-         int warmup, double latency_s, const std::string& algorithm) {
+         int warmup, double latency_s, const std::string& algorithm, bool shard) {
         const auto spec = to_layers(layers);
         const auto network = to_network(ranks, bandwidth_bytes_per_s, latency_s, "fifo", {}, algorithm);
         sim::SimResult result;
         {
           py::gil_scoped_release release;
-          result = sim::simulate_ideal(spec, network, iterations, warmup);
+          result = sim::simulate_ideal(spec, network, iterations, warmup, shard);
         }
         return to_dict(result);
       },
       py::arg("layers"), py::arg("ranks"), py::arg("bandwidth_bytes_per_s"), py::arg("iterations") = 6,
-      py::arg("warmup") = 2, py::arg("latency_s") = 0.0, py::arg("algorithm") = "ring",
+      py::arg("warmup") = 2, py::arg("latency_s") = 0.0, py::arg("algorithm") = "ring", py::arg("shard") = false,
       "The best schedule possible: overlap with an infinitely preemptive, zero-overhead link; each reduction "
-      "moves the algorithm's wire bytes and pays its latency once (ring: 2(n-1) * latency_s) after its last byte.");
+      "moves the algorithm's wire bytes and pays its latency once (ring: 2(n-1) * latency_s) after its last byte. "
+      "shard=True: the best for ZeRO-2's split, each reduce-scatter and all-gather half of that, a parameter's "
+      "all-gather starting once its reduce-scatter is done and the backward has ended.");
 
   module.def(
       "allreduce_cost",

@@ -33,6 +33,21 @@ std::vector<Param> flatten(const std::vector<LayerSpec>& layers) {
   return params;
 }
 
+// Tensor ids: iteration * params + index; with the split, (2 * iteration + phase) * params + index, phase 0
+// the reduce-scatter of the gradient and 1 the all-gather of the updated parameter.
+struct Ids {
+  uint64_t params = 1;
+  bool shard = false;
+  const Param& param(const std::vector<Param>& all, uint64_t id) const { return all[id % params]; }
+  bool gather(uint64_t id) const { return shard && (id / params) % 2 == 1; }
+  // What one collective of the tensor costs relative to an allreduce of it: the split moves half.
+  double share() const { return shard ? 0.5 : 1.0; }
+  CollectiveKind kind(uint64_t id) const {
+    if (!shard) return CollectiveKind::kAllreduce;
+    return gather(id) ? CollectiveKind::kAllgather : CollectiveKind::kReducescatter;
+  }
+};
+
 // Where gradients go once ready: the modelled runtime, or the ideal link.
 class Comm {
  public:
@@ -47,8 +62,18 @@ class Comm {
 // layer's gradients handed to Comm as its backward ends.
 class Trainer {
  public:
-  Trainer(const std::vector<LayerSpec>& layers, const std::vector<Param>& params, Mode mode, int iterations)
-      : layers_(layers), params_(params), mode_(mode), iterations_(iterations), pending_(layers.size(), 0) {
+  // With the split, `eager_gather` steps each parameter and starts its all-gather once its own
+  // reduce-scatter is done after the backward (overlap); otherwise the step waits for every
+  // reduce-scatter and then starts the all-gathers in forward order (barrier).
+  Trainer(const std::vector<LayerSpec>& layers, const std::vector<Param>& params, Mode mode, int iterations,
+          Ids ids, bool eager_gather)
+      : layers_(layers),
+        params_(params),
+        mode_(mode),
+        iterations_(iterations),
+        ids_(ids),
+        eager_gather_(eager_gather),
+        pending_(layers.size(), 0) {
     for (size_t l = 0; l < layers.size(); ++l) ops_.push_back(Op{true, static_cast<uint32_t>(l)});
     for (size_t l = layers.size(); l-- > 0;) ops_.push_back(Op{false, static_cast<uint32_t>(l)});
     params_of_layer_.resize(layers.size());
@@ -59,8 +84,15 @@ class Trainer {
   double next_event_s() const { return running_ ? op_end_s_ : kNever; }
   const std::vector<double>& starts() const { return starts_; }
 
-  void on_done(uint64_t tensor_id) {
-    const Param& param = params_[tensor_id % params_.size()];
+  void on_done(uint64_t tensor_id, double now_s, Comm& comm) {
+    const Param& param = ids_.param(params_, tensor_id);
+    if (ids_.shard && !ids_.gather(tensor_id)) {
+      // A reduced gradient shard: the parameter still waits for its step and all-gather.
+      --scatters_left_;
+      stepped_ids_.push_back(tensor_id + params_.size());
+      if (stepped_) start_gathers(now_s, comm);
+      return;
+    }
     --pending_[param.layer];
     --total_pending_;
   }
@@ -101,16 +133,31 @@ class Trainer {
     return true;
   }
 
+  // Starts the all-gathers whose step may run now, in forward order.
+  void start_gathers(double now_s, Comm& comm) {
+    if (!eager_gather_ && scatters_left_ > 0) return;
+    std::sort(stepped_ids_.begin(), stepped_ids_.end());
+    for (uint64_t id : stepped_ids_) comm.submit(now_s, id);
+    stepped_ids_.clear();
+  }
+
   void finish_op(double now_s, Comm& comm) {
     running_ = false;
     const Op& op = ops_[op_index_];
     if (!op.forward) {
+      if (op_index_ == layers_.size()) stepped_ = false;  // a new backward: its step comes after it
       const auto& owned = params_of_layer_[op.layer];
+      const uint64_t round = static_cast<uint64_t>(iteration_) * (ids_.shard ? 2 : 1);
       // Autograd produces a layer's gradients last parameter first.
       for (auto it = owned.rbegin(); it != owned.rend(); ++it) {
         ++pending_[op.layer];
         ++total_pending_;
-        comm.submit(now_s, static_cast<uint64_t>(iteration_) * params_.size() + *it);
+        scatters_left_ += ids_.shard ? 1 : 0;
+        comm.submit(now_s, round * params_.size() + *it);
+      }
+      if (op.layer == 0 && ids_.shard) {
+        stepped_ = true;  // the optimizer steps once the backward has ended
+        start_gathers(now_s, comm);
       }
     }
     if (++op_index_ == ops_.size()) {
@@ -123,10 +170,15 @@ class Trainer {
   const std::vector<Param>& params_;
   const Mode mode_;
   const int iterations_;
+  const Ids ids_;
+  const bool eager_gather_;
   std::vector<Op> ops_;
   std::vector<std::vector<size_t>> params_of_layer_;
   std::vector<int> pending_;  // unfinished reductions per layer
   int total_pending_ = 0;
+  int scatters_left_ = 0;              // reduce-scatters of the running iteration not done yet
+  bool stepped_ = false;               // the backward has ended: the step may update reduced shards
+  std::vector<uint64_t> stepped_ids_;  // all-gathers whose reduce-scatter is done, not started yet
   size_t op_index_ = 0;
   int iteration_ = 0;
   bool running_ = false;
@@ -143,8 +195,9 @@ double exchange_steps(int ranks) {
 // The runtime loop of csrc/core/runtime_drive.cc on a virtual clock, over a SharedLink.
 class RuntimeComm : public Comm {
  public:
-  RuntimeComm(const std::vector<Param>& params, const NetworkSpec& network, const SimSettings& settings)
+  RuntimeComm(const std::vector<Param>& params, const NetworkSpec& network, const SimSettings& settings, Ids ids)
       : params_(params),
+        ids_(ids),
         network_(network),
         cycle_s_(settings.cycle_time_s),
         exchange_s_(settings.exchange_s >= 0 ? settings.exchange_s : exchange_steps(network.ranks) * network.latency_s),
@@ -206,9 +259,11 @@ class RuntimeComm : public Comm {
     const bool quiet = announced_.empty() && in_flight_.empty() && scheduler_.queued_chunks() == 0;
     heartbeat_s_ = quiet ? std::min(2 * heartbeat_s_, kMaxQuietCycles * cycle_s_) : cycle_s_;
     for (uint64_t id : announced_) {
-      const Param& param = params_[id % params_.size()];
+      const Param& param = ids_.param(params_, id);
       TensorSpec spec;
       spec.name = std::to_string(id);
+      // The scheduler cuts and fuses only allreduces; the split's collectives go whole, as in training.
+      spec.kind = ids_.kind(id);
       spec.count = param.bytes / dtype_size(spec.dtype);
       spec.priority = param.priority;
       chunks_left_[id] = scheduler_.add(id, spec);
@@ -231,8 +286,9 @@ class RuntimeComm : public Comm {
     for (Launch& launch : scheduler_.next_launches()) {
       ++launches_;
       fused_launches_ += launch.chunks.size() > 1 ? 1 : 0;
-      link_.start(launch.seq, now_s, collective_latency_s(launch.bytes, network_),
-                  collective_wire_bytes(launch.bytes, network_));
+      const double share = launch.kind == CollectiveKind::kAllreduce ? 1.0 : ids_.share();
+      link_.start(launch.seq, now_s, share * collective_latency_s(launch.bytes, network_),
+                  share * collective_wire_bytes(launch.bytes, network_));
       in_flight_.emplace(launch.seq, std::move(launch));
     }
     max_bytes_in_flight_ = std::max(max_bytes_in_flight_, scheduler_.bytes_in_flight());
@@ -257,6 +313,7 @@ class RuntimeComm : public Comm {
   }
 
   const std::vector<Param>& params_;
+  const Ids ids_;
   const NetworkSpec network_;
   const double cycle_s_;
   const double exchange_s_;
@@ -287,14 +344,14 @@ class RuntimeComm : public Comm {
 // last byte: no schedule avoids paying it once.
 class IdealComm : public Comm {
  public:
-  IdealComm(const std::vector<Param>& params, const NetworkSpec& network)
-      : params_(params), network_(network), rate_(network.bandwidth_bytes_per_s) {}
+  IdealComm(const std::vector<Param>& params, const NetworkSpec& network, Ids ids)
+      : params_(params), ids_(ids), network_(network), rate_(network.bandwidth_bytes_per_s) {}
 
   void submit(double now_s, uint64_t tensor_id) override {
     serve(now_s);
-    const Param& param = params_[tensor_id % params_.size()];
+    const Param& param = ids_.param(params_, tensor_id);
     ready_.emplace(Key{param.priority, next_seq_++},
-                   Ready{tensor_id, collective_cost(param.bytes, network_).wire_bytes});
+                   Ready{tensor_id, ids_.share() * collective_cost(param.bytes, network_).wire_bytes});
   }
 
   double next_event_s() const override {
@@ -307,7 +364,8 @@ class IdealComm : public Comm {
       now_s_ = served_next_s();
       // Under a library's choice of algorithm the delay depends on the size: visibility is kept by time.
       const uint64_t tensor_id = ready_.begin()->second.tensor_id;
-      delayed_.emplace(now_s_ + collective_latency_s(params_[tensor_id % params_.size()].bytes, network_), tensor_id);
+      const double latency_s = ids_.share() * collective_latency_s(ids_.param(params_, tensor_id).bytes, network_);
+      delayed_.emplace(now_s_ + latency_s, tensor_id);
       ready_.erase(ready_.begin());
     }
     serve(now_s);
@@ -336,6 +394,7 @@ class IdealComm : public Comm {
   }
 
   const std::vector<Param>& params_;
+  const Ids ids_;
   const NetworkSpec network_;
   const double rate_;
   double now_s_ = 0;
@@ -364,13 +423,13 @@ void check_inputs(const std::vector<LayerSpec>& layers, const NetworkSpec& netwo
 }
 
 SimResult run(const std::vector<LayerSpec>& layers, const std::vector<Param>& params, const NetworkSpec& network,
-              Mode mode, int iterations, int warmup, Comm& comm) {
-  Trainer trainer(layers, params, mode, warmup + iterations);
+              Mode mode, int iterations, int warmup, Comm& comm, Ids ids, bool eager_gather) {
+  Trainer trainer(layers, params, mode, warmup + iterations, ids, eager_gather);
   trainer.advance(0, comm);
   while (!trainer.finished()) {
     const double t = std::min(trainer.next_event_s(), comm.next_event_s());
     if (!(t < kHorizonS)) throw std::logic_error("the simulated training loop stopped making progress");
-    for (uint64_t id : comm.advance(t)) trainer.on_done(id);
+    for (uint64_t id : comm.advance(t)) trainer.on_done(id, t, comm);
     trainer.advance(t, comm);
   }
   SimResult result;
@@ -392,18 +451,22 @@ SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& netw
   check_inputs(layers, network, settings.iterations, settings.warmup);
   if (!(settings.cycle_time_s > 0)) throw std::invalid_argument("cycle time must be above 0");
   const std::vector<Param> params = flatten(layers);
-  RuntimeComm comm(params, network, settings);
-  SimResult result = run(layers, params, network, settings.mode, settings.iterations, settings.warmup, comm);
+  const Ids ids{std::max<uint64_t>(1, params.size()), settings.shard};
+  RuntimeComm comm(params, network, settings, ids);
+  SimResult result =
+      run(layers, params, network, settings.mode, settings.iterations, settings.warmup, comm, ids,
+          settings.mode == Mode::kOverlap);
   comm.fill(result);
   return result;
 }
 
 SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
-                         int warmup) {
+                         int warmup, bool shard) {
   check_inputs(layers, network, iterations, warmup);
   const std::vector<Param> params = flatten(layers);
-  IdealComm comm(params, network);
-  return run(layers, params, network, Mode::kOverlap, iterations, warmup, comm);
+  const Ids ids{std::max<uint64_t>(1, params.size()), shard};
+  IdealComm comm(params, network, ids);
+  return run(layers, params, network, Mode::kOverlap, iterations, warmup, comm, ids, true);
 }
 
 }  // namespace commsched::sim

@@ -40,6 +40,11 @@ struct SimSettings {
   bool rounds_behind_data = true;
   int iterations = 6;      // measured iterations
   int warmup = 2;          // iterations run before measuring
+  // ZeRO-2's split: each gradient is reduce-scattered in backward and each parameter all-gathered
+  // after its step, before its next forward; each collective costs half an allreduce of the tensor.
+  // Overlap steps each parameter once its reduce-scatter is done after the backward, so its gather
+  // competes with the reduce-scatters still queued; barrier steps once all are done.
+  bool shard = false;
 };
 
 struct SimResult {
@@ -62,7 +67,10 @@ SimResult simulate(const std::vector<LayerSpec>& layers, const NetworkSpec& netw
 // always serves the most urgent ready byte (infinitely preemptive priority); each reduction
 // moves the wire bytes of the network's algorithm and pays that algorithm's latency once,
 // after its last byte (none when latency_s is 0), both for a message of that tensor.
+// With `shard`, the same for the split: each reduce-scatter and all-gather moves half an allreduce's wire
+// bytes and pays half its latency, and each parameter's all-gather starts once its own reduce-scatter is
+// done and the backward has ended (a per-parameter step at once), in the one priority order.
 SimResult simulate_ideal(const std::vector<LayerSpec>& layers, const NetworkSpec& network, int iterations,
-                         int warmup);
+                         int warmup, bool shard = false);
 
 }  // namespace commsched::sim
