@@ -33,6 +33,17 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(remaining)
 
 
+def _wait_all(pendings: list[list[Any]]) -> bool:
+    """Waits for every handle in `pendings` and empties them; True when one was not done yet."""
+    waited = False
+    for pending in pendings:
+        for handle in pending:
+            waited = waited or not handle.done()
+            handle.wait()
+        pending.clear()
+    return waited
+
+
 def _tighten_timer_slack() -> None:
     """Asks Linux to wake this thread's sleeps within 1 us (the default slack is 50 us)."""
     try:
@@ -62,12 +73,7 @@ def replay(
     for iteration in range(warmup + iterations + 1):
         for j, layer in enumerate(layers):
             if mode == "overlap" or j == 0:
-                waited = False
-                for pending in handles if mode == "barrier" else [handles[j]]:
-                    for handle in pending:
-                        waited = waited or not handle.done()
-                        handle.wait()
-                    pending.clear()
+                waited = _wait_all(handles if mode == "barrier" else [handles[j]])
                 if waited:
                     clock = max(clock, time.perf_counter())
             if j == 0:
@@ -89,9 +95,7 @@ def replay(
                     handles[j].append(
                         commsched.allreduce_async(grads[position], name=name, priority=position)
                     )
-    for pending in handles:
-        for handle in pending:
-            handle.wait()
+    _wait_all(handles)
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
@@ -139,11 +143,7 @@ def replay_shard(
                 waited = any(not scatters[p].done() for p in own)
                 for position in own:
                     step(position)
-                for pending in gathers if mode == "barrier" else [gathers[j]]:
-                    for handle in pending:
-                        waited = waited or not handle.done()
-                        handle.wait()
-                    pending.clear()
+                waited = _wait_all(gathers if mode == "barrier" else [gathers[j]]) or waited
                 if waited:
                     clock = max(clock, time.perf_counter())
             if j == 0:
@@ -167,9 +167,7 @@ def replay_shard(
                     step(position)
                 if waited:
                     clock = max(clock, time.perf_counter())
-    for pending in gathers:
-        for handle in pending:
-            handle.wait()
+    _wait_all(gathers)
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
