@@ -167,6 +167,8 @@ def replay_shard(
                     step(position)
                 if waited:
                     clock = max(clock, time.perf_counter())
+    for position in sorted(scatters):  # the last iteration ends at its first layer: finish its step
+        step(position)
     _wait_all(gathers)
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
