@@ -15,7 +15,11 @@ import argparse
 import commsched.tensorflow.keras as hvd
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    raise SystemExit("the digits data set comes with scikit-learn: pip install scikit-learn") from None
 
 parser = argparse.ArgumentParser(description="Keras digits example")
 parser.add_argument("--epochs", type=int, default=8, help="number of epochs to train")

@@ -16,7 +16,11 @@ import commsched.torch as hvd
 import torch
 import torch.nn.functional as F
 import torch.utils.data.distributed
-from sklearn.datasets import load_digits
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    raise SystemExit("the digits data set comes with scikit-learn: pip install scikit-learn") from None
 from torch import nn, optim
 
 parser = argparse.ArgumentParser(description="PyTorch digits example")

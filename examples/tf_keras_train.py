@@ -22,7 +22,11 @@ import commsched.tensorflow as cst
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    raise SystemExit("the digits data set comes with scikit-learn: pip install scikit-learn") from None
 
 import commsched
 

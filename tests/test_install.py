@@ -152,6 +152,29 @@ def test_missing_tensorflow_is_named(tmp_path: Path) -> None:
     assert "pip install tensorflow-cpu" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("example", ["pytorch_mnist.py", "torch_train.py"])
+def test_missing_scikit_learn_is_named(example: str, tmp_path: Path) -> None:
+    """An example that trains on the digits data says, without scikit-learn, to install it."""
+    pytest.importorskip("torch")
+    path = str(ROOT / "examples" / example)
+    hide = (
+        "import runpy, sys; sys.modules['sklearn'] = None; "
+        f"sys.argv = [{path!r}, '--epochs', '1']; runpy.run_path({path!r}, run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "pip install scikit-learn" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def _tracked(prefix: str = "") -> list[str]:
     """The checkout's tracked files (under `prefix`) that exist in the work tree."""
     done = subprocess.run(
