@@ -25,17 +25,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_info_reports_what_is_built_and_found(tmp_path: Path) -> None:
-    """python -m commsched.info --json lists every part, and its built flags match what imports."""
-    done = subprocess.run(
-        [sys.executable, "-m", "commsched.info", "--json"],
-        cwd=tmp_path,
+def _python(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """This Python run with `args` in `cwd`, under _env(), its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
+
+
+def test_info_reports_what_is_built_and_found(tmp_path: Path) -> None:
+    """python -m commsched.info --json lists every part, and its built flags match what imports."""
+    done = _python(["-m", "commsched.info", "--json"], tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     parts = {part["name"]: part for part in json.loads(done.stdout)}
     for name in ["commsched._core", "commsched._mpi", "commsched._nccl", "commsched._gloo", "TensorFlow ops"]:
@@ -73,15 +78,7 @@ def test_source_tree_without_core_says_what_to_do(tmp_path: Path) -> None:
     # -S: no site-packages, so this venv's editable finder cannot lend the copy the real _core, as
     # after a non-editable install nothing lends the source folder one.
     for command in (["-c", "import commsched"], ["-m", "commsched.run", "--help"]):
-        done = subprocess.run(
-            [sys.executable, "-S", *command],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = _python(["-S", *command], tmp_path)
         assert done.returncode != 0, done.stdout
         assert "source folder" in done.stderr, done.stderr
         assert "pip install -e ." in done.stderr, done.stderr
@@ -108,26 +105,14 @@ def test_source_tree_uses_the_installed_copy_built_from_it(tmp_path: Path) -> No
         "commsched.init(); print(commsched.allreduce(np.arange(4, dtype=np.float32), name='g')); "
         "print(commsched.__file__); print(commsched.run.__file__); commsched.shutdown()"
     )
-
-    def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-S", "-c", script],
-            cwd=source,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-
-    done = run()
+    done = _python(["-S", "-c", script], source)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[0. 1. 2. 3.]", lines
     assert lines[1:] == [str(site / "commsched" / name) for name in ("__init__.py", "run.py")], lines
     with (source / "commsched" / "__init__.py").open("a") as init:
         init.write("# edited after the install\n")
-    done = run()
+    done = _python(["-S", "-c", script], source)
     assert done.returncode != 0, done.stdout
     assert f"the commsched installed at {site / 'commsched'} is from other sources" in done.stderr, (
         done.stderr
@@ -138,15 +123,7 @@ def test_source_tree_uses_the_installed_copy_built_from_it(tmp_path: Path) -> No
 def test_missing_tensorflow_is_named(tmp_path: Path) -> None:
     """commsched.tensorflow without TensorFlow says TensorFlow is needed and how to install it."""
     hide = "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None; import commsched.tensorflow"
-    done = subprocess.run(
-        [sys.executable, "-c", hide],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _python(["-c", hide], tmp_path)
     assert done.returncode != 0
     assert "needs TensorFlow" in done.stderr, done.stderr
     assert "pip install tensorflow-cpu" in done.stderr, done.stderr
@@ -161,15 +138,7 @@ def test_missing_scikit_learn_is_named(example: str, tmp_path: Path) -> None:
         "import runpy, sys; sys.modules['sklearn'] = None; "
         f"sys.argv = [{path!r}, '--epochs', '1']; runpy.run_path({path!r}, run_name='__main__')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", hide],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _python(["-c", hide], tmp_path)
     assert done.returncode != 0
     assert "pip install scikit-learn" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
