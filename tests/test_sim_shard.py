@@ -146,3 +146,49 @@ def test_schedule_shard_replay_on_two_ranks(tmp_path):
         assert row["iteration_s"] >= run["compute_s"] * 0.99
         assert row["bound_s"] <= row["best_s"] * (1 + 1e-9)
         assert row["sim_s"] >= row["best_s"] * (1 - 1e-9)
+
+
+class _Handle:
+    """A collective that completes only when waited for, as a slow link would have it."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.finished = log, name, False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> str:
+        self.finished = True
+        self.log.append(f"wait {self.name}")
+        return self.name
+
+
+@pytest.mark.parametrize("mode", ["overlap", "barrier"])
+def test_the_split_replay_leaves_nothing_in_flight(monkeypatch, mode):
+    # Every rank must submit the same collectives: each reduce-scatter is stepped and gathered
+    # before the replay returns, the last iteration's included, whatever was done by then.
+    import commsched
+    from commsched.bench.replay import TimedLayer, replay_shard
+
+    log: list[str] = []
+    handles: list[_Handle] = []
+
+    def start(kind: str):
+        def submit(array, name, priority):
+            log.append(f"{kind} {name} {priority}")
+            handles.append(_Handle(log, name))
+            return handles[-1]
+
+        return submit
+
+    monkeypatch.setattr(commsched, "reducescatter_async", start("scatter"), raising=False)
+    monkeypatch.setattr(commsched, "allgather_async", start("gather"), raising=False)
+    layers = [TimedLayer(f"l{i}", 1e-4, 1e-4, [(f"l{i}.w", 4), (f"l{i}.b", 2)]) for i in range(3)]
+    periods = replay_shard(layers, list(range(6)), mode, iterations=2, warmup=1)
+    assert len(periods) == 2 and all(handle.finished for handle in handles)
+    scatters = [line for line in log if line.startswith("scatter")]
+    gathers = [line for line in log if line.startswith("gather")]
+    assert len(scatters) == len(gathers) == 3 * 6
+    # Backward order: the last layer's gradients first; every gather carries its forward position.
+    assert scatters[:2] == ["scatter l2.b.grad 5", "scatter l2.w.grad 4"]
+    assert sorted({line.split()[2] for line in gathers}) == [str(p) for p in range(6)]
