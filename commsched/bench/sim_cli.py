@@ -403,17 +403,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.human_size(row[name]) for name in ("partition_bytes", "credit_bytes", "fusion_bytes")
         )
         for row in rows
+        if row["ranks"] > 1  # one rank sends nothing: no sizes to show
     }
-    print(
-        "# partition/credit/fusion: "
-        + ", ".join(f"{text} at {n} ranks, {rate * 8e-9:.3g} Gbit/s" for (n, rate), text in sizes.items())
-        + (
-            ""
-            if args.partition_bytes and args.credit_bytes and args.fusion_bytes
-            else " (unset: commsched's for the link)"
-        ),
-        file=out,
-    )
+    if sizes:
+        print(
+            "# partition/credit/fusion: "
+            + ", ".join(f"{text} at {n} ranks, {rate * 8e-9:.3g} Gbit/s" for (n, rate), text in sizes.items())
+            + (
+                ""
+                if args.partition_bytes and args.credit_bytes and args.fusion_bytes
+                else " (unset: commsched's for the link)"
+            ),
+            file=out,
+        )
     table = [dict(report.timing_fields(row), gbit=row["bandwidth_bytes_per_s"] * 8 / 1e9) for row in rows]
     print(report.format_table(COLUMNS, table), file=out)
     print(f"# {schedule.LEAST_COMMUNICATION}", file=out)
