@@ -15,29 +15,15 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys
-import traceback
-from collections.abc import Callable
 
 import commsched.tensorflow as hvd
 import commsched.tensorflow.keras as hvd_keras
 import keras
 import numpy as np
 import tensorflow as tf
+from tf_common import Checks
 
-failures = 0
 CHANNELS = 3
-
-
-def check(label: str, test: Callable[[], None]) -> None:
-    """Runs one check; prints PASS or FAIL with the reason."""
-    global failures
-    try:
-        test()
-    except Exception as error:  # noqa: BLE001 - every failure is reported, then the run goes on
-        failures += 1
-        print(f"FAIL {label}: {error!r}\n{traceback.format_exc()}", flush=True)
-    else:
-        print(f"PASS {label}", flush=True)
 
 
 def batches(size: int, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -166,11 +152,12 @@ def main() -> int:
     """Runs the checks on this rank; the exit status counts the failures."""
     hvd.init()
     assert hvd.size() >= 2, "run on 2 ranks or more"
+    check = Checks()
     check("sync-batch-norm", sync_bn)
     check("tensorflow-state", tensorflow_state)
     check("keras-state", keras_state)
     hvd.shutdown()
-    return failures
+    return check.failures
 
 
 if __name__ == "__main__":

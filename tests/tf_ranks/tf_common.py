@@ -111,3 +111,22 @@ def max_difference(a: keras.Model, b: keras.Model) -> float:
     """Largest absolute difference between the two models' weights."""
     pairs = zip(a.get_weights(), b.get_weights())
     return max(float(np.max(np.abs(np.asarray(p, np.float64) - np.asarray(q, np.float64)))) for p, q in pairs)
+
+
+class Checks:
+    """Runs labelled checks on one rank, printing "PASS <label>" or "FAIL <label> ..." and counting failures."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def __call__(self, label: str, test: Callable[[], None]) -> None:
+        """Runs one check; a failure is reported and counted, and the next check still runs."""
+        import traceback
+
+        try:
+            test()
+        except Exception as error:  # noqa: BLE001 - every failure is reported, then the run goes on
+            self.failures += 1
+            print(f"FAIL {label}: {error!r}\n{traceback.format_exc()}", flush=True)
+        else:
+            print(f"PASS {label}", flush=True)
