@@ -109,7 +109,9 @@ def _parser(prog: str) -> Any:
     )
     parser.add_argument(
         "--host-discovery-script",
-        help="elastic training over hosts found by a script (Horovod's format): not supported yet",
+        help="elastic training: an executable printing `hostname:slots` lines (Horovod's format), run about "
+        "once a second; new slots on this host (up to --max-np) start ranks that join at the next commit, "
+        "slots gone stop ranks. Only this machine's names (localhost, 127.0.0.1, its hostname) are accepted",
     )
     parser.add_argument("program", help="the script each rank runs with this Python (a module with -m)")
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="arguments passed on to PROGRAM")
@@ -162,16 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             min_np=args.min_np or 1,
             max_np=args.max_np or args.nproc,
             join_window_s=args.elastic_timeout,
+            discovery_script=args.host_discovery_script,
         ).run()
 
 
 def _check_elastic(parser: Any, args: Any) -> None:
     """Refuses elastic flags that do not fit together, naming the fix."""
-    if args.host_discovery_script is not None:
-        parser.error(
-            "--host-discovery-script: adding hosts is not supported yet; elastic jobs run on this host "
-            "with --min-np/--max-np (ranks are only removed)"
-        )
     low = args.min_np if args.min_np is not None else 1
     high = args.max_np if args.max_np is not None else args.nproc
     if not 1 <= low <= args.nproc <= high:
@@ -180,6 +178,18 @@ def _check_elastic(parser: Any, args: Any) -> None:
         )
     if args.elastic_timeout <= 0:
         parser.error("--elastic-timeout must be more than 0 seconds")
+    if args.host_discovery_script is not None:
+        from commsched.elastic import discovery
+
+        try:
+            slots = discovery.discover(args.host_discovery_script)
+        except discovery.DiscoveryError as error:
+            parser.error(str(error))
+        if slots < args.nproc:
+            parser.error(
+                f"--host-discovery-script {args.host_discovery_script} gives {slots} slots on this host; "
+                f"-n {args.nproc} needs at least as many (start with fewer ranks or list more slots)"
+            )
 
 
 BINDINGS = ("none", "core")

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
 SAMPLES = 48  # as in the rank script
 LAUNCH_TIMEOUT_S = 90
+# A wrong turn in a growth test fails in seconds, not after the default stall limits.
+FAST_FAILURE = {"COMMSCHED_STALL_TIMEOUT": "15", "COMMSCHED_STALL_SHUTDOWN": "20"}
 
 
 def launch(out: Path, *flags: str, **environment: str) -> subprocess.CompletedProcess[str]:
@@ -181,10 +183,7 @@ def test_launcher_refuses_elastic_flags_that_do_not_fit(capsys: pytest.CaptureFi
     """Bad elastic flags are refused naming the fix."""
     from commsched import run
 
-    for flags, words in (
-        (["-n", "3", "--min-np", "4"], "--min-np (4) <= -n (3)"),
-        (["-n", "3", "--min-np", "2", "--host-discovery-script", "x"], "adding hosts is not supported yet"),
-    ):
+    for flags, words in ((["-n", "3", "--min-np", "4"], "--min-np (4) <= -n (3)"),):
         with pytest.raises(SystemExit):
             run.main([*flags, "script.py"])
         assert words in capsys.readouterr().err
@@ -219,3 +218,87 @@ def test_sampler_reshards_the_rest_without_loss_or_repeat(monkeypatch: pytest.Mo
     assert sorted(seen) == list(range(30))
     sampler.set_epoch(1)
     assert sampler.state_dict() == {"epoch": 1, "processed_num": 0} and len(sampler) == 15
+
+
+def _discovery(tmp_path: Path, body: str) -> Path:
+    """A discovery script (a shell script with `body`) in tmp_path."""
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
+def test_discovery_script_errors_name_the_script_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script that prints garbage, fails, names another machine or gives too few slots is refused
+    at start, naming the script (and the line)."""
+    from commsched import run
+
+    for body, words in (
+        ("echo localhost:2; echo 'localhost:two'", "line 2 ('localhost:two'): expected `hostname:slots`"),
+        ("echo oops >&2; exit 3", "exited with status 3 (oops)"),
+        ("echo gpu-node-7:4", "line 1 ('gpu-node-7:4'): host gpu-node-7 is not this machine"),
+        ("echo 127.0.0.1:1", "gives 1 slots on this host; -n 2 needs at least as many"),
+    ):
+        script = _discovery(tmp_path, body)
+        with pytest.raises(SystemExit):
+            run.main(["-n", "2", "--max-np", "3", "--host-discovery-script", str(script), "script.py"])
+        error = capsys.readouterr().err
+        assert str(script) in error and words in error, error
+
+
+def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
+    """2 ranks, the script edited to 3 slots in step 2: a third rank joins at that commit and gets the
+    state from rank 0; the end equals a 3-rank run from that commit, every sample seen once per epoch."""
+    out = tmp_path / "grown"
+    script = _discovery(tmp_path, "echo localhost:2")
+    flags = ("-n", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script))
+    done = launch(
+        out,
+        *flags,
+        ELASTIC_GROW="0:2:3",  # 36 samples left: 12 per rank, no padding
+        ELASTIC_SCRIPT=str(script),
+        **FAST_FAILURE,
+        COMMSCHED_TRANSPORT="gloo",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generation 1: 3 ranks (no rank, numbered as at launch, lost; rank 2 joining)" in done.stderr
+    final = results(out)
+    assert final["size"] == 3
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    restored = torch.load(out / "restored.pt", weights_only=False)
+    assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}  # 3 commits of 2 ranks x 2
+    reference = launch(
+        tmp_path / "reference", "-n", "3", ELASTIC_START=str(out / "restored.pt"), COMMSCHED_TRANSPORT="gloo"
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = results(tmp_path / "reference")
+    assert torch.count_nonzero(expected["weight"]) > 0
+    assert torch.equal(final["weight"], expected["weight"])
+    assert final["seen"] == expected["seen"]
+
+
+def test_a_killed_rank_is_replaced_from_the_free_slot(tmp_path: Path) -> None:
+    """3 slots, 3 ranks: rank 2 is SIGKILLed, the others re-form at 2, then the launcher starts a new
+    rank in the freed slot and it joins; the job ends at 3 ranks, every sample seen once per epoch."""
+    script = _discovery(tmp_path, "echo localhost:3")
+    done = launch(
+        tmp_path,
+        *("-n", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)),
+        ELASTIC_KILL="2:0:3",
+        ELASTIC_GROW="1:2:3",  # rank 0 waits there for the new rank if it has not joined yet
+        ELASTIC_SCRIPT=str(script),
+        COMMSCHED_TRANSPORT="gloo",
+        **FAST_FAILURE,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generation 1: 2 ranks" in done.stderr, done.stderr
+    assert "generation 2: 3 ranks (no rank, numbered as at launch, lost; rank 3 joining)" in done.stderr
+    final = results(tmp_path)
+    assert final["size"] == 3
+    for epoch, seen in enumerate(final["seen"]):
+        # Where the join lands depends on the launcher's poll: the rest may not split evenly over 3, and
+        # the sampler then pads with up to 2 repeats, as DistributedSampler does.
+        assert set(seen) == set(range(SAMPLES)) and len(seen) - SAMPLES < 3, f"epoch {epoch}: {sorted(seen)}"

@@ -19,7 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 import commsched
-from commsched.elastic.membership import ADDRESS_VARIABLE, ID_VARIABLE, MembershipError, request
+from commsched.elastic.membership import (
+    ADDRESS_VARIABLE,
+    GENERATION_VARIABLE,
+    ID_VARIABLE,
+    NOTICE_VARIABLE,
+    MembershipError,
+    request,
+)
 from commsched.launch import detect
 
 __all__ = [
@@ -84,6 +91,7 @@ class State:
         """Raises HostsUpdatedInterrupt on every rank together when a host-update notice came."""
         if self._last_updated_timestamp == 0.0 and self._host_messages.empty() and not _notices_possible():
             return  # nothing can send notices in this job: no collective needed to agree on none
+        _read_notice(self)
         previous = latest = self._last_updated_timestamp
         removed = False
         while not self._host_messages.empty():
@@ -150,8 +158,22 @@ class ObjectState(State):
 
 
 def _notices_possible() -> bool:
-    """True when something can queue host-update notices (none does yet: ranks are only removed)."""
-    return False
+    """True when the launcher sends host-update notices (commsched-run --host-discovery-script)."""
+    return bool(os.environ.get(NOTICE_VARIABLE))
+
+
+def _read_notice(state: State) -> None:
+    """Queues the launcher's latest host-update notice, if it is newer than the last one acted on."""
+    path = os.environ.get(NOTICE_VARIABLE)
+    if not path:
+        return
+    try:
+        with open(path) as handle:
+            timestamp, removed = handle.read().split()
+    except (OSError, ValueError):
+        return  # no notice yet (the file is replaced whole, never half-written)
+    if float(timestamp) > state._last_updated_timestamp:
+        state.on_hosts_updated(float(timestamp), removed == "1")
 
 
 class _Membership:
@@ -160,7 +182,8 @@ class _Membership:
     def __init__(self) -> None:
         self.address = os.environ.get(ADDRESS_VARIABLE, "")
         self.member = int(os.environ.get(ID_VARIABLE, "-1") or -1)
-        self.generation = 0
+        # A worker started to join an existing job is born into a later generation.
+        self.generation = int(os.environ.get(GENERATION_VARIABLE, "0") or 0)
         self.failed_starts = 0  # generations in a row that failed to start
 
     @property
@@ -225,6 +248,21 @@ def reform() -> None:
             raise
         raise HorovodInternalError(f"starting generation {assignment.generation} failed: {error}") from error
     _membership.failed_starts = 0
+    _restart_names()
+
+
+def _restart_names() -> None:
+    """Numbers unnamed collectives from 0 again, as a worker that just joined does: the names of the
+    state sync must match on every rank of the new generation."""
+    import itertools
+
+    for module, counter in (
+        ("commsched.torch.functions", "_calls"),
+        ("commsched.torch.collectives", "_unnamed"),
+    ):
+        loaded = sys.modules.get(module)
+        if loaded is not None and hasattr(loaded, counter):
+            setattr(loaded, counter, itertools.count())
 
 
 def _settings() -> Any:

@@ -7,6 +7,10 @@ that did not ask by then is stopped or hung, and the launcher kills it), each ge
 {"rank", "size", "port", "generation"} of generation G + 1, or {"error": why} when fewer than
 --min-np ranks are left. Ranks keep their order, so the lowest surviving rank becomes rank 0 and the
 state is synchronised from it.
+
+Growth: the launcher calls grow() with new worker ids and tells the ranks through the notice file;
+they raise HostsUpdatedInterrupt at the same commit and ask as after a failure. The new generation is
+the survivors followed by the new workers, which the launcher starts with their assignment (`spawn`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ log = logging.getLogger("commsched")
 # Environment of an elastic rank: where the service listens, and which worker this process is.
 ADDRESS_VARIABLE = "COMMSCHED_ELASTIC_ADDRESS"
 ID_VARIABLE = "COMMSCHED_ELASTIC_ID"
+# A worker started to join: the generation it joins (it asks nothing, its place is in its environment).
+GENERATION_VARIABLE = "COMMSCHED_ELASTIC_GENERATION"
+# A file the launcher rewrites ("TIMESTAMP REMOVED") when hosts changed; ranks read it at each commit.
+NOTICE_VARIABLE = "COMMSCHED_ELASTIC_NOTICES"
 # How long a rank waits for the new membership before giving up (the join window plus slack).
 _CLIENT_WAIT_S = 120.0
 
@@ -47,9 +55,10 @@ class Assignment:
 class _Round:
     """A re-forming in progress: who asked, and until when the others may."""
 
-    generation: int  # the generation that failed
-    deadline: float
+    generation: int  # the generation that failed (or grows)
+    deadline: float | None  # None: a growth nobody has asked for yet (the ranks ask at their next commit)
     asked: dict[int, socket.socket] = field(default_factory=dict)
+    joiners: list[int] = field(default_factory=list)  # new workers the next generation adds
 
 
 class MembershipServer:
@@ -57,7 +66,7 @@ class MembershipServer:
 
     `alive()` returns the ids of rank processes still running; `evict(ids)` ends the ones left out
     of a new generation (stopped or hung: they did not ask in time); `pick_port()` gives the new
-    generation's rendezvous port.
+    generation's rendezvous port; `spawn(id, assignment)` starts a new worker at its place.
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class MembershipServer:
         evict: Callable[[list[int], str], None],
         pick_port: Callable[[], int],
         host: str = "127.0.0.1",
+        spawn: Callable[[int, Assignment], None] | None = None,
     ) -> None:
         self.members = list(members)  # ids in rank order, generation `generation`
         self.generation = 0
@@ -82,6 +92,7 @@ class MembershipServer:
         self._alive = alive
         self._evict = evict
         self._pick_port = pick_port
+        self._spawn = spawn
         self._lock = threading.Lock()
         self._round: _Round | None = None
         self._listener = socket.create_server((host, 0))
@@ -102,6 +113,23 @@ class MembershipServer:
                     connection.close()
                 self._round = None
 
+    @property
+    def settled(self) -> bool:
+        """True when no re-forming or growth is pending."""
+        with self._lock:
+            return self._round is None
+
+    def grow(self, joiners: list[int]) -> bool:
+        """Plans a generation with `joiners` added, formed once the ranks ask (after the notice).
+
+        Returns False when a re-forming is already pending (the caller tries again later).
+        """
+        with self._lock:
+            if self._round is not None:
+                return False
+            self._round = _Round(self.generation, deadline=None, joiners=list(joiners))
+            return True
+
     def poll(self) -> None:
         """Forms the pending generation once every live member asked or the window has passed."""
         with self._lock:
@@ -110,6 +138,11 @@ class MembershipServer:
                 return
             alive = self._alive()
             waiting = [member for member in self.members if member in alive and member not in current.asked]
+            if not current.asked:
+                if not waiting:  # the ranks ended before they saw the notice: nothing left to grow
+                    self._round = None
+                return
+            assert current.deadline is not None
             if waiting and time.monotonic() < current.deadline:
                 return
             self._form(current, waiting)
@@ -121,8 +154,9 @@ class MembershipServer:
             self._evict(unanswered, f"did not rejoin within {self._window_s:g}s (stopped or hung)")
         survivors = [member for member in self.members if member in current.asked]
         lost = [member for member in self.members if member not in current.asked]
+        joiners = current.joiners[: max(0, self.max_np - len(survivors))]
         replies: dict[int, dict[str, Any]] = {}
-        if len(survivors) < self.min_np:
+        if not survivors or len(survivors) + len(joiners) < self.min_np:  # a joiner needs a survivor's state
             self.failure = (
                 f"{_ranks(lost)} (numbered as at launch) failed; {len(survivors)} "
                 f"{'rank is' if len(survivors) == 1 else 'ranks are'} left, below --min-np {self.min_np}"
@@ -131,22 +165,29 @@ class MembershipServer:
         else:
             self.generation = current.generation + 1
             self.port = self._pick_port()
-            self.members = survivors
+            self.members = survivors + joiners
             replies = {
                 member: {
                     "rank": rank,
-                    "size": len(survivors),
+                    "size": len(self.members),
                     "port": self.port,
                     "generation": self.generation,
                 }
-                for rank, member in enumerate(survivors)
+                for rank, member in enumerate(self.members)
             }
             log.warning(
-                "commsched-run: generation %d: %d ranks (%s, numbered as at launch, lost)",
+                "commsched-run: generation %d: %d ranks (%s, numbered as at launch, lost%s)",
                 self.generation,
-                len(survivors),
+                len(self.members),
                 _ranks(lost),
+                f"; {_ranks(joiners)} joining" if joiners else "",
             )
+            for member in joiners:
+                if self._spawn is not None:
+                    reply = replies[member]
+                    self._spawn(
+                        member, Assignment(reply["rank"], reply["size"], reply["port"], reply["generation"])
+                    )
         for member, connection in current.asked.items():
             try:
                 connection.sendall((json.dumps(replies[member]) + "\n").encode())
@@ -187,6 +228,8 @@ class MembershipServer:
                 return
             if self._round is None:
                 self._round = _Round(generation, time.monotonic() + self._window_s)
+            elif self._round.deadline is None:  # a growth: the others get the window from the first ask
+                self._round.deadline = time.monotonic() + self._window_s
             self._round.asked[member] = connection
         self.poll()
 

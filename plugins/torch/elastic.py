@@ -162,7 +162,9 @@ class _OptimizerHandler(_Handler):
         super().restore()
 
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        # The wrapped optimizer's state: a worker that just joined fills its empty state with a step
+        # on zero gradients, which through a DistributedOptimizer would start reductions only it has.
+        broadcast_optimizer_state(getattr(self.value, "_inner", self.value), root_rank=0)
 
 
 class _SamplerHandler(_Handler):
@@ -284,6 +286,8 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             if isinstance(handler, _SamplerHandler):
                 handler.value.reset()
+            elif isinstance(handler, _OptimizerHandler):
+                _discard_in_flight(handler.value)  # its gradient hooks belong to the last generation's core
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

@@ -5,7 +5,10 @@ exact multiple of 1/8, so results do not depend on the order of additions and ru
 Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:STEP": the rank
 launched as ID SIGKILLs itself after step() in that step; "ID:-1:-1": in the first reset
 callback, while the others re-form; several specs separated by commas), ELASTIC_STOP (SIGSTOP),
-ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times).
+ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times),
+ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `localhost:SLOTS` to
+the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
+host-update notice, so the job grows at that very commit).
 """
 
 from __future__ import annotations
@@ -43,6 +46,27 @@ def note_time(what: str) -> None:
     if os.environ.get("ELASTIC_TIMES") == "1":
         with open(OUT / f"times.{LAUNCH_ID}", "a") as handle:
             handle.write(f"{time.time():.6f} {what}\n")
+
+
+def grow_here(state: elastic.TorchState, epoch: int, step: int) -> None:
+    """Per ELASTIC_GROW: edits the discovery script and waits until the launcher has noticed."""
+    spec = os.environ.get("ELASTIC_GROW", "").split(":")
+    if LAUNCH_ID != 0 or spec[:2] != [str(epoch), str(step)]:
+        return
+    script = Path(os.environ["ELASTIC_SCRIPT"])
+    script.with_suffix(".new").write_text(f"#!/bin/sh\necho localhost:{spec[2]}\n")
+    script.with_suffix(".new").chmod(0o755)
+    script.with_suffix(".new").replace(script)
+    note_time("script changed")
+    notices = Path(os.environ["COMMSCHED_ELASTIC_NOTICES"])
+
+    def noticed() -> bool:  # a notice this rank has not acted on yet: the next commit grows the job
+        text = notices.read_text() if notices.exists() else ""
+        return bool(text) and float(text.split()[0]) > state._last_updated_timestamp
+
+    deadline = time.monotonic() + 20.0
+    while hvd.size() < int(spec[2]) and not noticed() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -114,6 +138,7 @@ def train(state: elastic.TorchState, data: torch.Tensor, target: torch.Tensor) -
             for gathered in hvd.allgather_object(batch, name="seen"):
                 state.seen[state.epoch].extend(gathered)
             state.sampler.record_batch(step, BATCH)
+            grow_here(state, state.epoch, step)
             state.commit()
             note_time(f"step {hvd.size()}")
         state.epoch += 1
