@@ -25,6 +25,7 @@ pytest.importorskip("tensorflow")
 ROOT = Path(__file__).resolve().parent.parent
 ELASTIC_SCRIPT = ROOT / "tests" / "tf_ranks" / "elastic_train.py"
 STEPS, FEATURES, ROWS, LEARNING_RATE = 8, 3, 4, 0.125  # as in the rank script
+CHECKS = ["sync-batch-norm", "tensorflow-state", "keras-state", "keras-callbacks"]
 
 
 @pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
@@ -34,7 +35,7 @@ def test_sync_batch_norm_and_elastic_states() -> None:
     passes, failures = verdicts(result)
     tail = result.stdout[-6000:]
     assert not failures and result.returncode == 0, tail
-    assert sorted(passes) == sorted(["sync-batch-norm", "tensorflow-state", "keras-state"] * 2), tail
+    assert sorted(passes) == sorted(CHECKS * 2), tail
 
 
 def reference_kernel() -> np.ndarray:

@@ -148,6 +148,41 @@ def keras_state() -> None:
     assert int(optimizer.iterations.numpy()) == 1 and state.epoch == 12  # the committed step
 
 
+def keras_callbacks() -> None:
+    """fit() with the elastic callbacks: commits every 2nd batch and at each epoch's end, state.batch
+    follows the batches and is 0 after an epoch, state.epoch counts from the state's epoch."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    state = hvd_keras.elastic.KerasState(model, batch=0, epoch=3)
+    commits: list[tuple[int, int]] = []
+    batches_seen: list[int] = []
+    commit = state.commit
+
+    def counted_commit() -> None:
+        commits.append((state.epoch, state.batch))
+        commit()
+
+    state.commit = counted_commit  # type: ignore[method-assign]
+
+    class Spy(keras.callbacks.Callback):
+        def on_batch_end(self, batch: int, logs: object = None) -> None:
+            batches_seen.append(state.batch)
+
+    x, y = np.ones((6, 2), np.float32), np.zeros((6, 1), np.float32)
+    callbacks = [
+        hvd_keras.elastic.UpdateBatchStateCallback(state),
+        hvd_keras.elastic.UpdateEpochStateCallback(state),
+        hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=2),
+        Spy(),
+    ]
+    model.fit(x, y, batch_size=2, epochs=2, callbacks=callbacks, verbose=0)
+    assert batches_seen == [0, 1, 2, 0, 1, 2], batches_seen
+    assert state.epoch == 5 and state.batch == 0, (state.epoch, state.batch)
+    # Every 2nd batch end, counted across epochs, commits; so does each epoch's end, after the
+    # batch and epoch callbacks updated the state.
+    assert commits == [(3, 1), (4, 0), (4, 0), (4, 2), (5, 0)], commits
+
+
 def main() -> int:
     """Runs the checks on this rank; the exit status counts the failures."""
     hvd.init()
@@ -156,6 +191,7 @@ def main() -> int:
     check("sync-batch-norm", sync_bn)
     check("tensorflow-state", tensorflow_state)
     check("keras-state", keras_state)
+    check("keras-callbacks", keras_callbacks)
     hvd.shutdown()
     return check.failures
 
