@@ -61,6 +61,10 @@ RENAMES = {
     "horovod.keras": "commsched.tensorflow.keras",
     "horovod.tensorflow.util": "commsched.tensorflow.util",
     "horovod.tensorflow.mpi_ops": "commsched.tensorflow.collectives",
+    "horovod.tensorflow.elastic": "commsched.tensorflow.elastic",
+    "horovod.tensorflow.keras.elastic": "commsched.tensorflow.keras.elastic",
+    "horovod.keras.elastic": "commsched.tensorflow.keras.elastic",
+    "horovod.tensorflow.sync_batch_norm": "commsched.tensorflow.sync_batch_norm",
     "horovod.common.util": "commsched._horovod_util",
     "horovod.runner.common.util.env": "commsched._horovod_util",
 }
