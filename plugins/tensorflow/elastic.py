@@ -81,7 +81,27 @@ def _eager() -> bool:
     return tf.executing_eagerly()
 
 
-class TensorFlowKerasState(ObjectState):
+class _VariablesState(ObjectState):
+    """An ObjectState that also commits TensorFlow variables: subclasses copy them out and back."""
+
+    def save(self) -> None:
+        """Copies the variables' values and the plain objects into memory."""
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        """Loads the last committed values and objects."""
+        self._load_model()
+        super().restore()
+
+    def _save_model(self) -> None:
+        raise NotImplementedError
+
+    def _load_model(self) -> None:
+        raise NotImplementedError
+
+
+class TensorFlowKerasState(_VariablesState):
     """A Keras model and its optimizer (plus plain objects by keyword), committed to memory together
     (Horovod's TensorFlowKerasState). The optimizer defaults to the model's compiled one."""
 
@@ -101,16 +121,6 @@ class TensorFlowKerasState(ObjectState):
         self._saved_optimizer: list[Any] = []
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=commsched.rank, **kwargs)
-
-    def save(self) -> None:
-        """Copies the model's and optimizer's variables and the plain objects into memory."""
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        """Loads the last committed variables and objects."""
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         """Gives every rank rank 0's variables and objects, and commits them."""
@@ -142,7 +152,7 @@ def _assign_all(variables: Sequence[Any], values: Sequence[Any], what: str) -> N
         variable.assign(value)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_VariablesState):
     """A list of tf.Variables (plus plain objects by keyword), committed to memory together (Horovod's
     TensorFlowState). Eagerly, or in graph mode with the `session` that holds the variables."""
 
@@ -164,16 +174,6 @@ class TensorFlowState(ObjectState):
         self._save_model()
         bcast = broadcast_object if _eager() else broadcast_object_fn(session=self.session)
         super().__init__(bcast_object=bcast, get_rank=commsched.rank, **kwargs)
-
-    def save(self) -> None:
-        """Copies the variables' values and the plain objects into memory."""
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        """Loads the last committed values and objects."""
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         """Gives every rank rank 0's values and objects, and commits them."""
