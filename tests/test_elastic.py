@@ -302,3 +302,24 @@ def test_a_killed_rank_is_replaced_from_the_free_slot(tmp_path: Path) -> None:
         # Where the join lands depends on the launcher's poll: the rest may not split evenly over 3, and
         # the sampler then pads with up to 2 repeats, as DistributedSampler does.
         assert set(seen) == set(range(SAMPLES)) and len(seen) - SAMPLES < 3, f"epoch {epoch}: {sorted(seen)}"
+
+
+def test_slots_removed_from_the_script_stop_ranks_and_the_others_go_on(tmp_path: Path) -> None:
+    """3 ranks, the script cut to 2 slots in step 3: the newest rank is stopped, the others restore
+    the last commit, re-form at 2 and finish, every sample seen once per epoch."""
+    script = _discovery(tmp_path, "echo localhost:3")
+    done = launch(
+        tmp_path,
+        *("-n", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)),
+        ELASTIC_GROW="0:3:2",  # rank 0 waits there until the launcher stopped rank 2
+        ELASTIC_SCRIPT=str(script),
+        COMMSCHED_TRANSPORT="gloo",
+        **FAST_FAILURE,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 2 (numbered as at launch) is past the 2 slots the discovery script gives now" in done.stderr
+    assert "generation 1: 2 ranks" in done.stderr, done.stderr
+    final = results(tmp_path)
+    assert final["size"] == 2
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"

@@ -8,7 +8,8 @@ callback, while the others re-form; several specs separated by commas), ELASTIC_
 ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times),
 ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `localhost:SLOTS` to
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
-host-update notice, so the job grows at that very commit).
+host-update notice, so the job grows at that very commit; while it is larger, it waits until the
+launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit).
 """
 
 from __future__ import annotations
@@ -64,12 +65,23 @@ def grow_here(state: elastic.TorchState, epoch: int, step: int) -> None:
         text = notices.read_text() if notices.exists() else ""
         return bool(text) and float(text.split()[0]) > state._last_updated_timestamp
 
+    def stopped(member: int) -> bool:
+        try:
+            os.kill(int((OUT / f"pid.{member}").read_text()), 0)
+        except (OSError, ValueError):
+            return True
+        return False
+
+    slots = int(spec[2])
     deadline = time.monotonic() + 20.0
-    while hvd.size() < int(spec[2]) and not noticed() and time.monotonic() < deadline:
+    while hvd.size() < slots and not noticed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while not all(stopped(member) for member in range(slots, hvd.size())) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
 def main() -> None:
+    (OUT / f"pid.{LAUNCH_ID}").write_text(str(os.getpid()))
     hvd.init()
     generator = torch.Generator().manual_seed(7)
     data = torch.randint(-3, 4, (SAMPLES, FEATURES), generator=generator).double()
