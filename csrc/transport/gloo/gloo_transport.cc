@@ -467,6 +467,7 @@ GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
                     " elements submitted");
   }
   if (op.count == 0) return launched;
+  if (total_of(op.recv_counts) == op.count) return launch_reducescatter_by_parts(op, group, kept);
   const at::Tensor input = view_of(op.data, op.count, scalar_type(op.dtype));
   at::Tensor reduced = input.to(reduced_type(op.dtype), /*non_blocking=*/false, /*copy=*/true);
   at::Tensor output = view_of(op.output, kept, scalar_type(op.dtype));
@@ -478,6 +479,39 @@ GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
   options.reduceOp = reduce_op(op.op);
   std::vector<at::Tensor> tensors{reduced};
   launched.work = group.backend->allreduce(tensors, options);
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_reducescatter_by_parts(const WireOp& op, const Group& group, uint64_t kept) {
+  // Every rank sends each other rank that rank's part and reduces the parts it receives: each link
+  // carries (n-1)/n of the bytes, as a ring reduce-scatter's, where an allreduce kept in part carried
+  // 2(n-1)/n. Gloo's own reduce_scatter is no way out: on the rig at 1 Gbit, 16 MiB took 157 ms
+  // against 141 ms for its allreduce (torch 2.13).
+  GlooLaunch launched;
+  const at::ScalarType moved = moved_type(op.dtype);
+  at::Tensor input = view_of(op.data, op.count, moved);
+  at::Tensor received = at::empty({static_cast<int64_t>(kept) * group.size}, at::TensorOptions().dtype(moved));
+  at::Tensor output = view_of(op.output, kept, scalar_type(op.dtype));
+  std::vector<int64_t> input_splits = split_sizes(op.recv_counts);
+  std::vector<int64_t> output_splits(static_cast<size_t>(group.size), static_cast<int64_t>(kept));
+  launched.temporaries = {received};
+  const DType dtype = op.dtype;
+  const ReduceOp reduction = op.op;
+  const int ranks = group.size;
+  launched.finish = [received, output, kept, ranks, dtype, reduction]() mutable {
+    if (kept == 0) return;
+    // Rank by rank, in the type Gloo would have reduced it in; integers wrap as they would there.
+    const at::Tensor parts =
+        received.view(scalar_type(dtype)).view({ranks, static_cast<int64_t>(kept)}).to(reduced_type(dtype));
+    switch (reduction) {
+      case ReduceOp::kMin: output.copy_(parts.amin(0)); break;
+      case ReduceOp::kMax: output.copy_(parts.amax(0)); break;
+      case ReduceOp::kProduct: output.copy_(parts.prod(0, false, parts.scalar_type())); break;
+      case ReduceOp::kSum:
+      case ReduceOp::kAverage: output.copy_(parts.sum(0, false, parts.scalar_type())); break;  // the core divides
+    }
+  };
+  launched.work = group.backend->alltoall_base(received, input, output_splits, input_splits, c10d::AllToAllOptions());
   return launched;
 }
 

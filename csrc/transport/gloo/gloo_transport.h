@@ -83,6 +83,7 @@ class GlooTransport : public Transport {
   GlooLaunch launch_broadcast(const WireOp& op);
   GlooLaunch launch_allgather(const WireOp& op);
   GlooLaunch launch_reducescatter(const WireOp& op);
+  GlooLaunch launch_reducescatter_by_parts(const WireOp& op, const Group& group, uint64_t kept);
   GlooLaunch launch_alltoall(const WireOp& op);
 
   static constexpr int64_t kMinSlotBytes = 64;
