@@ -47,6 +47,28 @@ def run_ranks(argv: list[str], ranks: int, timeout: float, tag: str, what: str) 
         procs.append(
             subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
+    return collect(procs, timeout, tag, what)
+
+
+def run_on_rig(
+    rig: Any, argv: list[str], env: dict[str, str], port: int, timeout: float, tag: str, what: str
+) -> dict[str, Any]:
+    """Runs `argv` as one process per rank of a benchmarks/netrig.py rig (torchrun-style variables
+    for `port`, plus `env`) and returns the JSON rank 0 printed after `tag`."""
+    procs = [
+        rig.spawn(
+            rig.command_for(i, argv, {**rig.torch_env(i, port), **env}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(rig.n_ranks)
+    ]
+    return collect(procs, timeout, tag, what)
+
+
+def collect(procs: list[subprocess.Popen[str]], timeout: float, tag: str, what: str) -> dict[str, Any]:
+    """Waits for the ranks' processes and returns the JSON rank 0 printed after `tag`; raises naming `what`."""
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:

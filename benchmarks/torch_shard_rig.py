@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -210,34 +209,15 @@ def worker(variant: str, model: str, batch: int, warmup: int, iterations: int) -
 
 # -- the driver -----------------------------------------------------------------------------
 def _run_variant(rig: Any, variant: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    from local_ranks import run_on_rig
+
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--model", args.model]
     argv += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--iterations", str(args.iterations)]
     env = {
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
     }
-    procs = [
-        rig.spawn(
-            rig.command_for(i, argv, {**rig.torch_env(i, port), **env}),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(rig.n_ranks)
-    ]
-    try:
-        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    finally:
-        for p in procs:  # a rank past the timeout must not outlive the benchmark
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{variant} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    for line in outputs[0].splitlines():
-        if line.startswith(RESULT_TAG):
-            return dict(json.loads(line[len(RESULT_TAG) :]))
-    raise RuntimeError(f"{variant} printed no result:\n{outputs[0][-3000:]}")
+    return run_on_rig(rig, argv, env, port, args.timeout, RESULT_TAG, variant)
 
 
 def _table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
