@@ -191,7 +191,13 @@ def test_auto_across_network_stacks_takes_the_channel() -> None:
 def test_a_channel_that_cannot_connect_falls_back_under_auto_and_fails_under_tcp() -> None:
     """Each rank advertising 127.0.0.1 from its own namespace: no peer reaches it. auto warns and keeps
     the rounds on MPI on both ranks; tcp fails init() on both ranks, saying why."""
-    unreachable = {**SIZES, "COMMSCHED_CONTROL_ADDRESS": "127.0.0.1"}
+    # The connect wait is the stall shutdown clamped to [10, 30] s: its floor keeps the test short.
+    unreachable = {
+        **SIZES,
+        "COMMSCHED_CONTROL_ADDRESS": "127.0.0.1",
+        "COMMSCHED_STALL_TIMEOUT": "5",
+        "COMMSCHED_STALL_SHUTDOWN": "10",
+    }
     output = _on_rig("transport", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "auto"})
     _ok_lines(output, 2, "transport")
     assert output.count("the TCP control channel could not connect") >= 2, output

@@ -39,8 +39,10 @@ PREVIOUS_TENSOR = f"grad.{FAULT_STEP - 1}"
 STALL_TIMEOUT_S = 1
 STALL_SHUTDOWN_S = 3
 SURVIVOR_BOUND_S = STALL_SHUTDOWN_S + 10
-# torchrun ends a stopped rank only after its fixed 30 s SIGTERM wait; everything else is far quicker.
 JOB_LIMIT_S = 90
+# torchrun ends a stopped rank only after its own fixed 30 s SIGTERM wait, which is not the product's to
+# test: once every other rank has exited, the test ends the stopped rank itself.
+STOP_FAULTS = ("stop", "stop-in-flight")
 MARK = "COMMSCHED_FAULT_TEST_MARK"
 PASSED_THROUGH = (
     "COMMSCHED_CONTROL_CHANNEL",
@@ -133,6 +135,7 @@ class _Cell:
     def __init__(self, directory: Path, transport: str, launcher: str, fault: str) -> None:
         self.directory = directory
         self.launcher = launcher
+        self.fault = fault
         self.mark = uuid.uuid4().hex
         arguments = ["--fault", fault, "--victim", str(VICTIM), "--fault-step", str(FAULT_STEP)]
         arguments += ["--transport", transport, "--out", str(directory)]
@@ -177,7 +180,16 @@ class _Cell:
             started = [rank for rank in range(RANKS) if self.pid(rank) is not None]
             if self.process.poll() is not None and all(rank in self.exited_at for rank in started):
                 return
+            if self.launcher == "torchrun" and self.fault in STOP_FAULTS:
+                self._end_stopped_victim()
             time.sleep(0.02)
+
+    def _end_stopped_victim(self) -> None:
+        """SIGKILLs the stopped rank once every other rank exited, instead of torchrun's 30 s wait."""
+        others = [rank for rank in range(RANKS) if rank != VICTIM]
+        victim = self.pid(VICTIM)
+        if victim is not None and all(rank in self.exited_at for rank in others):
+            _kill_all([victim])
 
     def leftovers(self) -> list[int]:
         """The job's processes still there; they are killed, so no test leaves them behind."""
