@@ -21,6 +21,7 @@ from typing import Any
 import commsched as _api
 from commsched import _core
 from commsched import process_sets as _process_sets
+from commsched import submission as _submission
 
 # commsched dtype -> numpy dtype of the result (bfloat16 as its raw 16 bits, which torch views back).
 _NUMPY_DTYPES = {
@@ -140,7 +141,7 @@ def _rows_and_shape(array: Any, name: str) -> tuple[Any, int, tuple[int, ...]]:
 def _finite_factor(value: Any, what: str, name: str) -> float:
     """A scale factor as a finite float; refuses what is no number, NaN and infinity by name."""
     try:
-        factor = _api._factor(value, what, name)
+        factor = _submission._factor(value, what, name)
     except OverflowError:  # an int beyond float's range
         factor = math.inf
     if not math.isfinite(factor):
@@ -161,7 +162,7 @@ def _scales(name: str, prescale_factor: Any, postscale_factor: Any) -> dict[str,
             "postscale": _finite_factor(postscale_factor, "postscale_factor", name),
         }
     except (TypeError, ValueError) as error:
-        _api._refuse(name, error)
+        _submission._refuse(name, error)
         raise
 
 
@@ -174,12 +175,12 @@ def _submit_output(
     splits: list[int] | None = None,
     **extra: Any,
 ) -> OutputHandle:
-    name, _, priority = _api._checked(name, kind, op, 0, priority)
+    name, _, priority = _submission._checked(name, kind, op, 0, priority)
     array, _, row_shape = _rows_and_shape(array, name)
     if splits is not None:
         extra["splits"] = splits
-    view, core_handle = _api._submit_view(
-        array, name, kind, _api._op_name(op), 0, priority, False, row_shape=list(row_shape), **extra
+    view, core_handle = _submission._submit_view(
+        array, name, kind, _submission._op_name(op), 0, priority, False, row_shape=list(row_shape), **extra
     )
     return OutputHandle(core_handle, array, view, row_shape, kind)
 
@@ -239,7 +240,7 @@ def broadcast_object(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return broadcast_object(obj, root_rank, name, timeout)
-    root = _api._integer(root_rank, "root_rank of broadcast_object", "a rank number")
+    root = _submission._integer(root_rank, "root_rank of broadcast_object", "a rank number")
     if root not in _process_sets.ranks():
         raise ValueError(f"root_rank {root} is not a rank of the set; use one of {_process_sets.ranks()}")
     mine = pickle.dumps(obj) if _api.rank() == root else b""
@@ -264,7 +265,7 @@ def reducescatter_async(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return reducescatter_async(array, op, name, priority, prescale_factor, postscale_factor)
-    checked = _api._checked(name, "reducescatter", op, 0, priority)[0]
+    checked = _submission._checked(name, "reducescatter", op, 0, priority)[0]
     scales = _scales(checked, prescale_factor, postscale_factor)
     return _submit_output(array, checked, "reducescatter", op, priority, **scales)
 
@@ -296,7 +297,7 @@ def alltoall_async(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return alltoall_async(array, splits, name, priority)
-    checked = _api._checked(name, "alltoall", "sum", 0, priority)[0]
+    checked = _submission._checked(name, "alltoall", "sum", 0, priority)[0]
     array, rows, _ = _rows_and_shape(array, checked)
     size = _process_sets.size()
     try:
@@ -307,11 +308,11 @@ def alltoall_async(
                 )
             counts = [rows // size] * size
         else:
-            counts = [_api._integer(split, f"splits of '{checked}'", "row counts") for split in splits]
+            counts = [_submission._integer(split, f"splits of '{checked}'", "row counts") for split in splits]
             if any(count < 0 for count in counts):
                 raise ValueError(f"alltoall of '{checked}': splits {counts} must not be negative")
     except (TypeError, ValueError) as error:
-        _api._refuse(checked, error)
+        _submission._refuse(checked, error)
         raise
     return _submit_output(array, checked, "alltoall", "sum", priority, splits=counts)
 
@@ -375,7 +376,7 @@ def grouped_allreduce_async(
         with _process_sets.scope(process_set):
             return grouped_allreduce_async(arrays, name, priority, op, prescale_factor, postscale_factor)
 
-    base, _, priority = _api._checked(name, "grouped_allreduce", op, 0, priority)
+    base, _, priority = _submission._checked(name, "grouped_allreduce", op, 0, priority)
     names = [f"{base}.{index}" for index in range(len(arrays))]
     scales = _scales(base, prescale_factor, postscale_factor)
     members, views = [], []
@@ -383,10 +384,10 @@ def grouped_allreduce_async(
         try:
             view = buffers.view(array, member_name)
             if _api._state.settings is not None:
-                _api._check_memory(view, member_name, _api._state.device_memory)
+                _submission._check_memory(view, member_name, _api._state.device_memory)
         except (TypeError, ValueError) as error:
             for other in names:
-                _api._refuse(other, error)
+                _submission._refuse(other, error)
             raise
         views.append(view)
         members.append(
@@ -402,7 +403,7 @@ def grouped_allreduce_async(
             )
         )
     core_handles = _core.enqueue_group(
-        members, _api._op_name(op), priority, **scales, process_set=_process_sets.current()
+        members, _submission._op_name(op), priority, **scales, process_set=_process_sets.current()
     )
     return GroupHandle([_api.Handle(h, a, v) for h, a, v in zip(core_handles, arrays, views)])
 

@@ -9,6 +9,7 @@ import commsched as _api
 from commsched import _core
 from commsched import collectives as _collectives
 from commsched import process_sets as _process_sets
+from commsched import submission as _submission
 
 
 def _host_fast_path() -> bool:
@@ -47,14 +48,14 @@ def allreduce_async(
         # and view cost ~7 us per tensor, a third of a ResNet-50 replay's iteration on shared memory.
         if type(name) is str and type(priority) is int and _host_fast_path():
             core_handle = _core.allreduce_buffer_async(
-                array, name, op, priority, not getattr(_api._submitter, "drives", False)
+                array, name, op, priority, not getattr(_submission._submitter, "drives", False)
             )
             if core_handle is not None:
                 return _api.Handle(core_handle, array, None)
-        return _api._submit(array, name, "allreduce", op, 0, priority)
-    name, root, priority = _api._checked(name, "allreduce", op, 0, priority)
+        return _submission._submit(array, name, "allreduce", op, 0, priority)
+    name, root, priority = _submission._checked(name, "allreduce", op, 0, priority)
     scales = _collectives._scales(name, prescale_factor, postscale_factor)
-    return _api._enqueue(array, name, "allreduce", _api._op_name(op), root, priority, **scales)
+    return _submission._enqueue(array, name, "allreduce", _submission._op_name(op), root, priority, **scales)
 
 
 def allreduce(
@@ -80,8 +81,8 @@ def allreduce(
     if type(name) is str and type(priority) is int and _host_fast_path():
         done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
         if done != -2:  # -1: valid arguments, not a host buffer the core takes: no second try
-            return _api._buffer_outcome(done, array, name, "allreduce", op, 0, priority, timeout)
-    return _api._run_now(array, name, "allreduce", op, 0, priority, timeout)
+            return _submission._buffer_outcome(done, array, name, "allreduce", op, 0, priority, timeout)
+    return _submission._run_now(array, name, "allreduce", op, 0, priority, timeout)
 
 
 def broadcast_async(
@@ -91,7 +92,7 @@ def broadcast_async(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return broadcast_async(array, root, name, priority)
-    return _api._submit(array, name, "broadcast", "sum", root, priority)
+    return _submission._submit(array, name, "broadcast", "sum", root, priority)
 
 
 def broadcast(
@@ -106,4 +107,4 @@ def broadcast(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return broadcast(array, root, name, priority, timeout)
-    return _api._run_now(array, name, "broadcast", "sum", root, priority, timeout)
+    return _submission._run_now(array, name, "broadcast", "sum", root, priority, timeout)

@@ -17,6 +17,7 @@ from typing import Any
 
 import commsched as _api
 from commsched import _core
+from commsched import submission as _submission
 
 
 class ProcessSet:
@@ -66,7 +67,7 @@ def _ranks_of(ranks: Any) -> list[int]:
         world = MPI.COMM_WORLD.Get_group()
         return sorted(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
     try:
-        values = [_api._integer(rank, "a process set rank", "a rank number") for rank in ranks]
+        values = [_submission._integer(rank, "a process set rank", "a rank number") for rank in ranks]
     except TypeError:
         raise TypeError(f"a process set takes a list of ranks (or a ProcessSet), not {ranks!r}") from None
     if len(set(values)) != len(values):

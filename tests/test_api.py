@@ -157,7 +157,7 @@ def test_synchronous_calls_take_every_host_buffer(runtime: None, monkeypatch: py
     def slow_path(*args: object, **kwargs: object) -> None:
         raise AssertionError("a host buffer went through the Python view")
 
-    monkeypatch.setattr(commsched, "_enqueue", slow_path)
+    monkeypatch.setattr(commsched.submission, "_enqueue", slow_path)
 
     for values in (
         bytearray(b"\x01\x02"),
@@ -186,7 +186,7 @@ def test_async_allreduce_takes_host_buffers_in_one_call(
     def slow_path(*args: object, **kwargs: object) -> None:
         raise AssertionError("a host buffer went through the Python view")
 
-    monkeypatch.setattr(commsched, "_enqueue", slow_path)
+    monkeypatch.setattr(commsched.submission, "_enqueue", slow_path)
     for values in (
         bytearray(b"\x01\x02"),
         array.array("q", [2**40, -5]),
@@ -200,13 +200,13 @@ def test_async_allreduce_takes_host_buffers_in_one_call(
     assert averaged.tolist() == [4.0, 4.0, 4.0]
     monkeypatch.undo()
     taken: list[str] = []
-    checked = commsched._enqueue
+    checked = commsched.submission._enqueue
 
     def counting(array: object, name: str, *args: object, **kwargs: object) -> object:
         taken.append(name)
         return checked(array, name, *args, **kwargs)
 
-    monkeypatch.setattr(commsched, "_enqueue", counting)
+    monkeypatch.setattr(commsched.submission, "_enqueue", counting)
     commsched.allreduce_async(np.ones(2), "numpy-priority", priority=np.int32(1)).wait(10)
     torch = pytest.importorskip("torch")
     commsched.allreduce_async(torch.ones(2), "torch-tensor").wait(10)

@@ -89,7 +89,7 @@ def test_ops_and_arguments_are_checked(one_rank: None) -> None:
     with pytest.raises(ValueError, match="splits name 2 ranks, but there are 1"):
         commsched.alltoall(np.ones((2, 1)), splits=[1, 1])
     with pytest.raises(ValueError, match="apply to reductions only"):
-        commsched._enqueue(np.ones(2), "b", "broadcast", "sum", 0, 0, prescale=2.0)
+        commsched.submission._enqueue(np.ones(2), "b", "broadcast", "sum", 0, 0, prescale=2.0)
     with pytest.raises(TypeError, match="prescale_factor of 'p' must be a number"):
         commsched.allreduce(np.ones(2), "p", prescale_factor="2")
     commsched.barrier()
