@@ -8,7 +8,8 @@ link rate set so one iteration's allreduce of all gradients takes about as long 
     python benchmarks/torch_shard_rig.py --model transformer --ranks 4 --repeats 5
 
 Variants: PyTorch DDP; `ZeroRedundancyOptimizer` over DDP; FSDP2 `fully_shard` per layer; commsched
-unsharded `overlap_forward`; commsched `shard=True` with `overlap_forward`. ZeRO's
+unsharded `overlap_forward`; commsched `shard=True` with `overlap_forward` (and, with --variants
+shard_wait, the same with step() waiting for every reduce-scatter before any update). ZeRO's
 `overlap_with_ddp` is left out: torch refuses it on Gloo ("Gloo backend using Overlapping DDP with
 ZeRO may meet hangs", torch 2.13), and the rig carries Gloo only. The rounds take turns, so a host
 that speeds up or slows down weighs on each alike. Bytes are what rank 0 holds: gradients after a
@@ -39,7 +40,10 @@ VARIANTS = {
     "fsdp2": "FSDP2 fully_shard",
     "overlap": "commsched overlap_forward",
     "shard": "commsched shard=True, overlap_forward",
+    "shard_wait": "commsched shard=True, unpipelined step",
 }
+# shard_wait is step() before it was pipelined per bucket: asked for by name, to measure the pipelining.
+DEFAULT_VARIANTS = ("ddp", "zero", "fsdp2", "overlap", "shard")
 MODELS = ("vgg", "transformer")
 _VOCAB, _WIDTH, _SEQUENCE = 4096, 256, 64
 
@@ -156,8 +160,10 @@ def _setup(variant: str, net: torch.nn.Module) -> tuple[Any, Any, Any, Any, int]
 
     commsched.init(transport="gloo")
     optimizer = ct.DistributedOptimizer(
-        adam(net.parameters(), lr=1e-3), model=net, overlap_forward=True, shard=variant == "shard"
+        adam(net.parameters(), lr=1e-3), model=net, overlap_forward=True, shard=variant.startswith("shard")
     )
+    if variant == "shard_wait":
+        optimizer._pipelined = False
     return net, optimizer, optimizer.optimizer, optimizer.synchronize, commsched.rank()
 
 
@@ -188,14 +194,14 @@ def worker(variant: str, model: str, batch: int, warmup: int, iterations: int) -
     if finish is not None:
         finish()
     grads = _local_bytes(p.grad for p in net.parameters())
-    if variant == "shard":  # the reduced shards live in the inner optimizer's groups
+    if variant.startswith("shard"):  # the reduced shards live in the inner optimizer's groups
         grads += _local_bytes(p.grad for g in holder.param_groups for p in g["params"])
     state = _local_bytes(v for s in holder.state.values() for v in s.values())
     if rank == 0:
         result = {"variant": variant, "seconds_per_iteration": elapsed / iterations}
         result.update(grad_bytes=grads, state_bytes=state)
         print(RESULT_TAG + json.dumps(result), flush=True)
-    if variant in ("overlap", "shard"):
+    if variant in ("overlap", "shard", "shard_wait"):
         import commsched
 
         commsched.shutdown()
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", default="auto", help='link rate ("1gbit"), or "auto": communication = compute'
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
     parser.add_argument(
         "--json", default=None, help="where the results go (default torch_shard_rig_MODEL_N.json)"
     )

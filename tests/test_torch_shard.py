@@ -6,11 +6,13 @@ unsharded and sharded, and compares parameters, state and per-rank memory; see i
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -244,3 +246,122 @@ def test_shard_setting() -> None:
     assert shard_setting(False, {"COMMSCHED_SHARD": "1"}) is False
     with pytest.raises(SettingError, match="COMMSCHED_SHARD: 'maybe' is not valid; use 1 or 0"):
         shard_setting(None, {"COMMSCHED_SHARD": "maybe"})
+
+
+class _Landing:
+    """Reduce-scatter handles that land one at a time, in the order of `order` (bucket names)."""
+
+    def __init__(self, events: list[tuple[str, str]]) -> None:
+        self.order: list[str] = []
+        self.events = events
+        self.landed = 0
+
+    def wrap(self, real: Any, name: str) -> Any:
+        landing = self
+
+        class Held:
+            def done(self) -> bool:
+                return landing.order.index(name) <= landing.landed and bool(real.done())
+
+            def wait(self, timeout: float | None = None) -> Any:
+                landing.events.append(("land", name))
+                landing.landed += 1
+                return real.wait(timeout)
+
+        return Held()
+
+
+def _train_one_rank(pipelined: bool, clip: bool, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Trains a small model with shard=True on one rank, its reduce-scatters landing last bucket first.
+
+    Returns (the last step's events, the buckets, the model, its initial copy, the same model trained by
+    a plain torch AdamW on the same batches).
+    """
+    import commsched.torch as ct
+
+    import commsched
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    initial, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    events: list[tuple[str, str]] = []
+    landing = _Landing(events)
+    scatter, gather = commsched.reducescatter_async, commsched.allgather_async
+
+    def held_scatter(array: Any, *args: Any, name: str = "", **kwargs: Any) -> Any:
+        return landing.wrap(scatter(array, *args, name=name, **kwargs), name.rsplit(".", 1)[-1])
+
+    def seen_gather(array: Any, *args: Any, name: str = "", **kwargs: Any) -> Any:
+        if ".param." in name:
+            events.append(("gather", name.rsplit(".", 1)[-1]))
+        return gather(array, *args, name=name, **kwargs)
+
+    monkeypatch.setattr(commsched, "reducescatter_async", held_scatter)
+    monkeypatch.setattr(commsched, "allgather_async", seen_gather)
+    commsched.init(transport="loopback", bucket_bytes=256)
+    try:
+        optimizer = ct.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.05), model=model, overlap_forward=overlap, shard=True
+        )
+        optimizer._pipelined = pipelined
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=0.05)
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def before(_: Any, params: list[torch.Tensor]) -> None:
+            labels = {names[id(p)] for p in params}
+            events.extend(("update", str(k)) for k, b in enumerate(optimizer.buckets()) if labels & set(b))
+
+        optimizer.register_param_update_pre_hook(before)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 4, generator=generator)
+            events.clear()
+            landing.landed = 0
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            landing.order = [str(k) for k in reversed(range(len(optimizer.buckets())))]
+            if clip:
+                optimizer.clip_grad_norm_(0.05)
+            optimizer.step()
+            plain.zero_grad()
+            torch.nn.functional.mse_loss(plain_model(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.05)
+            plain.step()
+        optimizer.synchronize()
+        return list(events), optimizer.buckets(), model, initial, plain_model
+    finally:
+        commsched.shutdown()
+
+
+def _difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_updates_and_gathers_each_bucket_as_its_reduce_scatter_lands(
+    overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reduce-scatters landing last bucket first: step() updates and gathers each bucket right after it lands,
+    before the next one lands, and ends at a plain torch AdamW's parameters; the unpipelined step lands
+    every bucket first (the order check tells the two apart) and ends at the same parameters."""
+    events, buckets, model, initial, plain_model = _train_one_rank(True, False, overlap, monkeypatch)
+    assert len(buckets) >= 3, buckets
+    order = [str(k) for k in reversed(range(len(buckets)))]
+    assert events == [(what, k) for k in order for what in ("land", "update", "gather")], events
+    assert _difference(model, plain_model) <= 1e-6 and _difference(model, initial) > 1e-2
+    events, _, unpipelined, _, _ = _train_one_rank(False, False, overlap, monkeypatch)
+    assert [what for what, _ in events[: len(buckets)]] == ["land"] * len(buckets), events
+    assert _difference(model, unpipelined) == 0.0
+
+
+def test_clipped_step_matches_torch_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With clip_grad_norm_ every reduce-scatter lands before any update; the per-bucket updates then give
+    torch's clip_grad_norm_ and AdamW's parameters, which differ from the unclipped training's."""
+    events, buckets, model, _, plain_model = _train_one_rank(True, True, False, monkeypatch)
+    assert [what for what, _ in events] == ["land"] * len(buckets) + ["update", "gather"] * len(buckets), (
+        events
+    )
+    assert _difference(model, plain_model) <= 1e-6
+    _, _, unclipped, _, _ = _train_one_rank(True, False, False, monkeypatch)
+    assert _difference(model, unclipped) > 1e-3

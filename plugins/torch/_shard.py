@@ -25,11 +25,11 @@ from typing import Any
 from commsched.torch import _optimizer_args as _args
 from commsched.torch import _shard_layout as layout
 from commsched.torch import _shard_state as _state
-from commsched.torch import _wire
+from commsched.torch import _shard_step, _wire
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import bucket_limit
 from commsched.torch.compression import Compression
-from commsched.torch.optimizer import DistributedOptimizer, _needs_closure
+from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
 import torch
@@ -38,40 +38,14 @@ from commsched._horovod import Average, global_process_set
 
 _instances = itertools.count()
 
-# Optimizers whose update of a parameter reads the whole tensor (norms, factored moments, matrix
-# roots): a flat shard would change their maths, so they are refused by name.
-WHOLE_TENSOR = frozenset(
-    {
-        "lbfgs",
-        "muon",
-        "adafactor",
-        "shampoo",
-        "distributedshampoo",
-        "soap",
-        "kron",
-        "lamb",
-        "lars",
-        "sparseadam",
-    }
-)
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuses an optimizer whose step needs whole tensors (or a closure), naming it."""
-    names = [cls.__name__ for cls in type(optimizer).__mro__]
-    whole = next((name for name in names if name.lower() in WHOLE_TENSOR), None)
-    if whole is not None or _needs_closure(optimizer):
-        raise ValueError(
-            f"shard=True cannot wrap {type(optimizer).__name__}: its step needs whole parameter tensors "
-            "(or a closure), but each rank holds only a flat shard of them. Use an elementwise optimizer "
-            "(SGD, Adam, AdamW, RMSprop, Adagrad, ...) or shard=False"
-        )
-
 
 class ShardedOptimizer(DistributedOptimizer):
     """DistributedOptimizer(..., shard=True): ZeRO-2 sharding of gradients and optimizer state."""
 
     sharded = True  # each rank holds a shard of the state (commsched.torch.Checkpointer asks)
+    # False: step() waits for every reduce-scatter before any update (the unpipelined step, kept to
+    # measure the pipelining against and to check both give the same parameters).
+    _pipelined = True
 
     def __init__(
         self,
@@ -95,7 +69,7 @@ class ShardedOptimizer(DistributedOptimizer):
         named = _args.check_wrap(
             optimizer, backward_passes_per_step, overlap_forward, model, named_parameters, num_groups, groups
         )
-        check_elementwise(optimizer)
+        _shard_step.check_elementwise(optimizer)
         how = _args.reduction(op, compression, gradient_predivide_factor, process_set)
         if how.wire_dtype is not None:
             raise ValueError("shard=True sends gradients uncompressed; pass compression=Compression.none")
@@ -306,21 +280,17 @@ class ShardedOptimizer(DistributedOptimizer):
     def _finish(self) -> None:
         """Waits for the reduce-scatters; each rank keeps its shard of the reduced gradient."""
         for bucket in self._buckets:
-            part = bucket.scatter.wait(self._timeout)
-            bucket.scatter = None
-            bucket.ready = 0
-            if not isinstance(part, torch.Tensor):
-                part = torch.as_tensor(part)
-            part = part.reshape(-1).to(bucket.shard.device)
-            if bucket.shard.grad is None:
-                bucket.shard.grad = torch.empty_like(bucket.shard)
-            bucket.shard.grad.copy_(
-                part.view(bucket.shard.dtype) if part.dtype != bucket.shard.dtype else part
-            )
-        counts = self._counts.finish(self._timeout).cpu().tolist() if self._counts is not None else []
-        self._counts = None
-        self._unused = {i for i, c in enumerate(counts) if c == 0}
+            _shard_step.take(bucket, self._timeout)
+        self._take_counts()
         self._seen = [0] * len(self._labelled)
+
+    def _take_counts(self) -> set[int]:
+        """The parameters no rank used this iteration (waits for the used counts once)."""
+        if self._counts is not None:
+            counts = self._counts.finish(self._timeout).cpu().tolist()
+            self._counts = None
+            self._unused = {i for i, c in enumerate(counts) if c == 0}
+        return self._unused
 
     def _reduce(self, force: bool) -> None:
         if self._reduced or not (force or self._open):
@@ -330,9 +300,25 @@ class ShardedOptimizer(DistributedOptimizer):
         self._reduced = True
         self._open = False
 
+    def _pipeline(self) -> None:
+        """Updates and gathers each bucket as soon as its reduce-scatter lands, in the order they land."""
+        self._close()
+        pending = list(self._buckets)
+        while pending:
+            bucket = _shard_step.next_landed(pending, self._timeout)
+            pending.remove(bucket)
+            _shard_step.take(bucket, self._timeout)
+            # Only a member this rank did not use may be unused by every rank: then the counts decide.
+            unused = self._take_counts() if not all(bucket.used) else set()
+            self._update([bucket], unused)
+            self._gather([bucket])
+        self._take_counts()
+        self._seen = [0] * len(self._labelled)
+        self._open = False
+
     # -- forward: all-gather the updated shards --------------------------------------------
-    def _gather(self) -> None:
-        for bucket in self._buckets:
+    def _gather(self, buckets: list[layout.ShardBucket]) -> None:
+        for bucket in buckets:
             bucket.gather = commsched.allgather_async(
                 bucket.shard.detach(),
                 name=f"{self._prefix}param.{bucket.name}",
@@ -387,14 +373,9 @@ class ShardedOptimizer(DistributedOptimizer):
             grad.mul_(coefficient.to(grad.dtype))
         return norm.float().reshape(())
 
-    def _update(self) -> None:
-        """Steps the wrapped optimizer on the shards; a parameter no rank used keeps its values and state."""
-        for bucket in self._buckets:
-            layout.refresh(bucket)
-        self._updating(
-            self._parameters(),
-            lambda: _state.update(self._inner, self._buckets, self._unused, self._inner.step),
-        )
+    def _update(self, buckets: list[layout.ShardBucket], unused: set[int]) -> None:
+        """Steps the wrapped optimizer on these shards; a parameter no rank used keeps its values and state."""
+        _shard_step.update(self._inner, buckets, unused, self._updating)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finishes the reduce-scatters, updates this rank's shards and all-gathers them (overlap: in flight)."""
@@ -404,11 +385,18 @@ class ShardedOptimizer(DistributedOptimizer):
         if closure is not None:
             raise ValueError("step(closure) is not supported with shard=True; call the closure before step()")
         self._settle_all()
-        self._reduce(force=True)
-        self._update()
+        if not self._pipelined:  # every reduce-scatter first, then one update and every gather
+            self._reduce(force=True)
+            self._update(self._buckets, self._unused)
+            self._gather(self._buckets)
+        elif self._reduced:  # reduced already (clipping, synchronize): gathers overlap later updates
+            for bucket in self._buckets:
+                self._update([bucket], self._unused)
+                self._gather([bucket])
+        else:
+            self._pipeline()
         self._reduced = False
         self._synchronized = False
-        self._gather()
         if not self._overlap:
             self._settle_all()
         commsched.autotune_step()

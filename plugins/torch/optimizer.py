@@ -44,6 +44,23 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
+def step_on(
+    inner: torch.optim.Optimizer, chosen: dict[int, list[torch.Tensor]], step: Callable[[], Any]
+) -> Any:
+    """Runs step() with `inner`'s groups narrowed to the chosen parameters (by group index), then restores them."""
+    groups = inner.param_groups
+    views = [(g, {**groups[g], "params": params}) for g, params in chosen.items()]
+    inner.param_groups = [view for _, view in views]
+    try:
+        return step()
+    finally:
+        inner.param_groups = groups
+        for g, view in views:  # keep what step() wrote into the group (none of torch's do)
+            for key, value in view.items():
+                if key != "params" and groups[g].get(key) is not value:
+                    groups[g][key] = value
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` so each gradient is reduced by commsched as soon as backward produces it."""
 
@@ -239,21 +256,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- the per-parameter update of overlap mode --------------------------------------------
     def _apply(self, slots: list[Slot]) -> None:
         """Runs the wrapped optimizer's step on a view of its groups holding only these parameters."""
-        inner = self._inner
-        groups = inner.param_groups
         chosen: dict[int, list[torch.Tensor]] = {}
         for slot in slots:
             chosen.setdefault(slot.group, []).append(slot.param)
-        views = [(g, {**groups[g], "params": params}) for g, params in chosen.items()]
-        inner.param_groups = [view for _, view in views]
-        try:
-            self._updating([slot.param for slot in slots], inner.step)
-        finally:
-            inner.param_groups = groups
-            for g, view in views:  # keep what step() wrote into the group (none of torch's do)
-                for key, value in view.items():
-                    if key != "params" and groups[g].get(key) is not value:
-                        groups[g][key] = value
+        params = [slot.param for slot in slots]
+        step_on(self._inner, chosen, lambda: self._updating(params, self._inner.step))
 
     # -- the optimizer API -------------------------------------------------------------------
     def synchronize(self) -> None:
