@@ -114,6 +114,46 @@ def test_below_min_np_ends_the_job_naming_the_rank(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize(
+    ("fault", "ranks", "transport", "generations"),
+    [
+        # Stopped in backward: its gradient never leaves; the others' stall limit ends the step and the
+        # launcher kills the rank that did not rejoin within the window.
+        ({"ELASTIC_STOP": "2:0:2:backward"}, 3, "gloo", [2]),
+        # Killed in commit(), while the capture of its model runs in the background.
+        ({"ELASTIC_KILL": "2:1:1:commit"}, 3, "grpc", [2]),
+        # A second rank killed as the state sync after the first re-forming starts.
+        ({"ELASTIC_KILL": "3:0:2,2:-1:-1:sync"}, 4, "gloo", [3, 2]),
+    ],
+    ids=["stop-in-backward", "kill-in-commit", "kill-in-sync"],
+)
+def test_faults_inside_backward_commit_and_sync(
+    fault: dict[str, str], ranks: int, transport: str, generations: list[int], tmp_path: Path
+) -> None:
+    """Wherever the fault strikes, the others re-form, finish at the smaller size and see every
+    sample once per epoch."""
+    done = launch(
+        tmp_path,
+        "-n",
+        str(ranks),
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "3",
+        COMMSCHED_TRANSPORT=transport,
+        COMMSCHED_STALL_TIMEOUT="1",
+        COMMSCHED_STALL_SHUTDOWN="3",
+        **fault,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for generation, size in enumerate(generations, start=1):
+        assert f"generation {generation}: {size} ranks" in done.stderr, done.stderr[-3000:]
+    final = results(tmp_path)
+    assert final["size"] == 2
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+
+
 def _server(members: list[int], alive: set[int], min_np: int, window_s: float) -> tuple[Any, list[Any]]:
     evicted: list[Any] = []
     server = membership.MembershipServer(

@@ -2,9 +2,12 @@
 
 A linear model over integer data, summed gradients and SGD with momentum 1 keep every value an
 exact multiple of 1/8, so results do not depend on the order of additions and runs compare exactly.
-Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:STEP": the rank
-launched as ID SIGKILLs itself after step() in that step; "ID:-1:-1": in the first reset
-callback, while the others re-form; several specs separated by commas), ELASTIC_STOP (SIGSTOP),
+Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:STEP[:WHERE]": the
+rank launched as ID SIGKILLs itself in that step, WHERE being `step` (after step(), the default),
+`backward` (in the gradient hook, so its gradient never leaves) or `commit` (in commit(), once its
+capture started); "ID:-1:-1": in the first reset callback, while the others re-form; "ID:-1:-1:sync":
+as the state sync after a re-forming starts; several specs separated by commas), ELASTIC_STOP
+(SIGSTOP, the same specs),
 ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times),
 ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `localhost:SLOTS` to
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
@@ -33,13 +36,52 @@ OUT = Path(os.environ["ELASTIC_OUT"])
 LAUNCH_ID = int(os.environ.get("COMMSCHED_ELASTIC_ID", os.environ.get("RANK", "0")))
 
 
-def fault(variable: str, epoch: int, step: int) -> int | None:
+def fault(epoch: int, step: int, where: str = "step") -> int | None:
     """The signal to send this rank now, per ELASTIC_KILL / ELASTIC_STOP."""
-    for name, number in ((variable, signal.SIGKILL), ("ELASTIC_STOP", signal.SIGSTOP)):
+    for name, number in (("ELASTIC_KILL", signal.SIGKILL), ("ELASTIC_STOP", signal.SIGSTOP)):
         for spec in filter(None, os.environ.get(name, "").split(",")):
-            if spec == f"{LAUNCH_ID}:{epoch}:{step}":
+            if spec in (
+                f"{LAUNCH_ID}:{epoch}:{step}:{where}",
+                f"{LAUNCH_ID}:{epoch}:{step}" * (where == "step"),
+            ):
                 return number
     return None
+
+
+def strike(epoch: int, step: int, where: str) -> None:
+    """Sends this rank its fault signal, if one is due here."""
+    number = fault(epoch, step, where)
+    if number is not None:
+        note_time("fault")
+        os.kill(os.getpid(), number)
+
+
+class FaultPoints:
+    """Injects the faults inside backward, commit() and the re-forming's sync, where the loop cannot."""
+
+    def __init__(self, state: elastic.TorchState, model: torch.nn.Module) -> None:
+        self.epoch_step = (-2, -2)  # set by the training loop
+        self.reformed = False
+        self.save, self.sync = state.save, state.sync
+        model.weight.register_hook(self.in_backward)
+        object.__setattr__(state, "save", self.in_commit)
+        object.__setattr__(state, "sync", self.in_sync)
+
+    def in_backward(self, gradient: torch.Tensor) -> torch.Tensor:
+        """Before this rank's gradient reaches the optimizer's hooks."""
+        strike(*self.epoch_step, "backward")
+        return gradient
+
+    def in_commit(self) -> None:
+        """Once the commit's capture has started."""
+        self.save()
+        strike(*self.epoch_step, "commit")
+
+    def in_sync(self) -> None:
+        """As the state sync after a re-forming starts."""
+        if self.reformed:
+            strike(-1, -1, "sync")
+        self.sync()
 
 
 def note_time(what: str) -> None:
@@ -104,9 +146,11 @@ def main() -> None:
         state.epoch, state.seen = saved["epoch"], saved["seen"]
         state.commit()
 
+    points = FaultPoints(state, model)
+
     def on_reset() -> None:
-        if fault("ELASTIC_KILL", -1, -1) is not None:  # "ID:-1:-1": die while the others re-form
-            os.kill(os.getpid(), signal.SIGKILL)
+        points.reformed = True
+        strike(-1, -1, "step")  # "ID:-1:-1": die while the others re-form
         # The commit every survivor restored and synchronised: a run started from it at the new size
         # must end with the same parameters.
         if hvd.rank() == 0 and not (OUT / "restored.pt").exists():
@@ -122,7 +166,7 @@ def main() -> None:
             )
 
     state.register_reset_callbacks([on_reset])
-    train(state, data, target)
+    train(state, data, target, points)
     if hvd.rank() == 0:
         torch.save(
             {"weight": model.weight.detach().clone(), "seen": state.seen, "size": hvd.size()},
@@ -132,21 +176,19 @@ def main() -> None:
 
 
 @elastic.run
-def train(state: elastic.TorchState, data: torch.Tensor, target: torch.Tensor) -> None:
+def train(state: elastic.TorchState, data: torch.Tensor, target: torch.Tensor, points: FaultPoints) -> None:
     """Epochs over the elastic sampler, committing after every step."""
     while state.epoch < EPOCHS:
         indices = list(state.sampler)
         for step, first in enumerate(range(0, len(indices), BATCH)):
             batch = indices[first : first + BATCH]
+            points.epoch_step = (state.epoch, step)
             state.optimizer.zero_grad()
             loss = (state.model(data[batch]).squeeze(1) * target[batch]).sum()
             loss.backward()
             state.optimizer.step()
             # After step(): the survivors have updated past the last commit and must roll back.
-            number = fault("ELASTIC_KILL", state.epoch, step)
-            if number is not None:
-                note_time("fault")
-                os.kill(os.getpid(), number)
+            strike(state.epoch, step, "step")
             for gathered in hvd.allgather_object(batch, name="seen"):
                 state.seen[state.epoch].extend(gathered)
             state.sampler.record_batch(step, BATCH)
