@@ -18,10 +18,23 @@ def factory_and_handle(comm: Any) -> tuple[Any, int]:
         from mpi4py import MPI
     except ImportError:
         raise RuntimeError("COMMSCHED_TRANSPORT=mpi needs mpi4py: pip install mpi4py") from None
+    _ensure_initialized(MPI)
     communicator = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(communicator, MPI.Comm):
         raise TypeError(f"comm= must be an mpi4py communicator, not {type(communicator).__name__}")
     return _mpi.transport_factory(), int(MPI._handleof(communicator))
+
+
+def _ensure_initialized(MPI: Any) -> None:
+    """Starts MPI when the program told mpi4py not to (mpi4py.rc.initialize = False), as Horovod does."""
+    if MPI.Is_finalized():
+        raise RuntimeError(
+            "COMMSCHED_TRANSPORT=mpi: MPI was already finalized in this process (MPI.Finalize() was called); "
+            "MPI cannot start again, so call commsched.init() before finalizing MPI"
+        )
+    if not MPI.Is_initialized():
+        # The core's own thread calls MPI, hence MPI_THREAD_MULTIPLE; mpi4py finalizes it at exit.
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
 
 
 def cuda_aware_build(comm: Any, device: int) -> tuple[str, Any]:
