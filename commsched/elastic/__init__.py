@@ -4,8 +4,10 @@ Under ``commsched-run --min-np N --max-np M`` a rank that dies or hangs costs th
 their collectives fail with RankFailure, ``run`` restores the last ``commit()`` from memory, shuts
 commsched down, asks the launcher's membership service for the new rank and size, starts commsched
 again at that size, synchronises the state from the lowest surviving rank, runs the reset callbacks
-and calls the training function again. Under mpiexec the membership is fixed: ``run`` says so and a
-failure ends the job.
+and calls the training function again. Under ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` the
+survivors agree on the new membership through torchrun's rendezvous store instead
+(commsched.elastic.torchrun). Under mpiexec the membership is fixed: ``run`` says so and a failure
+ends the job.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import commsched
+from commsched.elastic import torchrun
 from commsched.elastic.membership import (
     ADDRESS_VARIABLE,
     GENERATION_VARIABLE,
@@ -185,6 +188,7 @@ class _Membership:
         # A worker started to join an existing job is born into a later generation.
         self.generation = int(os.environ.get(GENERATION_VARIABLE, "0") or 0)
         self.failed_starts = 0  # generations in a row that failed to start
+        self.failed_rank: int | None = None  # the rank the last failure named, if it named one
 
     @property
     def elastic(self) -> bool:
@@ -198,6 +202,13 @@ def _check_launcher() -> bool:
     """True when the launcher re-forms the ranks after a failure; otherwise says why not, once."""
     if _membership.elastic:
         return True
+    if torchrun.active():
+        if not torchrun.job().prefix:
+            torchrun.start(
+                functools.partial(commsched.broadcast_object, name="commsched.elastic.group"),
+                commsched._state.transport,
+            )
+        return True
     launcher = detect().launcher
     if launcher == "mpiexec":
         why = "MPI keeps the ranks it started (fixed membership)"
@@ -207,7 +218,8 @@ def _check_launcher() -> bool:
         why = "this launcher does not re-form the ranks"
     print(
         f"commsched.elastic.run: {why}, so a failed rank ends the job; launch with "
-        "`commsched-run -n N --min-np MIN --max-np MAX` for elastic training",
+        "`commsched-run -n N --min-np MIN --max-np MAX` or `torchrun --nnodes MIN:MAX --rdzv-backend c10d` "
+        "for elastic training",
         file=sys.stderr,
         flush=True,
     )
@@ -222,14 +234,19 @@ def reform() -> None:
     transport = commsched._state.transport  # the failed generation's: the next one uses the same
     commsched.shutdown()  # the core stopped on the failure already: this returns at once
     _forget_torch_groups()
-    assignment = request(_membership.address, _membership.member, _membership.generation)
+    under_torchrun = not _membership.elastic
+    if under_torchrun:
+        assignment = torchrun.request(_membership.failed_rank)
+        os.environ.update(RANK=str(assignment.rank), WORLD_SIZE=str(assignment.size))
+    else:
+        assignment = request(_membership.address, _membership.member, _membership.generation)
+        os.environ.update(
+            RANK=str(assignment.rank),
+            LOCAL_RANK=str(assignment.rank),  # one host: the local rank is the rank
+            WORLD_SIZE=str(assignment.size),
+            MASTER_PORT=str(assignment.port),
+        )
     _membership.generation = assignment.generation
-    os.environ.update(
-        RANK=str(assignment.rank),
-        LOCAL_RANK=str(assignment.rank),  # one host: the local rank is the rank
-        WORLD_SIZE=str(assignment.size),
-        MASTER_PORT=str(assignment.port),
-    )
     log.info(
         "commsched.elastic: generation %d, rank %d of %d",
         assignment.generation,
@@ -237,7 +254,9 @@ def reform() -> None:
         assignment.size,
     )
     try:
-        if transport == "gloo":
+        if under_torchrun:
+            torchrun.join(assignment, _rendezvous_timeout())
+        elif transport == "gloo":
             _gloo_rendezvous(assignment.rank, assignment.size)
         commsched.init()
     except (MembershipError, _settings().SettingError):
@@ -275,13 +294,17 @@ def _settings() -> Any:
 def _gloo_rendezvous(rank: int, size: int) -> None:
     """Joins the new generation's torch.distributed group with a bounded wait: torch's default, 30
     minutes, would hold the survivors that long when a rank dies during the rendezvous."""
-    import datetime
-
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=_rendezvous_timeout())
+
+
+def _rendezvous_timeout() -> Any:
+    """The longest a new generation's rendezvous waits: the stall limits."""
+    import datetime
+
     settings = _settings().resolve({})
-    limit = datetime.timedelta(seconds=max(settings.stall_timeout, settings.stall_shutdown))
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=limit)
+    return datetime.timedelta(seconds=max(settings.stall_timeout, settings.stall_shutdown))
 
 
 def _forget_torch_groups() -> None:
@@ -341,9 +364,13 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 return func(state, *args, **kwargs)
             except (HorovodInternalError, commsched.RankFailure) as error:
                 log.warning("commsched.elastic: %s; restoring the last commit and re-forming", error)
+                # Only a lost connection names a dead rank; a rank that stopped on its own is alive.
+                lost = "lost contact" in str(error)
+                _membership.failed_rank = getattr(error, "rank", None) if lost else None
                 state.restore()
                 skip_sync, reforming = False, True
             except HostsUpdatedInterrupt as interrupt:
+                _membership.failed_rank = None
                 skip_sync, reforming = interrupt.skip_sync, True
 
     return wrapper

@@ -1,0 +1,264 @@
+"""torchrun's elastic rendezvous as the membership service of an elastic job.
+
+Under ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` the workers reach a TCPStore that an agent
+hosts (MASTER_ADDR:MASTER_PORT, torch's shared rendezvous store). After a failure in generation G
+every survivor writes `ask/ID` there (with the rank its error named, if any) and watches the others:
+once every member of G asked or was named failed, or the join window has passed, the first survivor
+to get there writes the new member list with compare_set, and every survivor reads that one list.
+Members keep their order, so the lowest surviving rank becomes rank 0 and the state is synchronised
+from it; the next generation's Gloo group meets under its own prefix of the same store.
+
+What torchrun itself does around this, and what follows:
+- A worker's agent ends when its worker fails (--max-restarts 0) and with it the stores it hosts:
+  the agent of group rank 0 holds MASTER_PORT's store, and the agent that bound --rdzv-endpoint
+  holds the rendezvous (torch's other agents end their workers when it is gone). Losing a worker
+  of one of those agents ends the job; a survivor then says so, naming the store.
+- A node that joins makes every agent restart its workers: the state committed in memory ends with
+  them, so the restarted workers refuse to go on (growth is commsched-run --host-discovery-script's).
+- The survivors' agents wait up to 300 s at the end (torch's exit barrier counts the agent that left).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from commsched.elastic.membership import Assignment, MembershipError
+
+# Set by torchrun's agents in every worker's environment.
+RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
+# Ranks the job needs to go on; unset: torchrun's --nnodes minimum times the processes per node.
+MIN_VARIABLE = "COMMSCHED_ELASTIC_MIN_NP"
+# Seconds the ranks get to rejoin after the first survivor asked (commsched-run's --elastic-timeout).
+TIMEOUT_VARIABLE = "COMMSCHED_ELASTIC_TIMEOUT"
+_DEFAULT_WINDOW_S = 10.0
+_POLL_S = 0.02
+_STORE_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def active(environ: dict[str, str] | None = None) -> bool:
+    """True in a worker started by torchrun's elastic agent (its rendezvous can re-form the ranks)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(RUN_ID_VARIABLE)) and "RANK" in env and "MASTER_PORT" in env
+
+
+def _number(name: str, default: float, minimum: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: give a number >= {minimum:g}")
+    return value
+
+
+def window_s() -> float:
+    """How long the survivors wait for the other ranks to rejoin (COMMSCHED_ELASTIC_TIMEOUT)."""
+    return _number(TIMEOUT_VARIABLE, _DEFAULT_WINDOW_S, 0.1)
+
+
+def _agent_min_nodes(pid: int) -> int | None:
+    """The MIN of `--nnodes MIN:MAX` on the command line of torchrun's agent `pid`, if it has one."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            arguments = handle.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for index, argument in enumerate(arguments):
+        if argument == "--nnodes" and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        elif argument.startswith("--nnodes="):
+            value = argument.split("=", 1)[1]
+        else:
+            continue
+        first = value.split(":", 1)[0]
+        return int(first) if first.isdigit() else None
+    return None
+
+
+def min_ranks() -> int:
+    """The fewest ranks the job goes on with: COMMSCHED_ELASTIC_MIN_NP, else torchrun's --nnodes
+    minimum times LOCAL_WORLD_SIZE (an agent whose worker fails stops its other workers), else 1."""
+    if os.environ.get(MIN_VARIABLE):
+        return int(_number(MIN_VARIABLE, 1, 1))
+    nodes = _agent_min_nodes(os.getppid())
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return nodes * per_node if nodes else 1
+
+
+class _Job:
+    """This worker's view of the job: the store, the members of its generation and its place."""
+
+    def __init__(self) -> None:
+        self.member = int(os.environ["RANK"])  # the rank at launch names the worker for the whole job
+        self.address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+        self.prefix = ""
+        self.members = list(range(int(os.environ["WORLD_SIZE"])))
+        self.generation = 0
+        self._store: Any = None
+
+    def store(self) -> Any:
+        """A client of torchrun's store, connected once."""
+        if self._store is None:
+            import torch.distributed as dist
+
+            host, _, port = self.address.rpartition(":")
+            try:
+                self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_STORE_TIMEOUT)
+            except (RuntimeError, ValueError) as error:
+                raise self.gone(error) from None
+        return self._store
+
+    def gone(self, error: BaseException) -> MembershipError:
+        """The error for a store that stopped answering: its agent ended with its worker."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return MembershipError(
+            f"torchrun's rendezvous store at {self.address} does not answer ({first}): the agent of "
+            "group rank 0 hosts it (worker rank 0 itself with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and "
+            "ends when its worker fails, so under torchrun the job cannot outlive the rank that started "
+            "as 0; launch with `commsched-run -n N --min-np MIN` to "
+            "survive the loss of any rank"
+        )
+
+
+_job: _Job | None = None
+
+
+def job() -> _Job:
+    """This process's job (made on first use)."""
+    global _job
+    if _job is None:
+        _job = _Job()
+    return _job
+
+
+def start(broadcast_object: Any, transport: str) -> None:
+    """Called once by every worker of a worker group before training: names the group's keys,
+    records where this worker runs, and refuses what torchrun's rendezvous cannot re-form."""
+    if transport != "gloo":
+        raise MembershipError(
+            f"commsched.elastic.run under torchrun re-forms the ranks over Gloo, not {transport}: "
+            "set COMMSCHED_TRANSPORT=gloo (the default under torchrun with PyTorch) or launch with "
+            "`commsched-run -n N --min-np MIN`"
+        )
+    current = job()
+    run_id = os.environ[RUN_ID_VARIABLE]
+    store = current.store()
+    try:
+        # Agents keep their store across their restarts: a count tells this group from earlier ones.
+        group = store.add(f"commsched.elastic.{run_id}.groups", 1) if current.member == 0 else 0
+    except RuntimeError as error:
+        raise current.gone(error) from None
+    group = int(broadcast_object(group))
+    current.prefix = f"commsched.elastic.{run_id}.{group}"
+    try:
+        store.set(f"{current.prefix}/where/{current.member}", f"{socket.gethostname()} {os.getpid()}")
+    except RuntimeError as error:
+        raise current.gone(error) from None
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if group > 1 or restarts > 0:
+        raise MembershipError(
+            "torchrun restarted the workers of this job (a node joined its rendezvous, or a restart "
+            "under --max-restarts), and the state committed in memory ended with the old workers: "
+            "commsched re-forms under torchrun only as ranks leave. Launch with --nnodes MIN:N for N "
+            "nodes and --max-restarts 0, or add ranks with `commsched-run --host-discovery-script`"
+        )
+
+
+def request(failed_rank: int | None) -> Assignment:
+    """Agrees with the other survivors on the next generation through torchrun's store."""
+    current = job()
+    if not current.prefix:
+        raise MembershipError("commsched.elastic: the torchrun membership was not started (start())")
+    named = (
+        [current.members[failed_rank]]
+        if failed_rank is not None and 0 <= failed_rank < len(current.members)
+        else []
+    )
+    base = f"{current.prefix}/g{current.generation}"
+    try:
+        store = current.store()
+        store.set(f"{base}/ask/{current.member}", json.dumps(named))
+        decided = _decide(store, base, current.members, window_s())
+    except MembershipError:
+        raise
+    except (RuntimeError, OSError) as error:
+        raise current.gone(error) from None
+    lost = [member for member in current.members if member not in decided]
+    if current.member not in decided:
+        raise MembershipError(
+            f"rank {current.member} (numbered as at launch) was left out of generation "
+            f"{current.generation + 1}: it did not rejoin within {window_s():g}s (stopped or hung)"
+        )
+    needed = min_ranks()
+    if len(decided) < needed:
+        raise MembershipError(
+            f"{_ranks(lost)} (numbered as at launch) failed; {len(decided)} "
+            f"{'rank is' if len(decided) == 1 else 'ranks are'} left, below the job's minimum of {needed} "
+            f"(torchrun's --nnodes minimum times the processes per node, or {MIN_VARIABLE})"
+        )
+    if decided.index(current.member) == 0:
+        _stop_left_out(store, current.prefix, lost)
+    current.members = decided
+    current.generation += 1
+    return Assignment(decided.index(current.member), len(decided), 0, current.generation)
+
+
+def _decide(store: Any, base: str, members: list[int], window: float) -> list[int]:
+    """The members of the next generation: written once by whichever survivor first sees every
+    member asked or named failed, or the window past; read by all."""
+    decision = f"{base}/members"
+    deadline = time.monotonic() + window
+    asked: dict[int, list[int]] = {}
+    while True:
+        if store.check([decision]):
+            return [int(member) for member in json.loads(store.get(decision))]
+        for member in members:
+            if member not in asked and store.check([f"{base}/ask/{member}"]):
+                asked[member] = json.loads(store.get(f"{base}/ask/{member}"))
+        failed = {member for named in asked.values() for member in named}
+        if all(member in asked or member in failed for member in members) or time.monotonic() >= deadline:
+            proposal = json.dumps([member for member in members if member in asked])
+            return [int(member) for member in json.loads(store.compare_set(decision, "", proposal))]
+        time.sleep(_POLL_S)
+
+
+def _stop_left_out(store: Any, prefix: str, lost: list[int]) -> None:
+    """SIGKILLs left-out workers that are stopped (SIGSTOP) on this host: their agents wait for them
+    forever otherwise. A worker on another host is its agent's to end."""
+    here = socket.gethostname()
+    for member in lost:
+        where = f"{prefix}/where/{member}"
+        try:
+            if not store.check([where]):  # get() would wait for it
+                continue
+            host, pid = store.get(where).decode().split()
+            with open(f"/proc/{pid}/stat") as handle:
+                stopped = handle.read().rpartition(")")[2].split()[0] == "T"
+        except (RuntimeError, OSError, ValueError):
+            continue
+        if host == here and stopped:
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def join(assignment: Assignment, timeout: datetime.timedelta) -> None:
+    """Joins the new generation's torch.distributed group, meeting under its prefix of the store."""
+    import torch.distributed as dist
+
+    current = job()
+    store = dist.PrefixStore(f"{current.prefix}/g{assignment.generation}/pg", current.store())
+    dist.init_process_group(
+        "gloo", store=store, rank=assignment.rank, world_size=assignment.size, timeout=timeout
+    )
+
+
+def _ranks(ids: list[int]) -> str:
+    return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids)) if ids else "no rank"

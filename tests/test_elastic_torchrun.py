@@ -1,0 +1,249 @@
+"""Elastic training under torchrun's c10d rendezvous: 3 single-process agents, one worker SIGKILLs
+itself after step(); the survivors agree on the new membership through torchrun's store, re-form
+Gloo at 2 ranks without restarting, and end with the parameters of a 2-rank run started from the
+restored commit, every sample seen once per epoch. The store-side agreement, the minimum and the
+refusals are exercised in-process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from commsched.elastic import membership, torchrun
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
+SAMPLES = 48  # as in the rank script
+LAUNCH_TIMEOUT_S = 90
+# The variables a launcher sets for a rank: a test under pytest must not pass its own on.
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _environment(out: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "COMMSCHED_ELASTIC_"))
+    }
+    env.update(ELASTIC_OUT=str(out), COMMSCHED_TRANSPORT="gloo", **extra)
+    return env
+
+
+def _stop(processes: list[subprocess.Popen[bytes]], out: Path) -> None:
+    """Ends what is left: agents (their sessions) and workers (by the pid each wrote)."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    for pid_file in out.glob("pid.*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def torchrun_job(out: Path, nodes: int, min_nodes: int, finishers: int, **environment: str) -> str:
+    """`nodes` torchrun agents of one worker each under one c10d rendezvous; returns their output
+    once `finishers` workers said they are done or every agent ended.
+
+    The first agent hosts both stores (--rdzv-conf is_host=1, and --local-addr 127.0.0.1 sorts it to
+    group rank 0), so the worker that a test kills is never the one whose agent holds them. The
+    survivors' agents wait in torch's exit barrier for the agent that left, so they are ended here
+    once the workers are done.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = _environment(out, **environment)
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = [out / f"agent.{node}.log" for node in range(nodes)]
+    try:
+        for node, log in enumerate(logs):
+            command = [
+                *(sys.executable, "-m", "torch.distributed.run"),
+                *("--nnodes", f"{min_nodes}:{nodes}", "--nproc-per-node", "1", "--max-restarts", "0"),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
+                *("--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", f"127.0.0.{node + 1}"),
+                *("--monitor-interval", "0.1", str(SCRIPT)),
+            ]
+            with open(log, "wb") as handle:
+                processes.append(
+                    subprocess.Popen(
+                        command,
+                        env=env,
+                        cwd=ROOT,
+                        stdout=handle,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            text = "".join(log.read_text(errors="replace") for log in logs)
+            if text.count(" done\n") >= finishers or all(p.poll() is not None for p in processes):
+                break
+            time.sleep(0.2)
+    finally:
+        _stop(processes, out)
+    return "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
+
+
+def results(out: Path) -> dict[str, Any]:
+    return torch.load(out / "final.pt", weights_only=False)
+
+
+def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: Path) -> None:
+    """3 ranks under torchrun, the one launched as 2 SIGKILLs itself after step() of step 3: the
+    survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit."""
+    out = tmp_path / "elastic"
+    output = torchrun_job(out, nodes=3, min_nodes=2, finishers=2, ELASTIC_KILL="2:0:3")
+    assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
+    assert "rank 2 (numbered as at launch" not in output  # no rank was left out: it died
+    final = results(out)
+    assert final["size"] == 2
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    restored = torch.load(out / "restored.pt", weights_only=False)
+    assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 3 * 2}  # 3 commits of 3 ranks x 2
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "commsched.run", "-n", "2", str(SCRIPT)],
+        env=_environment(reference, ELASTIC_START=str(out / "restored.pt")),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = results(reference)
+    assert torch.count_nonzero(expected["weight"]) > 0
+    assert torch.equal(final["weight"], expected["weight"])
+    assert final["seen"] == expected["seen"]
+
+
+def test_below_the_nnodes_minimum_under_torchrun_names_the_rank(tmp_path: Path) -> None:
+    """--nnodes 3:3: losing the rank launched as 2 ends the job on the survivors, naming it."""
+    output = torchrun_job(tmp_path, nodes=3, min_nodes=3, finishers=3, ELASTIC_KILL="2:0:1")
+    words = "rank 2 (numbered as at launch) failed; 2 ranks are left, below the job's minimum of 3"
+    assert output.count(words) >= 2, output[-4000:]  # both survivors say it
+    assert not (tmp_path / "final.pt").exists()
+
+
+class _Store:
+    """A TCPStore server in this process, for the agreement without torchrun."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+        )
+        self.port = self.store.port
+
+
+def _job(monkeypatch: pytest.MonkeyPatch, port: int, member: int, members: list[int]) -> Any:
+    """Makes this process worker `member` of a job whose store listens on `port`."""
+    monkeypatch.setenv("RANK", str(member))
+    monkeypatch.setenv("WORLD_SIZE", str(len(members)))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    job = torchrun._Job()
+    job.prefix, job.members = "test", list(members)
+    monkeypatch.setattr(torchrun, "_job", job)
+    return job
+
+
+def test_agreement_goes_on_once_every_member_asked_or_was_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members 0 and 1 ask, naming rank 2 failed: the decision is [0, 1] at once (no window wait),
+    ranks follow launch order, and a late member 2 is told it was left out."""
+    server = _Store()
+    monkeypatch.setenv(torchrun.MIN_VARIABLE, "2")
+    monkeypatch.setenv(torchrun.TIMEOUT_VARIABLE, "30")
+    _job(monkeypatch, server.port, 1, [0, 1, 2])
+    server.store.set("test/g0/ask/0", "[2]")
+    started = time.monotonic()
+    assignment = torchrun.request(failed_rank=None)
+    assert time.monotonic() - started < 5
+    assert (assignment.rank, assignment.size, assignment.generation) == (1, 2, 1)
+    _job(monkeypatch, server.port, 2, [0, 1, 2])
+    with pytest.raises(membership.MembershipError, match="rank 2 .* was left out of generation 1"):
+        torchrun.request(failed_rank=None)
+
+
+def test_agreement_leaves_out_a_silent_member_after_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only member 2 asks and names nobody: after the window it goes on alone as rank 0 (minimum 1)."""
+    server = _Store()
+    monkeypatch.setenv(torchrun.MIN_VARIABLE, "1")
+    monkeypatch.setenv(torchrun.TIMEOUT_VARIABLE, "0.3")
+    _job(monkeypatch, server.port, 2, [0, 1, 2])
+    started = time.monotonic()
+    assignment = torchrun.request(failed_rank=None)
+    assert 0.3 <= time.monotonic() - started < 5
+    assert (assignment.rank, assignment.size) == (0, 1)
+    assert torchrun.job().members == [2]
+
+
+def test_minimum_comes_from_torchruns_nnodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MIN of the agent's --nnodes MIN:MAX times LOCAL_WORLD_SIZE; the variable overrides it."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--nnodes", "3:5"])
+    try:
+        monkeypatch.delenv(torchrun.MIN_VARIABLE, raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setattr(os, "getppid", lambda: agent.pid)
+        deadline = time.monotonic() + 10
+        while torchrun._agent_min_nodes(agent.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has exec'd
+        assert torchrun.min_ranks() == 6
+        monkeypatch.setenv(torchrun.MIN_VARIABLE, "4")
+        assert torchrun.min_ranks() == 4
+        monkeypatch.setenv(torchrun.MIN_VARIABLE, "none")
+        with pytest.raises(ValueError, match="COMMSCHED_ELASTIC_MIN_NP='none': give a number >= 1"):
+            torchrun.min_ranks()
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_restarted_workers_and_grpc_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that torchrun restarted (a node joined) refuse to go on, and so does gRPC, naming why."""
+    server = _Store()
+    job = _job(monkeypatch, server.port, 0, [0, 1])
+    job.prefix = ""
+    monkeypatch.setenv(torchrun.RUN_ID_VARIABLE, "refusals")
+    with pytest.raises(membership.MembershipError, match="re-forms the ranks over Gloo, not grpc"):
+        torchrun.start(lambda value: value, "grpc")
+    torchrun.start(lambda value: value, "gloo")  # the first worker group of the run
+    assert job.prefix == "commsched.elastic.refusals.1"
+    job.prefix = ""
+    with pytest.raises(membership.MembershipError, match="torchrun restarted the workers of this job"):
+        torchrun.start(lambda value: value, "gloo")  # the next group: a node joined
+
+
+def test_a_store_that_went_away_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent holding the store ended (its worker, rank 0 at launch, failed): the survivors'
+    re-forming fails at once with an error naming the store and what to launch instead."""
+    server = _Store()
+    _job(monkeypatch, server.port, 1, [0, 1, 2]).store()  # connected while the store was up
+    del server  # the store's server ends with its agent
+    with pytest.raises(
+        membership.MembershipError, match=r"torchrun's rendezvous store at 127\.0\.0\.1:\d+ does not"
+    ):
+        torchrun.request(failed_rank=0)
