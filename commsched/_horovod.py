@@ -41,18 +41,26 @@ def init(comm: Any = None, process_sets: Any = None, **settings: Any) -> None:
     `comm`: an mpi4py communicator (or a list of ranks of COMM_WORLD, as Horovod takes);
     `process_sets`: process sets to register at start; `settings`: commsched settings.
     """
-    if commsched.is_initialized():
-        return
-    if isinstance(comm, (list, tuple)):
-        from mpi4py import MPI
+    if not commsched.is_initialized():
+        if isinstance(comm, (list, tuple)):
+            from mpi4py import MPI
 
-        group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
-        comm = MPI.COMM_WORLD.Create_group(group)
-    commsched.init(comm=comm, **settings)
-    _start_horovod_timeline()
+            group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
+            comm = MPI.COMM_WORLD.Create_group(group)
+        commsched.init(comm=comm, **settings)
+        _start_horovod_timeline()
+    # As Horovod's: a second init() while running still binds its sets (to the ids their ranks have).
     if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:
-            _core("add_process_set")(process_set)
+        if not _CORE:
+            add_process_set(None)  # raises, naming what is missing
+        from commsched.process_sets import register_at_init
+
+        register_at_init(list(process_sets))
+
+
+def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and ranks, the global set (id 0) included (Horovod's internal name)."""
+    return dict(_core("get_process_sets")())
 
 
 def _start_horovod_timeline() -> None:

@@ -75,8 +75,19 @@ def _ranks_of(ranks: Any) -> list[int]:
     return sorted(values)
 
 
-global_process_set = ProcessSet(None)
-global_process_set.process_set_id = 0
+class _GlobalProcessSet(ProcessSet):
+    """The set of every rank (id 0): its ranks are the running job's, None before init() (as Horovod's)."""
+
+    def __init__(self) -> None:
+        self.process_set_id = 0
+
+    @property  # type: ignore[override]
+    def ranks(self) -> list[int] | None:
+        """Every rank of the job while commsched runs (the size may change in an elastic job)."""
+        return list(range(_api.size())) if _api.is_initialized() else None
+
+
+global_process_set: ProcessSet = _GlobalProcessSet()
 _registered: dict[int, ProcessSet] = {}
 _unnamed: dict[int, Iterator[int]] = {}
 _local = threading.local()
@@ -129,6 +140,39 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     # No member names the set before every rank registered it with its agreement.
     _api.barrier(name=f"process_set.{set_id}.ready")
     return process_set
+
+
+def register_at_init(process_sets: Sequence[ProcessSet]) -> None:
+    """Registers hvd.init(process_sets=...)'s sets as Horovod does, on every rank in the same order.
+
+    A set whose ranks are registered already (an earlier init() in this job) takes over that id; a
+    set that repeats another in the list, or the global set, is left unregistered and fails the call
+    with ValueError after the others are registered, as in Horovod (commsched keeps running).
+    """
+    known = {tuple(ranks): set_id for set_id, ranks in get_process_sets().items()}
+    taken = {0}
+    duplicates = []
+    for index, process_set in enumerate(process_sets):
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"init(process_sets=...) takes hvd.ProcessSet objects, not {process_set!r}")
+        key = tuple(process_set.ranks or ())
+        set_id = known.get(key)
+        if set_id is None:
+            add_process_set(process_set)
+            known[key] = set_id = process_set.process_set_id  # type: ignore[assignment]
+        elif set_id in taken:
+            duplicates.append(f"entry number {index} ({process_set.ranks})")
+            continue
+        elif _registered[set_id] is not process_set:
+            _registered[set_id].process_set_id = None  # the older object no longer names the set
+            process_set.process_set_id = set_id
+            _registered[set_id] = process_set
+        taken.add(set_id)
+    if duplicates:
+        raise ValueError(
+            f"init(process_sets=...): {', '.join(duplicates)} repeats the ranks of an earlier entry or of the "
+            "global set; give each set of ranks once (hvd.global_process_set always exists)"
+        )
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

@@ -30,6 +30,7 @@ if _importlib_util.find_spec("tensorflow") is None:
     )
 
 from commsched.tensorflow import callbacks, elastic, util
+from commsched.tensorflow import collectives as mpi_ops  # noqa: F401  (Horovod's name for its collectives module)
 from commsched.tensorflow._build import BuildError
 from commsched.tensorflow._order import forward_order
 from commsched.tensorflow.callbacks import BroadcastGlobalVariablesCallback

@@ -17,6 +17,7 @@ next forward wait module by module. CPU tensors travel over MPI (under mpiexec) 
 
 from __future__ import annotations
 
+from commsched.torch import collectives as mpi_ops  # noqa: F401  (Horovod's name for its collectives module)
 from commsched.torch.autograd import (
     allgather,
     allreduce,
