@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import commsched
+from commsched import torch_release
 
 PACKAGE_DIR = Path(commsched.__file__).resolve().parent
 REINSTALL = "then reinstall commsched (pip install --force-reinstall --no-deps '.[torch]' from its checkout)"
@@ -97,7 +98,7 @@ def built_parts(report: dict[str, str], torch_version: str) -> list[Part]:
     ]:
         loaded, why = _import(module) if torch_version else (None, "PyTorch is not installed")
         built_for = getattr(loaded, "built_for_torch", "")
-        if loaded is not None and built_for != torch_version:
+        if loaded is not None and not torch_release.fits(built_for, torch_version):
             why, loaded = f"built for torch {built_for}, but torch {torch_version} is installed", None
         needs = ""
         if loaded is None:

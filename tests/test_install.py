@@ -67,6 +67,16 @@ def test_info_names_an_extension_built_for_another_torch() -> None:
     assert "reinstall commsched" in gloo.needs
 
 
+def test_native_parts_fit_every_build_of_their_torch_release() -> None:
+    """A part built against one build of a torch release loads into another build of it, never into
+    another release (nor with no build recorded)."""
+    from commsched.torch_release import fits
+
+    assert fits("2.13.0+cpu", "2.13.0+cu130") and fits("2.13.0", "2.13.0+cpu")
+    assert not fits("2.13.0+cpu", "2.13.1+cpu") and not fits("2.13.0+cpu", "2.12.0")
+    assert not fits("", "2.13.0")
+
+
 def test_source_tree_without_core_says_what_to_do(tmp_path: Path) -> None:
     """Importing commsched from a checkout's root with no built core fails at once naming the fix."""
     shutil.copytree(

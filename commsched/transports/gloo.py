@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from commsched import torch_release
 from commsched.launch import LaunchInfo
 
 log = logging.getLogger("commsched")
@@ -169,7 +170,7 @@ def _native_seed(groups: Groups) -> tuple[Any, str]:
         )
     import torch
 
-    if _gloo.built_for_torch != torch.__version__:
+    if not torch_release.fits(_gloo.built_for_torch, torch.__version__):
         # c10d's C++ classes differ between releases: using them across versions could crash.
         return None, (
             f"commsched._gloo was built for torch {_gloo.built_for_torch}, but torch {torch.__version__} "

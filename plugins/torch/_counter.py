@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from commsched import torch_release
 
 UNBUCKETED, AGAIN, BUCKET_FULL = 0, 1, 2
 
@@ -135,7 +136,7 @@ def _native() -> Any:
         from commsched import _torch_hooks
     except ImportError:
         return None
-    if _torch_hooks.built_for_torch != torch.__version__:
+    if not torch_release.fits(_torch_hooks.built_for_torch, torch.__version__):
         return None  # torch's C++ classes change between releases
     return _torch_hooks
 
