@@ -271,8 +271,10 @@ class _Landing:
         return Held()
 
 
-def _train_one_rank(pipelined: bool, clip: bool, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """Trains a small model with shard=True on one rank, its reduce-scatters landing last bucket first.
+def _train_one_rank(
+    pipelined: bool, clip: bool, overlap: bool, monkeypatch: pytest.MonkeyPatch, landing_order: str = "3210"
+) -> tuple:
+    """Trains a small model with shard=True on one rank (4 buckets), its reduce-scatters landing in `landing_order`.
 
     Returns (the last step's events, the buckets, the model, its initial copy, the same model trained by
     a plain torch AdamW on the same batches).
@@ -319,7 +321,8 @@ def _train_one_rank(pipelined: bool, clip: bool, overlap: bool, monkeypatch: pyt
             landing.landed = 0
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
-            landing.order = [str(k) for k in reversed(range(len(optimizer.buckets())))]
+            assert len(optimizer.buckets()) == len(landing_order), optimizer.buckets()
+            landing.order = list(landing_order)
             if clip:
                 optimizer.clip_grad_norm_(0.05)
             optimizer.step()
@@ -338,30 +341,38 @@ def _difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_step_updates_and_gathers_each_bucket_as_its_reduce_scatter_lands(
-    overlap: bool, monkeypatch: pytest.MonkeyPatch
+# Buckets 0-3 in priority order (0: the first layer's, needed first by the next forward). Each is
+# updated as it lands; its gather starts once no more urgent reduce-scatter is pending.
+PIPELINED = {
+    "3210": "L3 U3 L2 U2 L1 U1 L0 U0 G0 G1 G2 G3",
+    "0312": "L0 U0 G0 L3 U3 L1 U1 G1 L2 U2 G2 G3",
+}
+
+
+def _story(events: list[tuple[str, str]]) -> str:
+    return " ".join(f"{what[0].upper()}{k}" for what, k in events)
+
+
+@pytest.mark.parametrize(("overlap", "landing_order"), [(False, "3210"), (True, "3210"), (False, "0312")])
+def test_step_updates_each_bucket_as_its_reduce_scatter_lands(
+    overlap: bool, landing_order: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reduce-scatters landing last bucket first: step() updates and gathers each bucket right after it lands,
-    before the next one lands, and ends at a plain torch AdamW's parameters; the unpipelined step lands
-    every bucket first (the order check tells the two apart) and ends at the same parameters."""
-    events, buckets, model, initial, plain_model = _train_one_rank(True, False, overlap, monkeypatch)
-    assert len(buckets) >= 3, buckets
-    order = [str(k) for k in reversed(range(len(buckets)))]
-    assert events == [(what, k) for k in order for what in ("land", "update", "gather")], events
+    """step() updates each bucket right after its reduce-scatter lands, before the next one lands, gathers it
+    once no more urgent reduce-scatter is pending, and ends at a plain torch AdamW's parameters; the
+    unpipelined step lands every bucket first (the order check tells the two apart), to the same end."""
+    events, _, model, initial, plain_model = _train_one_rank(True, False, overlap, monkeypatch, landing_order)
+    assert _story(events) == PIPELINED[landing_order]
     assert _difference(model, plain_model) <= 1e-6 and _difference(model, initial) > 1e-2
-    events, _, unpipelined, _, _ = _train_one_rank(False, False, overlap, monkeypatch)
-    assert [what for what, _ in events[: len(buckets)]] == ["land"] * len(buckets), events
+    events, _, unpipelined, _, _ = _train_one_rank(False, False, overlap, monkeypatch, landing_order)
+    assert _story(events) == "L0 L1 L2 L3 U0 U1 U2 U3 G0 G1 G2 G3"
     assert _difference(model, unpipelined) == 0.0
 
 
 def test_clipped_step_matches_torch_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
     """With clip_grad_norm_ every reduce-scatter lands before any update; the per-bucket updates then give
     torch's clip_grad_norm_ and AdamW's parameters, which differ from the unclipped training's."""
-    events, buckets, model, _, plain_model = _train_one_rank(True, True, False, monkeypatch)
-    assert [what for what, _ in events] == ["land"] * len(buckets) + ["update", "gather"] * len(buckets), (
-        events
-    )
+    events, _, model, _, plain_model = _train_one_rank(True, True, False, monkeypatch)
+    assert _story(events) == "L0 L1 L2 L3 U0 G0 U1 G1 U2 G2 U3 G3"
     assert _difference(model, plain_model) <= 1e-6
     _, _, unclipped, _, _ = _train_one_rank(True, False, False, monkeypatch)
     assert _difference(model, unclipped) > 1e-3

@@ -301,9 +301,11 @@ class ShardedOptimizer(DistributedOptimizer):
         self._open = False
 
     def _pipeline(self) -> None:
-        """Updates and gathers each bucket as soon as its reduce-scatter lands, in the order they land."""
+        """Updates each bucket as soon as its reduce-scatter lands, in the order they land, and gathers it
+        once no reduce-scatter more urgent than it is still pending."""
         self._close()
         pending = list(self._buckets)
+        updated: list[layout.ShardBucket] = []
         while pending:
             bucket = _shard_step.next_landed(pending, self._timeout)
             pending.remove(bucket)
@@ -311,7 +313,15 @@ class ShardedOptimizer(DistributedOptimizer):
             # Only a member this rank did not use may be unused by every rank: then the counts decide.
             unused = self._take_counts() if not all(bucket.used) else set()
             self._update([bucket], unused)
-            self._gather([bucket])
+            updated.append(bucket)
+            # A gather passes pending reduce-scatters in the core's queue, and step() (so the next
+            # forward) waits for those: only one the forward needs before all of them goes now.
+            urgent = min((b.priority for b in pending), default=None)
+            ready = sorted(
+                (b for b in updated if urgent is None or b.priority < urgent), key=lambda b: b.priority
+            )
+            updated = [b for b in updated if b not in ready]
+            self._gather(ready)
         self._take_counts()
         self._seen = [0] * len(self._labelled)
         self._open = False
