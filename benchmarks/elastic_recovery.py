@@ -1,12 +1,16 @@
 """Elastic training: recovery from a SIGKILL against torchrun's restart, and the cost of commit().
 
     python benchmarks/elastic_recovery.py [--trials 5] [--ranks 4] [--transport gloo] [--json F]
-        [--only recovery,torchrun,commit] [--rounds 5] [--steps 60] [--every 10]
+        [--only recovery,torchrun,commit,torchrun-elastic] [--rounds 5] [--steps 60] [--every 10]
 
 recovery: seconds from the SIGKILL of one of 4 ranks to the next completed step at 3 ranks, under
 `commsched-run -n 4 --min-np 3` (the survivors re-form without restarting). Each trial runs
 tests/elastic_ranks/train.py; the rank launched as the last one SIGKILLs itself after step() of
 step 3 and writes the time just before; the survivors write the time of every completed step.
+
+torchrun-elastic: the same kill under torchrun's elastic rendezvous, one single-process agent per
+rank (`--nnodes N-1:N --rdzv-backend c10d --max-restarts 0`, tests/elastic_ranks/torchrun_agents.py):
+the survivors re-form through torchrun's store without restarting.
 
 torchrun: the same kill under `torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1` (c10d
 rendezvous, plain DDP over Gloo, a torch.save checkpoint every 5 steps): seconds from the kill to the
@@ -31,6 +35,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "elastic_ranks"))
+from torchrun_agents import run_agents
+
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
 WORKERS = ROOT / "benchmarks" / "elastic_workers.py"
 CHECKPOINT_EVERY = 5  # steps between torchrun's disk checkpoints
@@ -52,6 +59,32 @@ def trial(ranks: int, transport: str, timeout_s: float) -> float:
         )
         if done.returncode != 0:
             raise RuntimeError(f"the elastic run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        killed = _times(Path(out) / f"times.{ranks - 1}", "fault")[0]
+        after = [
+            when
+            for member in range(ranks - 1)
+            for when in _times(Path(out) / f"times.{member}", f"step {ranks - 1}")
+            if when > killed
+        ]
+        return min(after) - killed
+
+
+def torchrun_elastic_trial(ranks: int, timeout_s: float) -> float:
+    """One run under torchrun's elastic rendezvous with one SIGKILL; returns seconds from the kill to
+    the next step at ranks - 1."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-elastic-") as out:
+        output = run_agents(
+            Path(out),
+            SCRIPT,
+            ranks,
+            ranks - 1,
+            ranks - 1,
+            timeout_s,
+            ELASTIC_TIMES="1",
+            ELASTIC_KILL=f"{ranks - 1}:0:3",
+        )
+        if output.count(f" of {ranks - 1} done") < ranks - 1:
+            raise RuntimeError(f"the torchrun elastic run failed:\n{output[-3000:]}")
         killed = _times(Path(out) / f"times.{ranks - 1}", "fault")[0]
         after = [
             when
@@ -148,12 +181,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every trial here")
     args = parser.parse_args()
     chosen = set(args.only.split(","))
-    if chosen - {"recovery", "torchrun", "commit"}:
-        parser.error(f"--only {args.only!r}: choose from recovery, torchrun, commit")
+    if chosen - {"recovery", "torchrun", "commit", "torchrun-elastic"}:
+        parser.error(f"--only {args.only!r}: choose from recovery, torchrun, commit, torchrun-elastic")
     report: dict[str, object] = {"ranks": args.ranks, "transport": args.transport}
     rows = []
     for name, run in (
         ("recovery", lambda: trial(args.ranks, args.transport, args.timeout)),
+        ("torchrun-elastic", lambda: torchrun_elastic_trial(args.ranks, args.timeout)),
         ("torchrun", lambda: torchrun_trial(args.ranks, args.timeout)),
     ):
         if name not in chosen:
@@ -163,11 +197,11 @@ def main() -> None:
             seconds.append(run())
             print(f"{name} trial {number + 1}: {seconds[-1]:.2f} s", flush=True)
         report[name] = {"seconds": seconds, **_summary(seconds)}
-        what = (
-            f"commsched-run --min-np {args.ranks - 1} ({args.transport})"
-            if name == "recovery"
-            else (f"torchrun --max-restarts 1, checkpoint every {CHECKPOINT_EVERY} steps")
-        )
+        what = {
+            "recovery": f"commsched-run --min-np {args.ranks - 1} ({args.transport})",
+            "torchrun-elastic": f"torchrun --nnodes {args.ranks - 1}:{args.ranks}, commsched re-forms (gloo)",
+            "torchrun": f"torchrun --max-restarts 1, checkpoint every {CHECKPOINT_EVERY} steps",
+        }[name]
         rows.append((what, _summary(seconds), "s"))
     if "commit" in chosen:
         cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4)

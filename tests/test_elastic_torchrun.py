@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,86 +20,13 @@ torch = pytest.importorskip("torch")
 
 from commsched.elastic import membership, torchrun
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "elastic_ranks"))
+from torchrun_agents import environment, run_agents
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
 SAMPLES = 48  # as in the rank script
 LAUNCH_TIMEOUT_S = 90
-# The variables a launcher sets for a rank: a test under pytest must not pass its own on.
-_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _environment(out: Path, **extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "COMMSCHED_ELASTIC_"))
-    }
-    env.update(ELASTIC_OUT=str(out), COMMSCHED_TRANSPORT="gloo", **extra)
-    return env
-
-
-def _stop(processes: list[subprocess.Popen[bytes]], out: Path) -> None:
-    """Ends what is left: agents (their sessions) and workers (by the pid each wrote)."""
-    for process in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    for pid_file in out.glob("pid.*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-
-
-def torchrun_job(out: Path, nodes: int, min_nodes: int, finishers: int, **environment: str) -> str:
-    """`nodes` torchrun agents of one worker each under one c10d rendezvous; returns their output
-    once `finishers` workers said they are done or every agent ended.
-
-    The first agent hosts both stores (--rdzv-conf is_host=1, and --local-addr 127.0.0.1 sorts it to
-    group rank 0), so the worker that a test kills is never the one whose agent holds them. The
-    survivors' agents wait in torch's exit barrier for the agent that left, so they are ended here
-    once the workers are done.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    endpoint = f"127.0.0.1:{_free_port()}"
-    env = _environment(out, **environment)
-    processes: list[subprocess.Popen[bytes]] = []
-    logs = [out / f"agent.{node}.log" for node in range(nodes)]
-    try:
-        for node, log in enumerate(logs):
-            command = [
-                *(sys.executable, "-m", "torch.distributed.run"),
-                *("--nnodes", f"{min_nodes}:{nodes}", "--nproc-per-node", "1", "--max-restarts", "0"),
-                *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
-                *("--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", f"127.0.0.{node + 1}"),
-                *("--monitor-interval", "0.1", str(SCRIPT)),
-            ]
-            with open(log, "wb") as handle:
-                processes.append(
-                    subprocess.Popen(
-                        command,
-                        env=env,
-                        cwd=ROOT,
-                        stdout=handle,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            text = "".join(log.read_text(errors="replace") for log in logs)
-            if text.count(" done\n") >= finishers or all(p.poll() is not None for p in processes):
-                break
-            time.sleep(0.2)
-    finally:
-        _stop(processes, out)
-    return "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
 
 
 def results(out: Path) -> dict[str, Any]:
@@ -112,7 +37,9 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     """3 ranks under torchrun, the one launched as 2 SIGKILLs itself after step() of step 3: the
     survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit."""
     out = tmp_path / "elastic"
-    output = torchrun_job(out, nodes=3, min_nodes=2, finishers=2, ELASTIC_KILL="2:0:3")
+    output = run_agents(
+        out, SCRIPT, 3, min_nodes=2, finishers=2, timeout_s=LAUNCH_TIMEOUT_S, ELASTIC_KILL="2:0:3"
+    )
     assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
     assert "rank 2 (numbered as at launch" not in output  # no rank was left out: it died
     final = results(out)
@@ -125,7 +52,7 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     reference.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "commsched.run", "-n", "2", str(SCRIPT)],
-        env=_environment(reference, ELASTIC_START=str(out / "restored.pt")),
+        env=environment(reference, ELASTIC_START=str(out / "restored.pt")),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -141,7 +68,9 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
 
 def test_below_the_nnodes_minimum_under_torchrun_names_the_rank(tmp_path: Path) -> None:
     """--nnodes 3:3: losing the rank launched as 2 ends the job on the survivors, naming it."""
-    output = torchrun_job(tmp_path, nodes=3, min_nodes=3, finishers=3, ELASTIC_KILL="2:0:1")
+    output = run_agents(
+        tmp_path, SCRIPT, 3, min_nodes=3, finishers=3, timeout_s=LAUNCH_TIMEOUT_S, ELASTIC_KILL="2:0:1"
+    )
     words = "rank 2 (numbered as at launch) failed; 2 ranks are left, below the job's minimum of 3"
     assert output.count(words) >= 2, output[-4000:]  # both survivors say it
     assert not (tmp_path / "final.pt").exists()

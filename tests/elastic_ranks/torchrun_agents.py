@@ -1,0 +1,93 @@
+"""Starts an elastic job as torchrun starts one across nodes, on this host: one single-process agent
+per node under one c10d rendezvous (for tests/test_elastic_torchrun.py and
+benchmarks/elastic_recovery.py).
+
+The first agent hosts both of torchrun's stores (--rdzv-conf is_host=1, and --local-addr 127.0.0.1
+sorts it to group rank 0), so a worker that a run kills is never the one whose agent holds them.
+The survivors' agents wait in torch's exit barrier (300 s) for the agent that left, so they are
+ended here once the workers said they are done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The variables a launcher sets for a rank: a job started from a rank must not pass its own on.
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def environment(out: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables, with ELASTIC_OUT=out, Gloo and `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "COMMSCHED_ELASTIC_"))
+    }
+    env.update(ELASTIC_OUT=str(out), COMMSCHED_TRANSPORT="gloo", **extra)
+    return env
+
+
+def run_agents(
+    out: Path, script: Path, nodes: int, min_nodes: int, finishers: int, timeout_s: float, **extra: str
+) -> str:
+    """`nodes` agents (`--nnodes min_nodes:nodes`, one worker each) running `script`; returns their
+    output once `finishers` workers printed `... done` or every agent ended, or at the timeout."""
+    out.mkdir(parents=True, exist_ok=True)
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = environment(out, **extra)
+    agents: list[subprocess.Popen[bytes]] = []
+    logs = [out / f"agent.{node}.log" for node in range(nodes)]
+    try:
+        for node, log in enumerate(logs):
+            command = [
+                *(sys.executable, "-m", "torch.distributed.run"),
+                *("--nnodes", f"{min_nodes}:{nodes}", "--nproc-per-node", "1", "--max-restarts", "0"),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
+                *("--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", f"127.0.0.{node + 1}"),
+                *("--monitor-interval", "0.1", str(script)),
+            ]
+            with open(log, "wb") as handle:
+                agents.append(
+                    subprocess.Popen(
+                        command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = "".join(log.read_text(errors="replace") for log in logs)
+            if text.count(" done\n") >= finishers or all(agent.poll() is not None for agent in agents):
+                break
+            time.sleep(0.1)
+    finally:
+        _stop(agents, out, script)
+    return "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
+
+
+def _stop(agents: list[subprocess.Popen[bytes]], out: Path, script: Path) -> None:
+    """Ends what is left: agents (their sessions) and workers (by the pid each wrote to out/pid.ID)."""
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    for pid_file in out.glob("pid.*"):
+        try:
+            pid = int(pid_file.read_text())
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                ours = script.name.encode() in handle.read()  # not a later process given its pid
+            if ours:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
