@@ -59,14 +59,7 @@ def trial(ranks: int, transport: str, timeout_s: float) -> float:
         )
         if done.returncode != 0:
             raise RuntimeError(f"the elastic run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        killed = _times(Path(out) / f"times.{ranks - 1}", "fault")[0]
-        after = [
-            when
-            for member in range(ranks - 1)
-            for when in _times(Path(out) / f"times.{member}", f"step {ranks - 1}")
-            if when > killed
-        ]
-        return min(after) - killed
+        return _recovery_s(Path(out), ranks)
 
 
 def torchrun_elastic_trial(ranks: int, timeout_s: float) -> float:
@@ -85,14 +78,19 @@ def torchrun_elastic_trial(ranks: int, timeout_s: float) -> float:
         )
         if output.count(f" of {ranks - 1} done") < ranks - 1:
             raise RuntimeError(f"the torchrun elastic run failed:\n{output[-3000:]}")
-        killed = _times(Path(out) / f"times.{ranks - 1}", "fault")[0]
-        after = [
-            when
-            for member in range(ranks - 1)
-            for when in _times(Path(out) / f"times.{member}", f"step {ranks - 1}")
-            if when > killed
-        ]
-        return min(after) - killed
+        return _recovery_s(Path(out), ranks)
+
+
+def _recovery_s(out: Path, ranks: int) -> float:
+    """Seconds from the last rank's kill to the first step a survivor completed at ranks - 1."""
+    killed = _times(out / f"times.{ranks - 1}", "fault")[0]
+    after = [
+        when
+        for member in range(ranks - 1)
+        for when in _times(out / f"times.{member}", f"step {ranks - 1}")
+        if when > killed
+    ]
+    return min(after) - killed
 
 
 def _times(path: Path, what: str) -> list[float]:
