@@ -136,6 +136,9 @@ class Settings:
     # commsched's own host cost per collective (agreement, queueing, launch, completion): on a fast
     # link it puts a floor under partition and fusion (link_defaults.overhead_floor_bytes).
     collective_overhead: float = 20 * 1e-6  # 20us, the same float parse_duration("20us") gives
+    # The transport's own fixed cost per large allreduce beyond its message latencies; None: measured
+    # at init with the link where 1 MiB moves in under 2 ms (link_probe.probe_message_cost), else 0.
+    link_message_cost: float | None = None
     # Pause between tests of collectives in flight; None: the transport's own, or on MPI half the link's
     # per-message latency when that is over 8 us, else none (polling.h: poll_interval_for).
     poll_interval: float | None = None
@@ -262,6 +265,12 @@ _SPECS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         parse_duration,
         _DURATION_FORM.replace("60, 30s or 500ms", "20us or 0.05ms")
         + " per collective (0: partitions and fusion follow the wire alone); commsched-bench schedule measures it",
+    ),
+    "link_message_cost": (
+        "COMMSCHED_LINK_MESSAGE_COST",
+        parse_duration,
+        _DURATION_FORM.replace("60, 30s or 500ms", "0, 50us or 0.3ms")
+        + " per large allreduce (unset: measured at init under MPI and Gloo on links that move 1 MiB in under 2ms)",
     ),
     "poll_interval": (
         "COMMSCHED_POLL_INTERVAL",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commsched import collective_model
@@ -148,6 +149,7 @@ def default_sizes(
     algorithm: str = "ring",
     rounds: str = "channel",
     collective_overhead_s: float = 0.0,
+    message_bandwidth_bytes_per_s: float | None = None,
 ) -> dict[str, int]:
     """The default partition, credit and fusion sizes for a link (the fitted rule).
 
@@ -161,20 +163,73 @@ def default_sizes(
     under it: commsched's collectives are mostly whole partitions. Without a `rule`, the one for
     where agreement rounds travel: `rounds` "channel" (DEFAULT_RULE) or "data" (ROUNDS_ON_DATA_RULE).
     `collective_overhead_s` is commsched's own cost per collective beyond the wire's latency
-    (measured: measure_collective_overhead in commsched.bench.schedule); on a fast link it sets a
-    floor under partition and fusion (overhead_floor_bytes), which the credit then counts.
+    (measured: measure_collective_overhead in commsched.bench.schedule) plus the transport's own
+    fixed cost per large message (fit_message_cost); on a fast link it sets a floor under partition
+    and fusion (overhead_floor_bytes) at the rate partition-sized messages move,
+    `message_bandwidth_bytes_per_s` (fit_message_cost; None: `bandwidth_bytes_per_s`), and the
+    credit counts it. A floor of LARGEST_PARTITION_BYTES or more turns partitioning off (0) unless
+    `partition_bytes` is given, and the credit is then the most partitions of LARGEST_PARTITION_BYTES.
     """
     sizes = _fitted_sizes(ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes, algorithm, rounds)
-    floor = overhead_floor_bytes(bandwidth_bytes_per_s, collective_overhead_s)
+    floor = overhead_floor_bytes(
+        message_bandwidth_bytes_per_s or bandwidth_bytes_per_s, collective_overhead_s
+    )
     if floor <= sizes["partition_bytes"] and floor <= sizes["fusion_bytes"]:
         return sizes
-    partition = partition_bytes or max(sizes["partition_bytes"], floor)
     credit_partitions = max(1, sizes["credit_bytes"] // max(1, sizes["partition_bytes"]))
+    partition = partition_bytes or max(sizes["partition_bytes"], floor)
+    credit = max(sizes["credit_bytes"], partition * credit_partitions)
+    if not partition_bytes and floor >= LARGEST_PARTITION_BYTES:
+        # Even the largest partition would pay the fixed cost for too few bytes: tensors go whole, as
+        # fifo sends them (one host, NVLink). On MPICH's shared memory (2 ranks, 2-core host) VGG-16's
+        # replay at 1/16 scale cut into 256 KiB-4 MiB partitions ran priority+overlap at 0.81-0.97 of
+        # fifo+barrier in six runs, while sent whole priority ran as fast as fifo in the same mode.
+        partition = 0
+        # Nor does the credit hold a whole tensor back: over its limit a tensor waits for nothing in
+        # flight, and every later one waits for it (fifo has no credit), so the credit only caps what
+        # no tensor reaches: the most partitions of the largest size.
+        rule = rule or DEFAULT_RULE
+        credit = LARGEST_PARTITION_BYTES * rule.max_credit_partitions
     return {
         "partition_bytes": partition,
-        "credit_bytes": max(sizes["credit_bytes"], partition * credit_partitions),
+        "credit_bytes": credit,
         "fusion_bytes": max(sizes["fusion_bytes"], floor),
     }
+
+
+@dataclass(frozen=True)
+class MessageCost:
+    """A transport's time for one allreduce of a large message: fixed_s + bytes / bandwidth."""
+
+    bandwidth_bytes_per_s: float
+    fixed_s: float
+
+
+def fit_message_cost(samples: Sequence[tuple[float, float]]) -> MessageCost:
+    """The least-squares line seconds = fixed + bytes / bandwidth through (bytes, seconds) samples of
+    at least two sizes.
+
+    A probe at one size sees the rate and the fixed cost mixed: on MPICH's shared memory (2 ranks,
+    the 2-core host) a byte of a 1 MiB nonblocking allreduce cost 1.7-2.8 times one of a 16 MiB
+    allreduce in three of four replays' size-cost tables, equal in the fourth. Noise can tilt the line below the origin (a
+    bigger message cheaper per byte than the line allows) or flat: then no fixed cost is counted
+    and the rate is the least-squares one through the origin.
+    """
+    points = [(float(size), float(seconds)) for size, seconds in samples]
+    bad = [p for p in points if not (p[0] > 0 and p[1] > 0 and math.isfinite(p[0] + p[1]))]
+    if bad:
+        raise ValueError(f"message cost samples need bytes and seconds above 0, got {bad[0]}")
+    if len({size for size, _ in points}) < 2:
+        raise ValueError(f"a message cost fit needs samples at two sizes or more, got {points}")
+    mean_size = sum(size for size, _ in points) / len(points)
+    mean_s = sum(seconds for _, seconds in points) / len(points)
+    spread = sum((size - mean_size) ** 2 for size, _ in points)
+    slope = sum((size - mean_size) * (seconds - mean_s) for size, seconds in points) / spread
+    fixed = mean_s - slope * mean_size
+    if slope > 0 and fixed >= 0:
+        return MessageCost(1.0 / slope, fixed)
+    through_origin = sum(size * seconds for size, seconds in points) / sum(size**2 for size, _ in points)
+    return MessageCost(1.0 / through_origin, 0.0)
 
 
 def overhead_floor_bytes(bandwidth_bytes_per_s: float, collective_overhead_s: float) -> int:

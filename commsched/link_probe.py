@@ -29,7 +29,7 @@ import numpy as np
 
 from commsched import collective_model
 from commsched.config import Settings
-from commsched.link_defaults import default_inline_bytes, default_sizes
+from commsched.link_defaults import MessageCost, default_inline_bytes, default_sizes, fit_message_cost
 
 log = logging.getLogger("commsched")
 
@@ -38,6 +38,12 @@ _BANDWIDTH_PROBE_BYTES = 1 << 20
 _LATENCY_REPEATS = 5
 _BANDWIDTH_REPEATS = 2
 _TINY_PROBE_BYTES = 4
+# On a link whose 1 MiB probe took under _SIZE_PROBE_MAX_S (one host, NVLink, 10 Gbit/s and up), a
+# probe at _LARGE_PROBE_BYTES too fits the transport's fixed cost per message (fit_message_cost);
+# slower links, the shaped rig's 1 Gbit/s among them, skip it: their partitions follow the wire.
+_SIZE_PROBE_MAX_S = 2e-3
+_LARGE_PROBE_BYTES = 16 << 20
+_SIZE_PROBE_REPEATS = 5
 # MPICH's algorithm variables (MPIR_CVAR_*ALLREDUCE_INTRA_ALGORITHM) by the model that stands for them.
 _MPICH_FORCED = (
     ("ring", "ring"),
@@ -88,8 +94,9 @@ def _fastest_mpi_allreduce_s(communicator: Any, nbytes: int, repeats: int) -> fl
     return fastest
 
 
-def measure_mpi(comm: Any = None) -> tuple[float, float]:
-    """(bandwidth in bytes/s, per-message latency in s) over MPI, rank 0's figures on every rank."""
+def measure_mpi(comm: Any = None) -> tuple[float, float, float]:
+    """(bandwidth in bytes/s, per-message latency in s, fixed cost per large message in s, 0 on slow
+    links: probe_message_cost) over MPI, rank 0's figures on every rank."""
     from mpi4py import MPI
 
     # A duplicate keeps the probe's messages apart from anything the caller has in flight.
@@ -97,19 +104,53 @@ def measure_mpi(comm: Any = None) -> tuple[float, float]:
     try:
         # The probe's allreduces are blocking: their own variable says what MPICH runs for them.
         algorithm = mpich_algorithm("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM", library=_mpi_library())
-        link = _measure(
-            communicator.Get_size(), lambda n, r: _fastest_mpi_allreduce_s(communicator, n, r), algorithm
-        )
-        agreed = np.array(link, np.float64)
-        communicator.Bcast(agreed, root=0)
-        return float(agreed[0]), float(agreed[1])
+        ranks = communicator.Get_size()
+
+        def fastest(nbytes: int, repeats: int) -> float:
+            return _fastest_mpi_allreduce_s(communicator, nbytes, repeats)
+
+        def agree(*figures: float) -> list[float]:
+            agreed = np.array(figures, np.float64)
+            communicator.Bcast(agreed, root=0)
+            return [float(value) for value in agreed]
+
+        bandwidth, latency = agree(*_measure(ranks, fastest, algorithm))
+        # Every rank decides on rank 0's figures, so all run the larger probe or none.
+        cost = probe_message_cost(ranks, fastest, bandwidth, latency, algorithm)
+        return bandwidth, latency, agree(cost.fixed_s if cost else 0.0)[0]
     finally:
         communicator.Free()
 
 
-def measure_torch(group: Any = None) -> tuple[float, float] | None:
-    """(bandwidth in bytes/s, per-message latency in s) over a torch.distributed group, the group's
-    first rank's figures on every rank; None unless the group runs Gloo (host tensors)."""
+def probe_message_cost(
+    ranks: int,
+    fastest_allreduce_s: Callable[[int, int], float],
+    bandwidth: float,
+    latency: float,
+    algorithm: str = "ring",
+) -> MessageCost | None:
+    """The transport's rate for large allreduces (wire bytes per second) and its fixed cost per
+    allreduce beyond the algorithm's message latencies, from a line through its times at 1 MiB and
+    16 MiB (fit_message_cost); None, without probing, on a link whose `bandwidth` needs
+    _SIZE_PROBE_MAX_S or more for 1 MiB (so every rank given the same `bandwidth` does the same)."""
+    n = max(2, ranks)
+    small = collective_model.resolve(algorithm, _BANDWIDTH_PROBE_BYTES, n, bandwidth, latency)
+    if not collective_model.wire_bytes(small, _BANDWIDTH_PROBE_BYTES, n) / bandwidth < _SIZE_PROBE_MAX_S:
+        return None
+    sizes = (_BANDWIDTH_PROBE_BYTES, _LARGE_PROBE_BYTES)
+    fit = fit_message_cost([(size, fastest_allreduce_s(size, _SIZE_PROBE_REPEATS)) for size in sizes])
+    large = collective_model.resolve(algorithm, _LARGE_PROBE_BYTES, n, bandwidth, latency)
+    wire_share = collective_model.wire_bytes(large, _LARGE_PROBE_BYTES, n) / _LARGE_PROBE_BYTES
+    return MessageCost(
+        fit.bandwidth_bytes_per_s * wire_share,
+        max(0.0, fit.fixed_s - collective_model.steps(large, n) * latency),
+    )
+
+
+def measure_torch(group: Any = None) -> tuple[float, float, float] | None:
+    """(bandwidth in bytes/s, per-message latency in s, fixed cost per large message in s) over a
+    torch.distributed group, the group's first rank's figures on every rank; None unless the group
+    runs Gloo (host tensors)."""
     import torch
     import torch.distributed as dist
 
@@ -127,10 +168,15 @@ def measure_torch(group: Any = None) -> tuple[float, float] | None:
             best = min(best, time.perf_counter() - start)
         return best
 
-    link = _measure(dist.get_world_size(group), fastest, transport_algorithm("gloo"))
-    agreed = torch.tensor(link, dtype=torch.float64)
-    dist.broadcast(agreed, src=dist.get_process_group_ranks(group)[0], group=group)
-    return float(agreed[0]), float(agreed[1])
+    def agree(*figures: float) -> list[float]:
+        agreed = torch.tensor(figures, dtype=torch.float64)
+        dist.broadcast(agreed, src=dist.get_process_group_ranks(group)[0], group=group)
+        return [float(value) for value in agreed]
+
+    ranks, algorithm = dist.get_world_size(group), transport_algorithm("gloo")
+    bandwidth, latency = agree(*_measure(ranks, fastest, algorithm))
+    cost = probe_message_cost(ranks, fastest, bandwidth, latency, algorithm)
+    return bandwidth, latency, agree(cost.fixed_s if cost else 0.0)[0]
 
 
 def _measure(
@@ -192,11 +238,14 @@ def fit_to_link(
     if not unset:
         return settings
     bandwidth, latency = settings.link_bandwidth, settings.link_latency
+    message_cost = settings.link_message_cost
     if (bandwidth is None or latency is None) and kind in ("mpi", "gloo"):
         measured = measure_mpi(comm) if kind == "mpi" else measure_torch(process_group)
         if measured is not None:
             bandwidth = measured[0] if bandwidth is None else bandwidth
             latency = measured[1] if latency is None else latency
+            message_cost = measured[2] if message_cost is None else message_cost
+    message_cost = message_cost or 0.0  # a link given by variables is not probed for it
     if bandwidth is None or latency is None:
         return settings
     given_partition = settings.partition_bytes if "partition_bytes" in user_given else None
@@ -209,19 +258,25 @@ def fit_to_link(
         partition_bytes=given_partition,
         algorithm=algorithm,
         rounds=rounds,
-        collective_overhead_s=settings.collective_overhead,
+        # The transport's own fixed cost per large message weighs on a partition as commsched's does.
+        collective_overhead_s=settings.collective_overhead + message_cost,
     )
     if "credit_bytes" in user_given:
         sizes["credit_bytes"] = settings.credit_for(size)
     sizes["inline_bytes"] = default_inline_bytes(size, bandwidth, latency, sizes["credit_bytes"], algorithm)
     log.info(
-        "link %.3g Gbit/s, %.3g us per message at %d ranks, %s allreduce: %s",
+        "link %.3g Gbit/s, %.3g us per message (%.3g us more per large one) at %d ranks, %s allreduce: %s",
         bandwidth * 8e-9,
         latency * 1e6,
+        message_cost * 1e6,
         size,
         algorithm,
         ", ".join(f"{name}={sizes[name]}" for name in unset),
     )
     return dataclasses.replace(
-        settings, link_bandwidth=bandwidth, link_latency=latency, **{name: sizes[name] for name in unset}
+        settings,
+        link_bandwidth=bandwidth,
+        link_latency=latency,
+        link_message_cost=message_cost,
+        **{name: sizes[name] for name in unset},
     )

@@ -92,12 +92,14 @@ def _power_of_two(n: object) -> bool:
 def _overhead_floor(config: dict) -> int:
     """COMMSCHED_COLLECTIVE_OVERHEAD's row: the power of two (nearest, in log scale) whose wire time is
     32 x the per-collective overhead, on the link config() shows."""
-    target = 32 * config["link_bandwidth"] * config["collective_overhead"]
+    target = 32 * config["link_bandwidth"] * (config["collective_overhead"] + config["link_message_cost"])
     return 2 ** round(math.log2(target)) if target > 0 else 0
 
 
 def _partition(config: dict) -> str | None:
     partition = config["partition_bytes"]
+    if partition == 0 and _overhead_floor(config) >= 64 * MIB:
+        return None  # the row: off where the cost per collective would need 64 MiB partitions
     if not (_power_of_two(partition) and 256 * KIB <= partition <= 64 * MIB):
         return f"{partition} is not a power of two from 256 KiB to 64 MiB"
     if partition < _overhead_floor(config):
@@ -106,7 +108,7 @@ def _partition(config: dict) -> str | None:
 
 
 def _credit(config: dict) -> str | None:
-    credit, partition = config["credit_bytes"], config["partition_bytes"]
+    credit, partition = config["credit_bytes"], config["partition_bytes"] or 64 * MIB
     if credit % partition or not (_power_of_two(credit // partition) and 4 <= credit // partition <= 64):
         return f"{credit} is not 4 to 64 partitions of {partition}"
     return None
@@ -131,6 +133,11 @@ def _measured(field: str) -> Callable[[dict], str | None]:
     return check
 
 
+def _message_cost(config: dict) -> str | None:
+    value = config["link_message_cost"]
+    return None if isinstance(value, float) and value >= 0 else f"{value!r} is no measured figure"
+
+
 # Variable -> (words its row must say, the check of config() at 2 ranks on MPI and Gloo).
 LINK_RULES: dict[str, tuple[tuple[str, ...], Callable[[dict], str | None]]] = {
     "COMMSCHED_PARTITION_BYTES": (("a power of two from 256 KiB to 64 MiB",), _partition),
@@ -148,6 +155,10 @@ LINK_RULES: dict[str, tuple[tuple[str, ...], Callable[[dict], str | None]]] = {
         _measured("link_bandwidth"),
     ),
     "COMMSCHED_LINK_LATENCY": (("measured with the bandwidth",), _measured("link_latency")),
+    "COMMSCHED_LINK_MESSAGE_COST": (
+        ("measured with the bandwidth where 1 MiB takes under 2 ms",),
+        _message_cost,
+    ),
 }
 # The floor _overhead_floor computes, as COMMSCHED_COLLECTIVE_OVERHEAD's row states it.
 FLOOR_RULE = "partition and fusion are at least the power of two that keeps this cost under 1/32"

@@ -10,6 +10,7 @@ next forward waits only for its own parameters).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -19,10 +20,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from commsched.bench import report
-from commsched.bench.overhead import measure_collective_overhead
+from commsched.bench.overhead import measure_collective_overhead, measure_message_cost
 from commsched.bench.replay import TimedLayer, replay, replay_shard, round_share, warm_up
 from commsched.config import parse_size, resolve
-from commsched.link_defaults import default_inline_bytes, default_sizes
+from commsched.link_defaults import MessageCost, default_inline_bytes, default_sizes
 
 POLICIES = ("priority", "fifo")
 MODES = ("overlap", "barrier")
@@ -229,7 +230,12 @@ _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_b
 
 
 def _replay_sizes(
-    args: argparse.Namespace, ranks: int, bandwidth: float, latency_s: float, overhead_s: float = 0.0
+    args: argparse.Namespace,
+    ranks: int,
+    bandwidth: float,
+    latency_s: float,
+    overhead_s: float = 0.0,
+    message_cost: MessageCost | None = None,
 ) -> dict[str, Any]:
     """Sizes for the replay: each flag as given; else, unless COMMSCHED_* sets it, the default
     commsched fits to this link (link_defaults.default_sizes) divided by --scale.
@@ -237,18 +243,22 @@ def _replay_sizes(
     Shrinking tensors by --scale without shrinking the chunk sizes would change how many
     chunks each tensor has, so the replay would no longer stand for the full-size model.
     commsched's fixed cost per collective (`overhead_s`) does not shrink with the bytes: against
-    the full-size model's collectives it weighs --scale times as much.
+    the full-size model's collectives it weighs --scale times as much. So does the transport's own
+    fixed cost per large message (`message_cost`, probed on fast links: link_probe.probe_message_cost),
+    whose rate is the one partitions move at. A partition of 0 (off) stays 0.
     """
     given = {name: getattr(args, name) for name in _SCALED_SETTINGS}
     # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
     partition = given["partition_bytes"] or os.environ.get("COMMSCHED_PARTITION_BYTES")
     full_partition = parse_size(partition) * args.scale if partition else None
+    fixed_s = message_cost.fixed_s if message_cost else 0.0
     fitted: dict[str, int] = default_sizes(
         ranks,
         bandwidth,
         latency_s,
         partition_bytes=int(full_partition or 0) or None,
-        collective_overhead_s=overhead_s * args.scale,
+        collective_overhead_s=(overhead_s + fixed_s) * args.scale,
+        message_bandwidth_bytes_per_s=message_cost.bandwidth_bytes_per_s if message_cost else None,
     )
     credit = given["credit_bytes"] or os.environ.get("COMMSCHED_CREDIT_BYTES")
     full_credit = int(parse_size(credit) * args.scale) if credit else fitted["credit_bytes"]
@@ -258,7 +268,7 @@ def _replay_sizes(
         if given[name] is not None or os.environ.get(f"COMMSCHED_{name.upper()}"):
             sizes[name] = given[name]  # None: init() reads the variable
         else:
-            sizes[name] = max(1, int(fitted[name] / args.scale))
+            sizes[name] = max(1, int(fitted[name] / args.scale)) if fitted[name] else 0
     return sizes
 
 
@@ -297,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = 2.0 * (ranks - 1) / ranks * total_bytes / comm_s  # payload bytes per second on the wire
     latency = small_s / (2 * (ranks - 1))
     overhead_s = measure_collective_overhead(comm)
-    sizes = _replay_sizes(args, ranks, bandwidth, latency, overhead_s)
+    message_cost = measure_message_cost(comm, bandwidth, latency)
+    sizes = _replay_sizes(args, ranks, bandwidth, latency, overhead_s, message_cost)
     credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_for(ranks)
     size_costs = (
         measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
@@ -428,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
         "collective_overhead_s": overhead_s,
+        # The transport's rate and fixed cost per allreduce at 1-16 MiB (None: not probed, a slow link).
+        "message_cost": dataclasses.astuple(message_cost) if message_cost else None,
         "size_costs": size_costs,
         "settings": settings,
         "iterations": args.iterations,
@@ -481,6 +494,12 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: Text
         f" {header.get('collective_overhead_s', 0.0) * 1e6:.0f} us per collective: for training on these hosts,"
         f" COMMSCHED_COLLECTIVE_OVERHEAD={round(header.get('collective_overhead_s', 0.0) * 1e6)}us)"
     )
+    if header.get("message_cost"):
+        rate, fixed_s = header["message_cost"]
+        say(
+            f"# allreduces of 1-16 MiB: {rate * 8 / 1e9:.3f} Gbit/s plus {fixed_s * 1e6:.0f} us each beyond the"
+            " latencies (partitions and fusion cover this and commsched's cost)"
+        )
     if header["size_costs"]:
         costs = ", ".join(f"{report.human_size(size)} {factor:.2f}" for size, factor in header["size_costs"])
         say(f"# simulator's cost per byte by message size, relative to that: {costs}")

@@ -28,8 +28,13 @@ assert link[0] > 0 and link[1] >= 0, link
 assert comm.allgather((link, sizes)) == [(link, sizes)] * comm.Get_size(), comm.allgather((link, sizes))
 if scenario == "given":
     assert abs(link[0] - 1.25e9) < 1 and abs(link[1] - 20e-6) < 1e-12, link
-# Partitions and fusion also cover commsched's own cost per collective (COMMSCHED_COLLECTIVE_OVERHEAD).
-overhead = settings["collective_overhead"]
+# Partitions and fusion also cover commsched's own cost per collective (COMMSCHED_COLLECTIVE_OVERHEAD)
+# and the transport's fixed cost per large message, probed on fast links only (none for a given link).
+message_cost = settings["link_message_cost"]
+assert message_cost is not None and message_cost >= 0, message_cost
+if scenario == "given":
+    assert message_cost == 0.0, message_cost
+overhead = settings["collective_overhead"] + message_cost
 expected = default_sizes(comm.Get_size(), *link, collective_overhead_s=overhead)
 if scenario == "explicit":
     expected = default_sizes(
