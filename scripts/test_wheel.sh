@@ -6,7 +6,8 @@
 # usage: scripts/test_wheel.sh [--python PY] [--no-torch] [--no-tf] [WHEEL]
 #   WHEEL       default: the newest dist/commsched-*manylinux*.whl for PY
 #   --python    the Python the venv is made with (default python3); it must match the wheel's tag
-#   --no-torch  skips torch and the Gloo step (torch 2.13.0's CPU build lies on disk for Python 3.11 only)
+#   --no-torch  skips torch and the Gloo step (torch==2.13.0 is PyPI's CUDA build, several GB, where no
+#               CPU build is at hand; the wheel's torch parts load into either build)
 #   --no-tf     skips tensorflow-cpu and the TensorFlow step
 set -euo pipefail
 python=python3
@@ -18,7 +19,7 @@ while [ $# -gt 0 ]; do
     --python) python="$2"; shift 2 ;;
     --no-torch) torch=""; shift ;;
     --no-tf) tf=""; shift ;;
-    -h | --help) sed -n '2,10p' "$0" | cut -c3-; exit 0 ;;
+    -h | --help) sed -n '2,11p' "$0" | cut -c3-; exit 0 ;;
     -*) echo "test_wheel: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) wheel="$(realpath "$1")"; shift ;;
   esac
