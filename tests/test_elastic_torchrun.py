@@ -151,19 +151,42 @@ def test_minimum_comes_from_torchruns_nnodes(monkeypatch: pytest.MonkeyPatch) ->
         agent.wait()
 
 
-def test_restarted_workers_and_grpc_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers that torchrun restarted (a node joined) refuse to go on, and so does gRPC, naming why."""
+def test_restarted_workers_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that torchrun restarted (a node joined) refuse to go on, naming why."""
     server = _Store()
     job = _job(monkeypatch, server.port, 0, [0, 1])
     job.prefix = ""
     monkeypatch.setenv(torchrun.RUN_ID_VARIABLE, "refusals")
-    with pytest.raises(membership.MembershipError, match="re-forms the ranks over Gloo, not grpc"):
-        torchrun.start(lambda value: value, "grpc")
-    torchrun.start(lambda value: value, "gloo")  # the first worker group of the run
+    torchrun.start(lambda value: value)  # the first worker group of the run
     assert job.prefix == "commsched.elastic.refusals.1"
     job.prefix = ""
     with pytest.raises(membership.MembershipError, match="torchrun restarted the workers of this job"):
-        torchrun.start(lambda value: value, "gloo")  # the next group: a node joined
+        torchrun.start(lambda value: value)  # the next group: a node joined
+
+
+def test_other_transports_say_at_start_that_a_failure_ends_the_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under torchrun on a transport other than Gloo, run says at start that the ranks will not
+    re-form, and why, instead of failing."""
+    import commsched
+    from commsched import elastic
+
+    monkeypatch.setenv(torchrun.RUN_ID_VARIABLE, "other")
+    for name, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(membership.ADDRESS_VARIABLE, raising=False)
+    monkeypatch.setattr(elastic, "_membership", elastic._Membership())
+    monkeypatch.setattr(commsched._state, "transport", "grpc")
+    assert elastic._check_launcher() is False
+    message = capsys.readouterr().err
+    assert "under torchrun commsched re-forms the ranks over Gloo only, not grpc" in message, message
+    assert "so a failed rank ends the job" in message
 
 
 def test_a_store_that_went_away_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -202,15 +202,14 @@ def _check_launcher() -> bool:
     """True when the launcher re-forms the ranks after a failure; otherwise says why not, once."""
     if _membership.elastic:
         return True
-    if torchrun.active():
-        if not torchrun.job().prefix:
-            torchrun.start(
-                functools.partial(commsched.broadcast_object, name="commsched.elastic.group"),
-                commsched._state.transport,
-            )
-        return True
     launcher = detect().launcher
-    if launcher == "mpiexec":
+    if torchrun.active():
+        why = torchrun.unsupported(commsched._state.transport)
+        if not why:
+            if not torchrun.job().prefix:
+                torchrun.start(functools.partial(commsched.broadcast_object, name="commsched.elastic.group"))
+            return True
+    elif launcher == "mpiexec":
         why = "MPI keeps the ranks it started (fixed membership)"
     elif launcher == "single":
         return False  # one rank: nothing to lose

@@ -41,6 +41,16 @@ _POLL_S = 0.02
 _STORE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
+def unsupported(transport: str) -> str:
+    """Why the ranks on `transport` cannot re-form under torchrun, or "" when they can (Gloo)."""
+    if transport == "gloo":
+        return ""
+    return (
+        f"under torchrun commsched re-forms the ranks over Gloo only, not {transport} "
+        "(COMMSCHED_TRANSPORT=gloo, the default under torchrun with PyTorch and host tensors)"
+    )
+
+
 def active(environ: dict[str, str] | None = None) -> bool:
     """True in a worker started by torchrun's elastic agent (its rendezvous can re-form the ranks)."""
     env = os.environ if environ is None else environ
@@ -140,15 +150,9 @@ def job() -> _Job:
     return _job
 
 
-def start(broadcast_object: Any, transport: str) -> None:
+def start(broadcast_object: Any) -> None:
     """Called once by every worker of a worker group before training: names the group's keys,
-    records where this worker runs, and refuses what torchrun's rendezvous cannot re-form."""
-    if transport != "gloo":
-        raise MembershipError(
-            f"commsched.elastic.run under torchrun re-forms the ranks over Gloo, not {transport}: "
-            "set COMMSCHED_TRANSPORT=gloo (the default under torchrun with PyTorch) or launch with "
-            "`commsched-run -n N --min-np MIN`"
-        )
+    records where this worker runs, and refuses workers that torchrun restarted."""
     current = job()
     run_id = os.environ[RUN_ID_VARIABLE]
     store = current.store()
