@@ -44,6 +44,12 @@ def results(out: Path) -> dict[str, Any]:
     return torch.load(out / "final.pt", weights_only=False)
 
 
+def assert_every_sample_once(final: dict[str, Any]) -> None:
+    """Each epoch of the run saw every sample exactly once, across every resize."""
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+
+
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """3 ranks over Gloo; the rank launched as 2 SIGKILLs itself after step() of step 3 in epoch 0."""
@@ -58,8 +64,7 @@ def check_elastic_run(out: Path, done: subprocess.CompletedProcess[str]) -> dict
     assert "rank 2 (numbered as at launch" in done.stderr and "generation 1: 2 ranks" in done.stderr
     final = results(out)
     assert final["size"] == 2
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
     return final
 
 
@@ -98,8 +103,7 @@ def test_a_rank_lost_while_reforming_makes_the_others_reform_again(tmp_path: Pat
     assert "generation 1: 3 ranks" in done.stderr and "generation 2: 2 ranks" in done.stderr, done.stderr
     final = results(tmp_path)
     assert final["size"] == 2
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
 
 
 def test_below_min_np_ends_the_job_naming_the_rank(tmp_path: Path) -> None:
@@ -150,8 +154,7 @@ def test_faults_inside_backward_commit_and_sync(
         assert f"generation {generation}: {size} ranks" in done.stderr, done.stderr[-3000:]
     final = results(tmp_path)
     assert final["size"] == 2
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
 
 
 def _server(members: list[int], alive: set[int], min_np: int, window_s: float) -> tuple[Any, list[Any]]:
@@ -306,8 +309,7 @@ def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
     assert "generation 1: 3 ranks (no rank, numbered as at launch, lost; rank 2 joining)" in done.stderr
     final = results(out)
     assert final["size"] == 3
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
     restored = torch.load(out / "restored.pt", weights_only=False)
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}  # 3 commits of 2 ranks x 2
     reference = launch(
@@ -361,5 +363,4 @@ def test_slots_removed_from_the_script_stop_ranks_and_the_others_go_on(tmp_path:
     assert "generation 1: 2 ranks" in done.stderr, done.stderr
     final = results(tmp_path)
     assert final["size"] == 2
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
