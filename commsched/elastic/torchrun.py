@@ -28,7 +28,7 @@ import socket
 import time
 from typing import Any
 
-from commsched.elastic.membership import Assignment, MembershipError
+from commsched.elastic.membership import Assignment, MembershipError, _ranks
 
 # Set by torchrun's agents in every worker's environment.
 RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -134,8 +134,7 @@ class _Job:
             f"torchrun's rendezvous store at {self.address} does not answer ({first}): the agent of "
             "group rank 0 hosts it (worker rank 0 itself with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and "
             "ends when its worker fails, so under torchrun the job cannot outlive the rank that started "
-            "as 0; launch with `commsched-run -n N --min-np MIN` to "
-            "survive the loss of any rank"
+            "as 0; launch with `commsched-run -n N --min-np MIN` to survive the loss of any rank"
         )
 
 
@@ -200,7 +199,8 @@ def request(failed_rank: int | None) -> Assignment:
     if current.member not in decided:
         raise MembershipError(
             f"rank {current.member} (numbered as at launch) was left out of generation "
-            f"{current.generation + 1}: it did not rejoin within {window_s():g}s (stopped or hung)"
+            f"{current.generation + 1}: the others re-formed without it (it was named lost, or did not "
+            f"rejoin within {TIMEOUT_VARIABLE}={window_s():g}s: stopped or hung)"
         )
     needed = min_ranks()
     if len(decided) < needed:
@@ -245,12 +245,14 @@ def _stop_left_out(store: Any, prefix: str, lost: list[int]) -> None:
             if not store.check([where]):  # get() would wait for it
                 continue
             host, pid = store.get(where).decode().split()
+            if host != here:
+                continue
             with open(f"/proc/{pid}/stat") as handle:
                 stopped = handle.read().rpartition(")")[2].split()[0] == "T"
+            if stopped:
+                os.kill(int(pid), signal.SIGKILL)
         except (RuntimeError, OSError, ValueError):
             continue
-        if host == here and stopped:
-            os.kill(int(pid), signal.SIGKILL)
 
 
 def join(assignment: Assignment, timeout: datetime.timedelta) -> None:
@@ -262,7 +264,3 @@ def join(assignment: Assignment, timeout: datetime.timedelta) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=assignment.rank, world_size=assignment.size, timeout=timeout
     )
-
-
-def _ranks(ids: list[int]) -> str:
-    return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids)) if ids else "no rank"
