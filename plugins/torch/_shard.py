@@ -4,11 +4,12 @@ Each rank owns one contiguous shard of every flat bucket (see _shard_layout). A 
 reduce-scattered as soon as its last member's gradient is complete, with the priority of its first
 member in the forward order; the full per-parameter gradients are dropped then, so a rank keeps only
 its shard of the reduced gradient. The wrapped optimizer steps flat shard tensors, so its state
-(momentum, moments) covers only this rank's shard. The updated shards are all-gathered, with the
-same priorities: in barrier mode inside step(); with overlap_forward=True in flight while the next
-forward runs, each module's pre-forward hook waiting only for its own parameters' buckets, so the
-first layer's gather goes first and one the forward needs now passes the next backward's
-reduce-scatters in the core's queue.
+(momentum, moments) covers only this rank's shard; step() updates each bucket as its reduce-scatter
+lands (see _shard_step). The updated shards are all-gathered, with the same priorities, each once
+no more urgent reduce-scatter is pending: in barrier mode inside step(); with overlap_forward=True
+in flight while the next forward runs, each module's pre-forward hook waiting only for its own
+parameters' buckets, so the first layer's gather goes first and one the forward needs now passes
+the next backward's reduce-scatters in the core's queue.
 
 The wrapped optimizer's param_groups hold the shard tensors after the first forward (the layout
 follows the measured forward order), so its state_dict() is this rank's shard; full_state_dict()

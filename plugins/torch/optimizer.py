@@ -349,6 +349,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Barrier mode: once per step() with every parameter. Overlap mode: per parameter group of
         the next forward's pre-hooks, so a hook sees each parameter just before its own update.
+        shard=True: once per bucket, with its parameters, as step() updates it.
         """
         from torch.utils.hooks import RemovableHandle
 
