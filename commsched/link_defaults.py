@@ -167,8 +167,9 @@ def default_sizes(
     fixed cost per large message (fit_message_cost); on a fast link it sets a floor under partition
     and fusion (overhead_floor_bytes) at the rate partition-sized messages move,
     `message_bandwidth_bytes_per_s` (fit_message_cost; None: `bandwidth_bytes_per_s`), and the
-    credit counts it. A floor of LARGEST_PARTITION_BYTES or more turns partitioning off (0) unless
-    `partition_bytes` is given, and the credit is then the most partitions of LARGEST_PARTITION_BYTES.
+    credit counts it. The floor stops at LARGEST_PARTITION_BYTES: with partitioning off where it
+    reached that, GPT-2 medium's replay at 1/16 scale on one host lost priority's gain (priority+overlap
+    0.99 of fifo+barrier, 1.22 with 1 MiB partitions), and VGG-16's stayed at 0.93-0.94.
     """
     sizes = _fitted_sizes(ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes, algorithm, rounds)
     floor = overhead_floor_bytes(
@@ -179,17 +180,6 @@ def default_sizes(
     credit_partitions = max(1, sizes["credit_bytes"] // max(1, sizes["partition_bytes"]))
     partition = partition_bytes or max(sizes["partition_bytes"], floor)
     credit = max(sizes["credit_bytes"], partition * credit_partitions)
-    if not partition_bytes and floor >= LARGEST_PARTITION_BYTES:
-        # Even the largest partition would pay the fixed cost for too few bytes: tensors go whole, as
-        # fifo sends them (one host, NVLink). On MPICH's shared memory (2 ranks, 2-core host) VGG-16's
-        # replay at 1/16 scale cut into 256 KiB-4 MiB partitions ran priority+overlap at 0.81-0.97 of
-        # fifo+barrier in six runs, while sent whole priority ran as fast as fifo in the same mode.
-        partition = 0
-        # Nor does the credit hold a whole tensor back: over its limit a tensor waits for nothing in
-        # flight, and every later one waits for it (fifo has no credit), so the credit only caps what
-        # no tensor reaches: the most partitions of the largest size.
-        rule = rule or DEFAULT_RULE
-        credit = LARGEST_PARTITION_BYTES * rule.max_credit_partitions
     return {
         "partition_bytes": partition,
         "credit_bytes": credit,

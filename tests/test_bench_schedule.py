@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from commsched.link_defaults import DEFAULT_RULE, LARGEST_PARTITION_BYTES, default_sizes
+from commsched.link_defaults import DEFAULT_RULE, default_sizes
 
 pytest.importorskip("mpi4py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -133,10 +133,9 @@ def test_autotuned_replay_tunes_the_scaled_defaults(tmp_path):
     assert rows[0]["phase"] == "default" and int(rows[0]["partition_bytes"]) == partition, (rows[0], run)
     # Scaled defaults given to init() are starting points: fixed, every trial would keep them.
     assert any(int(r["partition_bytes"]) != partition for r in rows), rows
-    # The credit the link rule gives for that partition (off: the largest): a power of two of them.
+    # The credit the link rule gives for that partition: a whole power of two of partitions.
     credit = int(rows[0]["credit_bytes"])
     assert credit == fitted["credit_bytes"] // 16, (rows[0], fitted)
-    partition = partition or LARGEST_PARTITION_BYTES // 16
     partitions = credit // partition
     assert credit % partition == 0 and partitions & (partitions - 1) == 0, rows[0]
     assert DEFAULT_RULE.min_credit_partitions <= partitions <= DEFAULT_RULE.max_credit_partitions, rows[0]

@@ -93,13 +93,11 @@ def _overhead_floor(config: dict) -> int:
     """COMMSCHED_COLLECTIVE_OVERHEAD's row: the power of two (nearest, in log scale) whose wire time is
     32 x the per-collective overhead, on the link config() shows."""
     target = 32 * config["link_bandwidth"] * (config["collective_overhead"] + config["link_message_cost"])
-    return 2 ** round(math.log2(target)) if target > 0 else 0
+    return min(64 * MIB, 2 ** round(math.log2(target))) if target > 0 else 0  # the largest partition
 
 
 def _partition(config: dict) -> str | None:
     partition = config["partition_bytes"]
-    if partition == 0 and _overhead_floor(config) >= 64 * MIB:
-        return None  # the row: off where the cost per collective would need 64 MiB partitions
     if not (_power_of_two(partition) and 256 * KIB <= partition <= 64 * MIB):
         return f"{partition} is not a power of two from 256 KiB to 64 MiB"
     if partition < _overhead_floor(config):
@@ -108,7 +106,7 @@ def _partition(config: dict) -> str | None:
 
 
 def _credit(config: dict) -> str | None:
-    credit, partition = config["credit_bytes"], config["partition_bytes"] or 64 * MIB
+    credit, partition = config["credit_bytes"], config["partition_bytes"]
     if credit % partition or not (_power_of_two(credit // partition) and 4 <= credit // partition <= 64):
         return f"{credit} is not 4 to 64 partitions of {partition}"
     return None

@@ -8,7 +8,6 @@ import argparse
 import pytest
 
 from commsched.link_defaults import (
-    DEFAULT_RULE,
     LARGEST_PARTITION_BYTES,
     MessageCost,
     default_sizes,
@@ -63,25 +62,22 @@ def test_the_fit_refuses_what_no_line_can_come_from(samples: list[tuple[int, flo
         fit_message_cost(samples)
 
 
-def test_a_floor_of_the_largest_partition_turns_partitioning_off() -> None:
-    """Where the cost per collective would need partitions of 64 MiB, tensors go whole (partition 0),
-    fusion takes the largest size and the credit no whole tensor reaches (the most partitions of the
-    largest size: over the credit a tensor would wait for nothing in flight, as fifo never does); a
-    given partition stays, with the credit the rule counts in it."""
+def test_the_floor_stops_at_the_largest_partition() -> None:
+    """However large the cost per collective, partitions stop at 64 MiB and the credit counts as many
+    of them as the rule gave; a given partition stays, with the credit the rule counts in it."""
     fitted = default_sizes(2, 5e9, 2e-6)
-    assert fitted["partition_bytes"] > 0
-    # 32 x 5 GB/s x 300 us = 48 MB: the nearest power of two is 64 MiB.
-    assert overhead_floor_bytes(5e9, 300e-6) == LARGEST_PARTITION_BYTES
-    off = default_sizes(2, 5e9, 2e-6, collective_overhead_s=300e-6)
-    assert off == {
-        "partition_bytes": 0,
-        "credit_bytes": LARGEST_PARTITION_BYTES * DEFAULT_RULE.max_credit_partitions,
-        "fusion_bytes": LARGEST_PARTITION_BYTES,
-    }
-    given = default_sizes(2, 5e9, 2e-6, partition_bytes=MIB, collective_overhead_s=300e-6)
     ratio = fitted["credit_bytes"] // fitted["partition_bytes"]
+    # 32 x 5 GB/s x 300 us = 48 MB: the nearest power of two is 64 MiB; 3 ms would ask for 480 MB.
+    for overhead in (300e-6, 3e-3):
+        assert overhead_floor_bytes(5e9, overhead) == LARGEST_PARTITION_BYTES
+        assert default_sizes(2, 5e9, 2e-6, collective_overhead_s=overhead) == {
+            "partition_bytes": LARGEST_PARTITION_BYTES,
+            "credit_bytes": LARGEST_PARTITION_BYTES * ratio,
+            "fusion_bytes": LARGEST_PARTITION_BYTES,
+        }
+    given = default_sizes(2, 5e9, 2e-6, partition_bytes=MIB, collective_overhead_s=300e-6)
     assert given["partition_bytes"] == MIB and given["credit_bytes"] == MIB * ratio
-    # Half that cost: a 32 MiB floor, under the largest, cuts partitions of it.
+    # Half that cost: a 32 MiB floor.
     assert default_sizes(2, 5e9, 2e-6, collective_overhead_s=150e-6)["partition_bytes"] == 32 * MIB
 
 
@@ -127,10 +123,10 @@ def test_the_probe_times_two_sizes_on_fast_links_only() -> None:
     assert flat is not None and flat.fixed_s == pytest.approx(0.0, abs=1e-12)
 
 
-def test_the_replay_keeps_partitioning_off_at_its_scale(monkeypatch: pytest.MonkeyPatch) -> None:
-    """commsched-bench schedule at --scale 16: a fixed cost per message of 1.5 MB at the message rate
-    (the MPICH shared-memory figure above) turns partitioning off, which stays 0 after scaling, not
-    1 byte; without it the same link cuts partitions."""
+def test_the_replay_counts_the_message_cost_at_full_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """commsched-bench schedule at --scale 16: the transport's fixed cost per message weighs 16 times as
+    much against the full model's collectives, as commsched's own does, at the message rate: 300 us
+    at 5 GB/s lifts 256 KiB partitions to the largest, 64 MiB / 16."""
     from commsched.bench.schedule import _replay_sizes
 
     for name in ("PARTITION", "CREDIT", "FUSION", "INLINE"):
@@ -138,9 +134,11 @@ def test_the_replay_keeps_partitioning_off_at_its_scale(monkeypatch: pytest.Monk
     args = argparse.Namespace(
         partition_bytes=None, credit_bytes=None, fusion_bytes=None, inline_bytes=None, scale=16.0
     )
-    cut = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6)
-    assert cut["partition_bytes"] > 0
-    off = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6, MessageCost(5e9, 300e-6))
-    assert off["partition_bytes"] == 0
-    assert off["fusion_bytes"] == LARGEST_PARTITION_BYTES // 16
-    assert off["credit_bytes"] % (LARGEST_PARTITION_BYTES // 16) == 0
+    plain = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6)
+    full = default_sizes(2, 2e9, 2e-6, collective_overhead_s=80e-6)["partition_bytes"]
+    assert plain["partition_bytes"] == full // 16 == 256 * 1024  # 32 x 2 GB/s x 80 us: 4 MiB
+    costly = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6, MessageCost(5e9, 300e-6))
+    assert costly["partition_bytes"] == costly["fusion_bytes"] == LARGEST_PARTITION_BYTES // 16
+    # Only the rate changes: 5 us at 8 GB/s instead of 2 GB/s, four times the floor.
+    faster = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6, MessageCost(8e9, 0.0))
+    assert faster["partition_bytes"] == 4 * plain["partition_bytes"]

@@ -245,7 +245,7 @@ def _replay_sizes(
     commsched's fixed cost per collective (`overhead_s`) does not shrink with the bytes: against
     the full-size model's collectives it weighs --scale times as much. So does the transport's own
     fixed cost per large message (`message_cost`, probed on fast links: link_probe.probe_message_cost),
-    whose rate is the one partitions move at. A partition of 0 (off) stays 0.
+    whose rate is the one partitions move at. A size fitted as 0 (off) stays 0.
     """
     given = {name: getattr(args, name) for name in _SCALED_SETTINGS}
     # A partition set by flag or variable is kept; the fitted credit then counts whole ones of it.
