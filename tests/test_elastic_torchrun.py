@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
 SAMPLES = 48  # as in the rank script
 LAUNCH_TIMEOUT_S = 90
+AGENTS_END_S = 60  # from the fault to every agent's end; torch's exit barrier alone waits 300 s
 
 
 def results(out: Path) -> dict[str, Any]:
@@ -35,12 +36,22 @@ def results(out: Path) -> dict[str, Any]:
 
 def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: Path) -> None:
     """3 ranks under torchrun, the one launched as 2 SIGKILLs itself after step() of step 3: the
-    survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit."""
+    survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit;
+    every agent ends soon after, not after torch's 300 s exit barrier."""
     out = tmp_path / "elastic"
     output = run_agents(
-        out, SCRIPT, 3, min_nodes=2, finishers=2, timeout_s=LAUNCH_TIMEOUT_S, ELASTIC_KILL="2:0:3"
+        out,
+        SCRIPT,
+        3,
+        min_nodes=2,
+        finishers=2,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        wait_agents=True,
+        ELASTIC_KILL="2:0:3",
+        ELASTIC_TIMES="1",
     )
     assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
+    assert_agents_ended(output, out / "times.2", survivors=(0, 1))
     assert "rank 2 (numbered as at launch" not in output  # no rank was left out: it died
     final = results(out)
     assert final["size"] == 2
@@ -64,6 +75,40 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     assert torch.count_nonzero(expected["weight"]) > 0
     assert torch.equal(final["weight"], expected["weight"])
     assert final["seen"] == expected["seen"]
+
+
+def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
+    """The worker launched as 2 SIGSTOPs itself: the survivors' stall limit ends the step, they
+    re-form at 2 without it, every sample is seen once per epoch, and every agent ends soon after."""
+    output = run_agents(
+        tmp_path,
+        SCRIPT,
+        3,
+        min_nodes=2,
+        finishers=2,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        wait_agents=True,
+        ELASTIC_STOP="2:0:3",
+        ELASTIC_TIMES="1",
+        COMMSCHED_STALL_TIMEOUT="1",
+        COMMSCHED_STALL_SHUTDOWN="3",
+        COMMSCHED_ELASTIC_TIMEOUT="2",
+    )
+    assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
+    assert_agents_ended(output, tmp_path / "times.2", survivors=(0, 1))
+    final = results(tmp_path)
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+
+
+def assert_agents_ended(output: str, fault_times: Path, survivors: tuple[int, ...]) -> None:
+    """Every agent ended within AGENTS_END_S of the fault; the survivors' agents with status 0."""
+    assert "--- agents ended at " in output, f"an agent was still running at the timeout:\n{output[-4000:]}"
+    ended = float(output.rpartition("--- agents ended at ")[2].split()[0])
+    fault = float(fault_times.read_text().split()[0])
+    assert ended - fault < AGENTS_END_S, f"the agents ended {ended - fault:.1f} s after the fault"
+    for node in survivors:
+        assert f"--- agent {node} exit 0\n" in output, output[-4000:]
 
 
 def test_below_the_nnodes_minimum_under_torchrun_names_the_rank(tmp_path: Path) -> None:
@@ -199,3 +244,38 @@ def test_a_store_that_went_away_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
         membership.MembershipError, match=r"torchrun's rendezvous store at 127\.0\.0\.1:\d+ does not"
     ):
         torchrun.request(failed_rank=0)
+
+
+def test_exit_barrier_arrival_for_agents_whose_workers_are_all_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents 1 and 2 of 4 lost all their workers, agent 3 one of two: the new rank 0 arrives once
+    for each of 1 and 2 in the round that named this MASTER_PORT (for 3 once its other worker is
+    lost too), and not at all under another key layout."""
+    from torch.distributed.elastic.utils import store as store_util
+
+    from commsched.elastic import exit_barrier
+
+    server = _Store()
+    workers, agents = server.store, torch.distributed.PrefixStore("torch.rendezvous.run.1", server.store)
+    monkeypatch.setenv("MASTER_PORT", "4321")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    server.store.set("torch.rendezvous.run.0/MASTER_PORT", "1234")  # another job's round
+    agents.set("MASTER_PORT", "4321")
+    for member, agent in enumerate([0, 1, 2, 3, 3]):
+        monkeypatch.setenv("GROUP_RANK", str(agent))
+        exit_barrier.record_agent(workers, "job", member)
+    endpoint = f"127.0.0.1:{server.port}"
+    counter = "torchelastic/agent/terminal_state/num_members"
+    monkeypatch.setattr(store_util, "_NUM_MEMBERS", "/members")  # a torch whose barrier differs
+    assert exit_barrier.arrive_for_gone(workers, "job", list(range(5)), [0, 3], endpoint) == []
+    assert not agents.check([counter])
+    monkeypatch.undo()
+    for name, value in (("MASTER_PORT", "4321"), ("GROUP_WORLD_SIZE", "4"), ("TORCHELASTIC_RUN_ID", "run")):
+        monkeypatch.setenv(name, value)
+    assert exit_barrier.arrive_for_gone(workers, "job", list(range(5)), [0, 3], endpoint) == [1, 2]
+    assert agents.add(counter, 0) == 2
+    # The next generation loses agent 3's workers: it arrives for 3, not again for 1 and 2.
+    assert exit_barrier.arrive_for_gone(workers, "job", list(range(5)), [0], endpoint) == [3]
+    assert not agents.check(["torchelastic/agent/terminal_state/last_member"])
+    store_util._barrier_nonblocking(agents, 4, "torchelastic/agent/terminal_state")  # agent 0, as torch
+    assert agents.check(["torchelastic/agent/terminal_state/last_member"])

@@ -15,7 +15,9 @@ What torchrun itself does around this, and what follows:
   of one of those agents ends the job; a survivor then says so, naming the store.
 - A node that joins makes every agent restart its workers: the state committed in memory ends with
   them, so the restarted workers refuse to go on (growth is commsched-run --host-discovery-script's).
-- The survivors' agents wait up to 300 s at the end (torch's exit barrier counts the agent that left).
+- torch's exit barrier at the end counts every agent, and one whose worker failed never arrives:
+  the new rank 0 arrives for each agent whose workers were all lost (exit_barrier.py), so the
+  survivors' agents end with their workers instead of after 300 s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import socket
 import time
 from typing import Any
 
+from commsched.elastic import exit_barrier
 from commsched.elastic.membership import Assignment, MembershipError, _ranks
 
 # Set by torchrun's agents in every worker's environment.
@@ -75,23 +78,34 @@ def window_s() -> float:
     return _number(TIMEOUT_VARIABLE, _DEFAULT_WINDOW_S, 0.1)
 
 
-def _agent_min_nodes(pid: int) -> int | None:
-    """The MIN of `--nnodes MIN:MAX` on the command line of torchrun's agent `pid`, if it has one."""
+def _agent_argument(pid: int, *names: str) -> str | None:
+    """The value of option `names` (any spelling) on the command line of torchrun's agent `pid`."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
             arguments = handle.read().decode(errors="replace").split("\0")
     except OSError:
         return None
     for index, argument in enumerate(arguments):
-        if argument == "--nnodes" and index + 1 < len(arguments):
-            value = arguments[index + 1]
-        elif argument.startswith("--nnodes="):
-            value = argument.split("=", 1)[1]
-        else:
-            continue
-        first = value.split(":", 1)[0]
-        return int(first) if first.isdigit() else None
+        if argument in names and index + 1 < len(arguments):
+            return arguments[index + 1]
+        if argument.split("=", 1)[0] in names and "=" in argument:
+            return argument.split("=", 1)[1]
     return None
+
+
+def _agent_min_nodes(pid: int) -> int | None:
+    """The MIN of `--nnodes MIN:MAX` on the command line of torchrun's agent `pid`, if it has one."""
+    value = _agent_argument(pid, "--nnodes")
+    if value is None:
+        return None
+    first = value.split(":", 1)[0]
+    return int(first) if first.isdigit() else None
+
+
+def rendezvous_endpoint() -> str:
+    """The --rdzv-endpoint of this worker's agent (its command line, else PET_RDZV_ENDPOINT)."""
+    value = _agent_argument(os.getppid(), "--rdzv-endpoint", "--rdzv_endpoint")
+    return value if value is not None else os.environ.get("PET_RDZV_ENDPOINT", "")
 
 
 def min_ranks() -> int:
@@ -112,6 +126,7 @@ class _Job:
         self.address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
         self.prefix = ""
         self.members = list(range(int(os.environ["WORLD_SIZE"])))
+        self.launched = list(self.members)
         self.generation = 0
         self._store: Any = None
 
@@ -164,6 +179,7 @@ def start(broadcast_object: Any) -> None:
     current.prefix = f"commsched.elastic.{run_id}.{group}"
     try:
         store.set(f"{current.prefix}/where/{current.member}", f"{socket.gethostname()} {os.getpid()}")
+        exit_barrier.record_agent(store, current.prefix, current.member)
     except RuntimeError as error:
         raise current.gone(error) from None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -211,6 +227,7 @@ def request(failed_rank: int | None) -> Assignment:
         )
     if decided.index(current.member) == 0:
         _stop_left_out(store, current.prefix, lost)
+        exit_barrier.arrive_for_gone(store, current.prefix, current.launched, decided, rendezvous_endpoint())
     current.members = decided
     current.generation += 1
     return Assignment(decided.index(current.member), len(decided), 0, current.generation)

@@ -4,8 +4,8 @@ benchmarks/elastic_recovery.py).
 
 The first agent hosts both of torchrun's stores (--rdzv-conf is_host=1, and --local-addr 127.0.0.1
 sorts it to group rank 0), so a worker that a run kills is never the one whose agent holds them.
-The survivors' agents wait in torch's exit barrier (300 s) for the agent that left, so they are
-ended here once the workers said they are done.
+Once the workers said they are done, what is left is ended here, unless the caller waits for every
+agent to end by itself (commsched arrives in torch's exit barrier for an agent that left).
 """
 
 from __future__ import annotations
@@ -41,14 +41,24 @@ def environment(out: Path, **extra: str) -> dict[str, str]:
 
 
 def run_agents(
-    out: Path, script: Path, nodes: int, min_nodes: int, finishers: int, timeout_s: float, **extra: str
+    out: Path,
+    script: Path,
+    nodes: int,
+    min_nodes: int,
+    finishers: int,
+    timeout_s: float,
+    wait_agents: bool = False,
+    **extra: str,
 ) -> str:
     """`nodes` agents (`--nnodes min_nodes:nodes`, one worker each) running `script`; returns their
-    output once `finishers` workers printed `... done` or every agent ended, or at the timeout."""
+    output once `finishers` workers printed `... done` (with `wait_agents`: once every agent ended,
+    then followed by `--- agents ended at T` (time.time()) and each agent's exit status) or every
+    agent ended, or at the timeout."""
     out.mkdir(parents=True, exist_ok=True)
     endpoint = f"127.0.0.1:{free_port()}"
     env = environment(out, **extra)
     agents: list[subprocess.Popen[bytes]] = []
+    ended = ""
     logs = [out / f"agent.{node}.log" for node in range(nodes)]
     try:
         for node, log in enumerate(logs):
@@ -68,12 +78,18 @@ def run_agents(
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = "".join(log.read_text(errors="replace") for log in logs)
-            if text.count(" done\n") >= finishers or all(agent.poll() is not None for agent in agents):
+            if all(agent.poll() is not None for agent in agents):
+                ended = f"--- agents ended at {time.time():.6f}\n" + "".join(
+                    f"--- agent {node} exit {agent.returncode}\n" for node, agent in enumerate(agents)
+                )
+                break
+            if text.count(" done\n") >= finishers and not wait_agents:
                 break
             time.sleep(0.1)
     finally:
         _stop(agents, out, script)
-    return "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
+    output = "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
+    return output + (ended if wait_agents else "")
 
 
 def _stop(agents: list[subprocess.Popen[bytes]], out: Path, script: Path) -> None:
