@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 from typing import Any
 
 log = logging.getLogger("commsched")
@@ -111,3 +112,30 @@ def arrive_for_gone(
         log.debug("commsched.elastic: no exit-barrier arrival (%s)", error)
         return []
     return arrived
+
+
+def arrive_later(address: str, prefix: str, launched: list[int], members: list[int], endpoint: str) -> None:
+    """Runs arrive_for_gone on a thread with its own client of the workers' store at `address`:
+    the re-forming does not wait for its connections, and the interpreter waits for it at exit."""
+    if not (
+        os.environ.get("GROUP_WORLD_SIZE", "").isdigit()
+        and os.environ.get("TORCHELASTIC_RUN_ID")
+        and endpoint
+    ):
+        log.debug(
+            "commsched.elastic: not under torchrun's agents (no GROUP_WORLD_SIZE or endpoint); no arrival"
+        )
+        return
+
+    def arrive() -> None:
+        import torch.distributed as dist
+
+        host, _, port = address.rpartition(":")
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=_STORE_TIMEOUT)
+        except (RuntimeError, ValueError) as error:
+            log.debug("commsched.elastic: no exit-barrier arrival (%s)", error)
+            return
+        arrive_for_gone(store, prefix, launched, members, endpoint)
+
+    threading.Thread(target=arrive, name="commsched-exit-barrier").start()

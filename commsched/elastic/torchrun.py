@@ -227,7 +227,9 @@ def request(failed_rank: int | None) -> Assignment:
         )
     if decided.index(current.member) == 0:
         _stop_left_out(store, current.prefix, lost)
-        exit_barrier.arrive_for_gone(store, current.prefix, current.launched, decided, rendezvous_endpoint())
+        exit_barrier.arrive_later(
+            current.address, current.prefix, current.launched, decided, rendezvous_endpoint()
+        )
     current.members = decided
     current.generation += 1
     return Assignment(decided.index(current.member), len(decided), 0, current.generation)
