@@ -39,24 +39,11 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit;
     every agent ends soon after, not after torch's 300 s exit barrier."""
     out = tmp_path / "elastic"
-    output = run_agents(
-        out,
-        SCRIPT,
-        3,
-        min_nodes=2,
-        finishers=2,
-        timeout_s=LAUNCH_TIMEOUT_S,
-        wait_agents=True,
-        ELASTIC_KILL="2:0:3",
-        ELASTIC_TIMES="1",
-    )
-    assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
-    assert_agents_ended(output, out / "times.2", survivors=(0, 1))
+    output = run_to_the_end(out, ELASTIC_KILL="2:0:3")
     assert "rank 2 (numbered as at launch" not in output  # no rank was left out: it died
     final = results(out)
     assert final["size"] == 2
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
+    assert_every_sample_once(final)
     restored = torch.load(out / "restored.pt", weights_only=False)
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 3 * 2}  # 3 commits of 3 ranks x 2
     reference = tmp_path / "reference"
@@ -80,35 +67,33 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
 def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
     """The worker launched as 2 SIGSTOPs itself: the survivors' stall limit ends the step, they
     re-form at 2 without it, every sample is seen once per epoch, and every agent ends soon after."""
-    output = run_agents(
+    run_to_the_end(
         tmp_path,
-        SCRIPT,
-        3,
-        min_nodes=2,
-        finishers=2,
-        timeout_s=LAUNCH_TIMEOUT_S,
-        wait_agents=True,
         ELASTIC_STOP="2:0:3",
-        ELASTIC_TIMES="1",
         COMMSCHED_STALL_TIMEOUT="1",
         COMMSCHED_STALL_SHUTDOWN="3",
         COMMSCHED_ELASTIC_TIMEOUT="2",
     )
+    assert_every_sample_once(results(tmp_path))
+
+
+def run_to_the_end(out: Path, **fault: str) -> str:
+    """3 agents under --nnodes 2:3 whose worker launched as 2 meets `fault`: both survivors finish
+    and every agent ends within AGENTS_END_S of the fault, theirs with status 0; returns the output."""
+    output = run_agents(out, SCRIPT, 3, 2, 2, LAUNCH_TIMEOUT_S, wait_agents=True, ELASTIC_TIMES="1", **fault)
     assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output, output[-4000:]
-    assert_agents_ended(output, tmp_path / "times.2", survivors=(0, 1))
-    final = results(tmp_path)
-    for epoch, seen in enumerate(final["seen"]):
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
-
-
-def assert_agents_ended(output: str, fault_times: Path, survivors: tuple[int, ...]) -> None:
-    """Every agent ended within AGENTS_END_S of the fault; the survivors' agents with status 0."""
     assert "--- agents ended at " in output, f"an agent was still running at the timeout:\n{output[-4000:]}"
     ended = float(output.rpartition("--- agents ended at ")[2].split()[0])
-    fault = float(fault_times.read_text().split()[0])
-    assert ended - fault < AGENTS_END_S, f"the agents ended {ended - fault:.1f} s after the fault"
-    for node in survivors:
-        assert f"--- agent {node} exit 0\n" in output, output[-4000:]
+    fault_at = float((out / "times.2").read_text().split()[0])
+    assert ended - fault_at < AGENTS_END_S, f"the agents ended {ended - fault_at:.1f} s after the fault"
+    assert "--- agent 0 exit 0\n" in output and "--- agent 1 exit 0\n" in output, output[-4000:]
+    return output
+
+
+def assert_every_sample_once(final: dict[str, Any]) -> None:
+    """Each epoch saw every sample exactly once."""
+    for epoch, seen in enumerate(final["seen"]):
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: samples dropped or repeated"
 
 
 def test_below_the_nnodes_minimum_under_torchrun_names_the_rank(tmp_path: Path) -> None:
