@@ -62,6 +62,19 @@ def test_calls_before_init_fail_clearly(stopped: None) -> None:
         model.fit(x, y, verbose=0)
 
 
+def test_graph_broadcasts_build_before_init_and_name_it_when_run(stopped: None) -> None:
+    """In graph mode the broadcast ops build before init(), as Horovod's do; running one without
+    init() fails naming it."""
+    with tf.Graph().as_default():
+        cst.broadcast_global_variables(0)  # no global variables yet
+        variable = tf.compat.v1.get_variable("v", initializer=tf.constant([1.0, 2.0]))
+        op = cst.broadcast_variables([variable], root_rank=0)
+        with tf.compat.v1.Session() as session:
+            session.run(variable.initializer)
+            with pytest.raises(tf.errors.FailedPreconditionError, match=r"needs commsched\.init\(\) first"):
+                session.run(op)
+
+
 def test_wrapping_twice_is_rejected() -> None:
     """A second wrap of an optimizer or a tape is a ValueError that says so."""
     optimizer = cst.DistributedOptimizer(keras.optimizers.SGD(0.1))

@@ -353,10 +353,11 @@ def broadcast_variables(
     prefix: str = "broadcast",
 ) -> Any:
     """Assigns every variable the value it has on `root_rank`; in graph mode returns the op that does it."""
-    require_init("broadcast_variables()")
     variables = list(variables)
     if not variables:
         return tf.group()
+    if tf.executing_eagerly():  # a graph's op needs commsched only when a session runs it, as in Horovod
+        require_init("broadcast_variables()")
     names = tuple(f"{prefix}.{i}.{variable_label(v)}" for i, v in enumerate(variables))
     values = [tf.convert_to_tensor(v) for v in variables]
     run = _broadcast_group_eager if tf.executing_eagerly() else _broadcast_group
