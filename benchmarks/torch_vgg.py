@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -145,22 +144,9 @@ def _run_variant(rig: Any, variant: str, args: argparse.Namespace, port: int) ->
         "COMMSCHED_CREDIT_BYTES": args.credit,
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
     }
-    procs = [
-        rig.spawn(
-            rig.command_for(i, argv, {**rig.torch_env(i, port), **env}),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(rig.n_ranks)
-    ]
-    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{variant} failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    for line in outputs[0].splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
-    raise RuntimeError(f"{variant} printed no result:\n{outputs[0][-3000:]}")
+    from local_ranks import run_on_rig  # benchmarks/ is on sys.path once main() ran
+
+    return run_on_rig(rig, argv, env, port, args.timeout, RESULT_TAG, variant)
 
 
 def main(argv: list[str] | None = None) -> int:
