@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -170,25 +169,14 @@ def _run_variant(rig: Any, variant: str, args: argparse.Namespace, port: int) ->
         "COMMSCHED_CREDIT_BYTES": args.credit,
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
     }
+    from local_ranks import run_on_rig
+
     try:
-        procs = [
-            rig.spawn(
-                rig.command_for(i, argv, {**rig.torch_env(i, port), **env}),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(rig.n_ranks)
-        ]
-        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        return run_on_rig(rig, argv, env, port, args.timeout, RESULT_TAG, variant)
+    except RuntimeError as error:  # a failed variant is a row of the table, not the end of the run
+        return {"variant": variant, "error": str(error)[-1500:]}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    if any(p.returncode != 0 for p in procs):
-        return {"variant": variant, "error": "\n".join(o[-1500:] for o in outputs)}
-    for line in outputs[0].splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
-    return {"variant": variant, "error": outputs[0][-1500:]}
 
 
 def main(argv: list[str] | None = None) -> int:
