@@ -83,14 +83,14 @@ def worker(args: argparse.Namespace) -> int:
 
     import commsched
     from commsched import autotune
-    from commsched.bench import schedule
+    from commsched.bench import calibration, schedule
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     profile = schedule.load_model(args.model)
     layers = schedule.timed_layers(profile, 100.0, args.scale)
     total = schedule.gradient_bytes(layers)
-    comm_s = schedule._raw_allreduce_s(comm, total, 3)
+    comm_s = calibration.raw_allreduce_s(comm, total, 3)
     layers = schedule.rescale_compute(layers, args.compute_over_comm * comm_s / schedule.compute_s(layers))
     grads = [np.random.default_rng(rank).random(n, dtype=np.float32) for l in layers for _, n in l.params]
 

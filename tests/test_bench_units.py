@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from commsched.bench import allreduce, report, schedule, sim_cli
+from commsched.bench import allreduce, calibration, report, schedule, sim_cli
 from commsched.bench.report import human_size
 from commsched.link_defaults import default_sizes
 
@@ -133,8 +133,8 @@ def test_size_cost_calibration_keeps_in_flight_bounded(monkeypatch):
         calls.append((nbytes, count, in_flight))
         return 1e-3 * nbytes / (1 << 20)
 
-    monkeypatch.setattr(schedule, "_raw_iallreduce_s", fake_raw)
-    costs = schedule.measure_size_costs(None, 32 << 20, 8 << 20, 32e-3, 1e-5, 3)
+    monkeypatch.setattr(calibration, "raw_iallreduce_s", fake_raw)
+    costs = calibration.measure_size_costs(None, 32 << 20, 8 << 20, 32e-3, 1e-5, 3)
     assert [size for size, _ in costs] == [
         16 << 10,
         64 << 10,

@@ -15,11 +15,10 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from commsched.bench import report
+from commsched.bench import calibration, report
 from commsched.bench.overhead import measure_collective_overhead, measure_message_cost
 from commsched.bench.replay import TimedLayer, replay, replay_shard, round_share, warm_up
 from commsched.config import parse_size, resolve
@@ -143,89 +142,6 @@ def gradient_bytes(layers: list[TimedLayer]) -> int:
     return sum(4 * count for l in layers for _, count in l.params)
 
 
-def _slowest_per_iteration(comm: Any, periods: list[float]) -> list[float]:
-    """Each iteration's period on the rank where it took longest."""
-    import numpy as np
-    from mpi4py import MPI
-
-    slowest = np.empty(len(periods))
-    comm.Allreduce(np.asarray(periods, dtype=np.float64), slowest, op=MPI.MAX)
-    return slowest.tolist()
-
-
-def _raw_allreduce_s(comm: Any, nbytes: int, repeats: int) -> float:
-    """Median over repeats of the slowest rank's time for one raw in-place MPI allreduce."""
-    import numpy as np
-    from mpi4py import MPI
-
-    buffer = np.zeros(max(1, nbytes // 4), np.float32)
-    comm.Allreduce(MPI.IN_PLACE, buffer)
-    samples = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, buffer)
-        samples.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(samples)
-
-
-_CALIBRATION_BYTES = 16 << 20  # moved per timing of one size (at least two messages)
-_SMALLEST_CALIBRATED = 16 << 10
-_MAX_CALIBRATION_IN_FLIGHT = 64
-
-
-def _raw_iallreduce_s(comm: Any, nbytes: int, count: int, in_flight: int, repeats: int) -> float:
-    """Best over repeats of the slowest rank's time per message for `count` raw nonblocking
-    allreduces, `in_flight` of them outstanding at a time (as the credit lets commsched's chunks)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    buffers = [np.zeros(max(1, nbytes // 4), np.float32) for _ in range(in_flight)]
-    comm.Iallreduce(MPI.IN_PLACE, buffers[0]).Wait()
-    samples = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        requests: list[Any] = []
-        for index in range(count):
-            if len(requests) == in_flight:
-                requests.pop(0).Wait()
-            requests.append(comm.Iallreduce(MPI.IN_PLACE, buffers[index % in_flight]))
-        MPI.Request.Waitall(requests)
-        samples.append(comm.allreduce((time.perf_counter() - start) / count, op=MPI.MAX))
-    return min(samples)  # interference on a shared machine only ever slows a run down
-
-
-def measure_size_costs(
-    comm: Any, total_bytes: int, credit_bytes: int, whole_s: float, small_s: float, repeats: int
-) -> list[tuple[int, float]]:
-    """Cost per byte of raw nonblocking allreduces by size (16 KiB up to all gradients, steps of 4x),
-    relative to one blocking allreduce of all gradients: the simulator's size-cost table.
-
-    MPI libraries change algorithm and pipelining with message size (MPICH over TCP at 3 ranks moves
-    a byte in 64 KiB messages in 0.57 of the time it takes in one large one), and commsched sends
-    partitioned and fused messages, as many at once as the credit allows, not one of everything.
-    """
-    costs = []
-    size = _SMALLEST_CALIBRATED
-    sizes = []
-    while size < total_bytes:
-        sizes.append(size)
-        size *= 4
-    sizes.append(total_bytes)
-    for size in sizes:
-        count = max(2, min(total_bytes, _CALIBRATION_BYTES) // size)
-        # Capped: MPICH over TCP at 4 ranks hung in Waitall with 512 16 KiB Iallreduces outstanding
-        # (--credit-bytes 8MiB); beyond a few dozen in flight the per-byte cost no longer changes.
-        in_flight = max(1, min(count, credit_bytes // size, _MAX_CALIBRATION_IN_FLIGHT))
-        per_message = _raw_iallreduce_s(comm, size, count, in_flight, repeats)
-        # The model charges a collective its latency (the 4-byte allreduce, hidden behind the
-        # others when several are in flight) plus bytes at a rate: the factor makes the rate fit.
-        wire_s = per_message - (small_s if in_flight == 1 else 0.0)
-        costs.append((size, max(0.05, wire_s * total_bytes / (size * whole_s))))
-    return costs
-
-
 _SCALED_SETTINGS = ("partition_bytes", "credit_bytes", "fusion_bytes", "inline_bytes")
 
 
@@ -296,8 +212,8 @@ def run(args: argparse.Namespace) -> int:
     profile = load_model(args.model)
     layers = timed_layers(profile, args.device_tflops, args.scale, args.time_scale)
     total_bytes = gradient_bytes(layers)
-    comm_s = _raw_allreduce_s(comm, total_bytes, args.calibration_repeats)
-    small_s = _raw_allreduce_s(comm, 4, 20)
+    comm_s = calibration.raw_allreduce_s(comm, total_bytes, args.calibration_repeats)
+    small_s = calibration.raw_allreduce_s(comm, 4, 20)
     time_scale = args.time_scale
     if args.compute_over_comm:
         # Sets compute to a chosen multiple of the measured communication time.
@@ -311,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = _replay_sizes(args, ranks, bandwidth, latency, overhead_s, message_cost)
     credit = resolve({k: v for k, v in sizes.items() if v is not None}).credit_for(ranks)
     size_costs = (
-        measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
+        calibration.measure_size_costs(comm, total_bytes, credit, comm_s, small_s, args.calibration_repeats)
         if args.size_costs
         else []
     )
@@ -378,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
                 "median_iteration_s": comm.allreduce(statistics.median(measured), op=MPI.MAX),
                 "slowest_iteration_s": comm.allreduce(max(measured), op=MPI.MAX),
                 # Each measured iteration on its slowest rank, so a stall can be placed.
-                "iterations_s": _slowest_per_iteration(comm, measured),
+                "iterations_s": calibration.slowest_per_iteration(comm, measured),
             }
         )
         used.append(used_by[(policy, mode)])
