@@ -1,7 +1,8 @@
 """Elastic training under torchrun's c10d rendezvous: 3 single-process agents, one worker SIGKILLs
 itself after step(); the survivors agree on the new membership through torchrun's store, re-form
-Gloo at 2 ranks without restarting, and end with the parameters of a 2-rank run started from the
-restored commit, every sample seen once per epoch. The store-side agreement, the minimum and the
+Gloo (or gRPC, at addresses exchanged through the store) at 2 ranks without restarting, and end
+with the parameters of a 2-rank run started from the restored commit, every sample seen once per
+epoch. The store-side agreement, the minimum and the
 refusals are exercised in-process."""
 
 from __future__ import annotations
@@ -38,8 +39,20 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     """3 ranks under torchrun, the one launched as 2 SIGKILLs itself after step() of step 3: the
     survivors re-form at 2 and end with the parameters of a 2-rank run from the restored commit;
     every agent ends soon after, not after torch's 300 s exit barrier."""
+    killed_equals_reference(tmp_path, "gloo")
+
+
+def test_sigkill_under_torchrun_over_grpc_equals_a_run_started_from_the_commit(tmp_path: Path) -> None:
+    """Over gRPC the same fault re-forms the same way: the survivors meet at new addresses exchanged
+    through torchrun's store and end at the parameters of a 2-rank gRPC run from the same commit."""
+    out = killed_equals_reference(tmp_path, "grpc")
+    assert "re-forms the ranks over Gloo" not in out and "a failed rank ends the job" not in out
+
+
+def killed_equals_reference(tmp_path: Path, transport: str) -> str:
+    """The SIGKILL run on `transport` and its reference, compared; returns the elastic run's output."""
     out = tmp_path / "elastic"
-    output = run_to_the_end(out, ELASTIC_KILL="2:0:3")
+    output = run_to_the_end(out, ELASTIC_KILL="2:0:3", COMMSCHED_TRANSPORT=transport)
     assert "rank 2 (numbered as at launch" not in output  # no rank was left out: it died
     final = results(out)
     assert final["size"] == 2
@@ -50,7 +63,7 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     reference.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "commsched.run", "-n", "2", str(SCRIPT)],
-        env=environment(reference, ELASTIC_START=str(out / "restored.pt")),
+        env=environment(reference, ELASTIC_START=str(out / "restored.pt"), COMMSCHED_TRANSPORT=transport),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -62,6 +75,7 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     assert torch.count_nonzero(expected["weight"]) > 0
     assert torch.equal(final["weight"], expected["weight"])
     assert final["seen"] == expected["seen"]
+    return output
 
 
 def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
@@ -212,10 +226,10 @@ def test_other_transports_say_at_start_that_a_failure_ends_the_job(
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(membership.ADDRESS_VARIABLE, raising=False)
     monkeypatch.setattr(elastic, "_membership", elastic._Membership())
-    monkeypatch.setattr(commsched._state, "transport", "grpc")
+    monkeypatch.setattr(commsched._state, "transport", "nccl")
     assert elastic._check_launcher() is False
     message = capsys.readouterr().err
-    assert "under torchrun commsched re-forms the ranks over Gloo only, not grpc" in message, message
+    assert "under torchrun commsched re-forms the ranks over Gloo and gRPC only, not nccl" in message, message
     assert "so a failed rank ends the job" in message
 
 

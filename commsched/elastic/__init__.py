@@ -254,7 +254,7 @@ def reform() -> None:
     )
     try:
         if under_torchrun:
-            torchrun.join(assignment, _rendezvous_timeout())
+            torchrun.join(assignment, _rendezvous_timeout(), transport)
         elif transport == "gloo":
             _gloo_rendezvous(assignment.rank, assignment.size)
         commsched.init()

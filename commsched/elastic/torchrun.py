@@ -6,7 +6,9 @@ every survivor writes `ask/ID` there (with the rank its error named, if any) and
 once every member of G asked or was named failed, or the join window has passed, the first survivor
 to get there writes the new member list with compare_set, and every survivor reads that one list.
 Members keep their order, so the lowest surviving rank becomes rank 0 and the state is synchronised
-from it; the next generation's Gloo group meets under its own prefix of the same store.
+from it. The next generation's transport meets under its own prefix of the same store: a Gloo group
+there, or, over gRPC, every rank writes the address its new server will listen on (a fresh port) and
+reads the others' into COMMSCHED_GRPC_PEERS.
 
 What torchrun itself does around this, and what follows:
 - A worker's agent ends when its worker fails (--max-restarts 0) and with it the stores it hosts:
@@ -44,13 +46,19 @@ _POLL_S = 0.02
 _STORE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
+# The transports whose ranks re-form under torchrun.
+TRANSPORTS = ("gloo", "grpc")
+# Where a gRPC rank finds every rank's address (commsched.transports.grpc_net.parse_peers).
+PEERS_VARIABLE = "COMMSCHED_GRPC_PEERS"
+
+
 def unsupported(transport: str) -> str:
-    """Why the ranks on `transport` cannot re-form under torchrun, or "" when they can (Gloo)."""
-    if transport == "gloo":
+    """Why the ranks on `transport` cannot re-form under torchrun, or "" when they can (Gloo, gRPC)."""
+    if transport in TRANSPORTS:
         return ""
     return (
-        f"under torchrun commsched re-forms the ranks over Gloo only, not {transport} "
-        "(COMMSCHED_TRANSPORT=gloo, the default under torchrun with PyTorch and host tensors)"
+        f"under torchrun commsched re-forms the ranks over Gloo and gRPC only, not {transport} "
+        "(COMMSCHED_TRANSPORT=gloo, the default under torchrun with PyTorch and host tensors, or grpc)"
     )
 
 
@@ -274,12 +282,39 @@ def _stop_left_out(store: Any, prefix: str, lost: list[int]) -> None:
             continue
 
 
-def join(assignment: Assignment, timeout: datetime.timedelta) -> None:
-    """Joins the new generation's torch.distributed group, meeting under its prefix of the store."""
+def join(assignment: Assignment, timeout: datetime.timedelta, transport: str = "gloo") -> None:
+    """Prepares the new generation's `transport`, meeting under its prefix of the store: joins its
+    torch.distributed group (Gloo), or exchanges the gRPC servers' addresses (gRPC)."""
     import torch.distributed as dist
 
     current = job()
-    store = dist.PrefixStore(f"{current.prefix}/g{assignment.generation}/pg", current.store())
+    base = f"{current.prefix}/g{assignment.generation}"
+    if transport == "grpc":
+        os.environ[PEERS_VARIABLE] = ",".join(_grpc_peers(current.store(), base, assignment, timeout))
+        return
+    store = dist.PrefixStore(f"{base}/pg", current.store())
     dist.init_process_group(
         "gloo", store=store, rank=assignment.rank, world_size=assignment.size, timeout=timeout
     )
+
+
+def _grpc_peers(store: Any, base: str, assignment: Assignment, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's gRPC address in the new generation, by rank: each writes its own (the address
+    that reaches the store, or COMMSCHED_GRPC_BIND's, and a fresh port) and waits for the others'.
+
+    A fresh port per generation: the failed generation's servers may still hold theirs, and a port
+    from outside the ephemeral range is not one the other ranks' outgoing connections take meanwhile.
+    """
+    import importlib
+
+    from commsched.run import free_port
+    from commsched.transports.grpc_net import resolve_bind
+
+    settings = importlib.import_module("commsched.config").resolve({})
+    host, _, port = job().address.rpartition(":")
+    _, advertise = resolve_bind(settings.grpc_bind, host.strip("[]"), int(port))
+    shown = f"[{advertise}]" if ":" in advertise else advertise
+    keys = [f"{base}/grpc/{rank}" for rank in range(assignment.size)]
+    store.set(keys[assignment.rank], f"{shown}:{free_port(advertise)}")
+    store.wait(keys, timeout)
+    return [store.get(key).decode() for key in keys]

@@ -19,7 +19,10 @@ import time
 from pathlib import Path
 
 # The variables a launcher sets for a rank: a job started from a rank must not pass its own on.
-_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_RANK_VARIABLES = (
+    *("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "COMMSCHED_GRPC_PEERS",
+)
 
 
 def free_port() -> int:
@@ -30,13 +33,14 @@ def free_port() -> int:
 
 
 def environment(out: Path, **extra: str) -> dict[str, str]:
-    """This process's environment without launcher variables, with ELASTIC_OUT=out, Gloo and `extra`."""
+    """This process's environment without launcher variables, with ELASTIC_OUT=out, Gloo (unless
+    `extra` names another COMMSCHED_TRANSPORT) and `extra`."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in _RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "COMMSCHED_ELASTIC_"))
     }
-    env.update(ELASTIC_OUT=str(out), COMMSCHED_TRANSPORT="gloo", **extra)
+    env.update({"ELASTIC_OUT": str(out), "COMMSCHED_TRANSPORT": "gloo", **extra})
     return env
 
 
