@@ -10,7 +10,8 @@ step 3 and writes the time just before; the survivors write the time of every co
 
 torchrun-elastic: the same kill under torchrun's elastic rendezvous, one single-process agent per
 rank (`--nnodes N-1:N --rdzv-backend c10d --max-restarts 0`, tests/elastic_ranks/torchrun_agents.py):
-the survivors re-form through torchrun's store without restarting.
+the survivors re-form through torchrun's store without restarting, over --transport (gRPC: at new
+addresses exchanged through the store).
 
 torchrun: the same kill under `torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1` (c10d
 rendezvous, plain DDP over Gloo, a torch.save checkpoint every 5 steps): seconds from the kill to the
@@ -62,7 +63,7 @@ def trial(ranks: int, transport: str, timeout_s: float) -> float:
         return _recovery_s(Path(out), ranks)
 
 
-def torchrun_elastic_trial(ranks: int, timeout_s: float) -> float:
+def torchrun_elastic_trial(ranks: int, transport: str, timeout_s: float) -> float:
     """One run under torchrun's elastic rendezvous with one SIGKILL; returns seconds from the kill to
     the next step at ranks - 1."""
     with tempfile.TemporaryDirectory(prefix="torchrun-elastic-") as out:
@@ -75,6 +76,7 @@ def torchrun_elastic_trial(ranks: int, timeout_s: float) -> float:
             timeout_s,
             ELASTIC_TIMES="1",
             ELASTIC_KILL=f"{ranks - 1}:0:3",
+            COMMSCHED_TRANSPORT=transport,
         )
         if output.count(f" of {ranks - 1} done") < ranks - 1:
             raise RuntimeError(f"the torchrun elastic run failed:\n{output[-3000:]}")
@@ -168,7 +170,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="kills per launcher (default 5)")
     parser.add_argument("--ranks", type=int, default=4, help="ranks at the start (default 4)")
-    parser.add_argument("--transport", default="gloo", choices=("gloo", "grpc"), help="default gloo")
+    parser.add_argument(
+        "--transport",
+        default="gloo",
+        choices=("gloo", "grpc"),
+        help="recovery and torchrun-elastic (default gloo)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds per run before it counts as hung"
     )
@@ -185,7 +192,7 @@ def main() -> None:
     rows = []
     for name, run in (
         ("recovery", lambda: trial(args.ranks, args.transport, args.timeout)),
-        ("torchrun-elastic", lambda: torchrun_elastic_trial(args.ranks, args.timeout)),
+        ("torchrun-elastic", lambda: torchrun_elastic_trial(args.ranks, args.transport, args.timeout)),
         ("torchrun", lambda: torchrun_trial(args.ranks, args.timeout)),
     ):
         if name not in chosen:
@@ -197,7 +204,7 @@ def main() -> None:
         report[name] = {"seconds": seconds, **_summary(seconds)}
         what = {
             "recovery": f"commsched-run --min-np {args.ranks - 1} ({args.transport})",
-            "torchrun-elastic": f"torchrun --nnodes {args.ranks - 1}:{args.ranks}, commsched re-forms (gloo)",
+            "torchrun-elastic": f"torchrun --nnodes {args.ranks - 1}:{args.ranks}, commsched re-forms ({args.transport})",
             "torchrun": f"torchrun --max-restarts 1, checkpoint every {CHECKPOINT_EVERY} steps",
         }[name]
         rows.append((what, _summary(seconds), "s"))
