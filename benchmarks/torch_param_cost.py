@@ -4,10 +4,13 @@
 The model is a stack of small `Linear(32, 32)` layers (200 parameters by default) whose compute
 is negligible, so what a step costs over a plain optimizer is what the wrapper spends per
 gradient: hooks, submissions, waits, buckets. Each variant trains in its own processes (every
-rank one process, torchrun-style variables, Gloo underneath DDP and commsched alike):
+rank one process): the Gloo variants under torchrun-style variables (Gloo underneath DDP and
+commsched alike), the `mpi_*` variants under `mpiexec -n RANKS python -m mpi4py` (MPICH's shared
+memory underneath a plain mpi4py allreduce and commsched's MPI transport alike):
 
     python benchmarks/torch_param_cost.py                   # 1 and 2 ranks, table, JSON
     python benchmarks/torch_param_cost.py --ranks 2 --json out.json
+    python benchmarks/torch_param_cost.py --variants ddp,floor,mpi_floor,mpi_barrier
 
 Per round, the figure is (median step of the variant - median step of a plain optimizer) / parameters,
 each median over --windows windows of --steps steps; the table gives the median over --repeats rounds
@@ -20,12 +23,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from local_ranks import run_ranks  # beside this file: the script's folder is on sys.path
+from local_ranks import ROOT, collect, run_ranks  # beside this file: the script's folder is on sys.path
+from netrig import find_mpiexec
 
 RESULT_TAG = "PARAM_COST_RESULT "
 VARIANTS = {
@@ -34,6 +39,9 @@ VARIANTS = {
     "floor": "SGD + one Gloo allreduce of all gradients",
     "barrier": "commsched DistributedOptimizer, barrier",
     "overlap": "commsched DistributedOptimizer, overlap_forward",
+    "mpi_floor": "SGD + one MPI allreduce of all gradients",
+    "mpi_barrier": "commsched over MPI, barrier",
+    "mpi_overlap": "commsched over MPI, overlap_forward",
 }
 
 
@@ -80,14 +88,35 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
             plain_step()
 
         optimizer.step = reduced_step
-    elif variant in ("barrier", "overlap"):
+    elif variant == "mpi_floor":
+        # The Gloo floor's work with mpi4py's allreduce (MPICH, shared memory) in place of Gloo's.
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank = comm.Get_rank()
+        plain_step = optimizer.step
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        flat_array = flat.numpy()  # shares flat's memory
+        views = [chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in params]), params)]
+
+        def mpi_reduced_step() -> None:
+            grads = [p.grad for p in params]
+            torch._foreach_copy_(views, grads)
+            comm.Allreduce(MPI.IN_PLACE, flat_array, op=MPI.SUM)
+            torch._foreach_copy_(grads, views)
+            plain_step()
+
+        optimizer.step = mpi_reduced_step
+    elif variant in ("barrier", "overlap", "mpi_barrier", "mpi_overlap"):
         import commsched.torch as ct
 
         import commsched
 
-        commsched.init(transport="gloo")
+        commsched.init(transport="mpi" if variant.startswith("mpi_") else "gloo")
         rank = commsched.rank()
-        optimizer = ct.DistributedOptimizer(optimizer, model=model, overlap_forward=variant == "overlap")
+        overlap = variant.endswith("overlap")
+        optimizer = ct.DistributedOptimizer(optimizer, model=model, overlap_forward=overlap)
         finish = optimizer.synchronize
     x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(1))
 
@@ -128,10 +157,22 @@ def worker(variant: str, layers: int, batch: int, warmup: int, windows: int, ste
 
 def run_variant(variant: str, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     """Starts `ranks` processes of one variant and returns rank 0's result."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant]
+    argv = [str(Path(__file__).resolve()), "--worker", variant]
     argv += ["--layers", str(args.layers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     argv += ["--windows", str(args.windows), "--steps", str(args.steps)]
-    result = run_ranks(argv, ranks, args.timeout, RESULT_TAG, f"{variant} at {ranks} ranks")
+    what = f"{variant} at {ranks} ranks"
+    if variant.startswith("mpi_"):
+        # -m mpi4py: an exception on one rank aborts them all instead of leaving the others waiting.
+        launch = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *argv]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        result = collect([proc], args.timeout, RESULT_TAG, what)
+    else:
+        result = run_ranks([sys.executable, *argv], ranks, args.timeout, RESULT_TAG, what)
     result["ranks"] = ranks
     result["step_seconds"] = statistics.median(result["window_step_seconds"])
     return result
@@ -160,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.layers, args.batch, args.warmup, args.windows, args.steps)
         return 0
     variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if "plain" not in variants:
         variants.insert(0, "plain")
     rows = []
