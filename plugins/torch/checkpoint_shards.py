@@ -25,25 +25,33 @@ def is_sharded(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "sharded", False))
 
 
+def own_shards(optimizer: Any, layout: dict[str, Any]) -> list[tuple[int, str, Any, torch.Tensor]]:
+    """This rank's per-element state tensors, each as (bucket, key, owner, tensor): the owner is the
+    parameter whose update hook comes before the bucket's next update, so a capture copies it then."""
+    params = optimizer.plain_parameters()
+    found = []
+    for k, (bucket, keyed) in enumerate(zip(layout["buckets"], optimizer.shard_tensors())):
+        owner = params[bucket["members"][0]["index"]]
+        found += [(k, key, owner, value) for key, value in keyed.items()]
+    return found
+
+
 def entries(
     optimizer: Any, layout: dict[str, Any], rank: int, size: int
 ) -> tuple[list[fmt.Entry], dict[str, Source], dict[str, int], dict[str, Any]]:
     """The optimizer's entries of a version: (entries, this rank's sources, the rank each shard entry
     goes to, the per-parameter values that are not tensors, for the manifest)."""
-    params = optimizer.plain_parameters()
     found: list[fmt.Entry] = []
     sources: dict[str, Source] = {}
     fixed: dict[str, int] = {}
-    tensors = optimizer.shard_tensors()
+    own = own_shards(optimizer, layout)
     for r in range(size):
-        for k, (bucket, keyed) in enumerate(zip(layout["buckets"], tensors)):
-            owner = params[bucket["members"][0]["index"]]  # copied before the bucket's next update
-            for key, value in keyed.items():
-                name = shard_state_key(r, k, key)
-                found.append(fmt.Entry(name, value.dtype, tuple(value.shape)))
-                fixed[name] = r
-                if r == rank:
-                    sources[name] = (owner, lambda v=value: v)
+        for k, key, owner, value in own:
+            name = shard_state_key(r, k, key)
+            found.append(fmt.Entry(name, value.dtype, tuple(value.shape)))
+            fixed[name] = r
+            if r == rank:
+                sources[name] = (owner, lambda v=value: v)
     values: dict[str, Any] = {}
     for index, record in sorted(optimizer.member_values().items()):
         numbers = {}

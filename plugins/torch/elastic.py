@@ -164,7 +164,12 @@ class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         # The wrapped optimizer's state: a worker that just joined fills its empty state with a step
         # on zero gradients, which through a DistributedOptimizer would start reductions only it has.
-        broadcast_optimizer_state(getattr(self.value, "_inner", self.value), root_rank=0)
+        # A sharded optimizer's own: its state_dict() is this rank's shard, which every rank keeps
+        # (or, before its layout, the plain form, which every rank takes).
+        sharded = getattr(self.value, "sharded", False)
+        broadcast_optimizer_state(
+            self.value if sharded else getattr(self.value, "_inner", self.value), root_rank=0
+        )
 
 
 class _SamplerHandler(_Handler):
@@ -205,8 +210,9 @@ class TorchState(ObjectState):
     plain picklable objects, committed to memory together (Horovod's TorchState).
 
     `model` and `optimizer` are committed through the Checkpointer's background capture: commit()
-    returns before their parameters are copied (elastic_commit). With `checkpoint_dir` each commit is
-    also saved there by a commsched.torch.Checkpointer.
+    returns before their parameters are copied (elastic_commit); a DistributedOptimizer(shard=True)
+    commits its shard and gathers every rank's in the background, so a lost rank's shard survives.
+    With `checkpoint_dir` each commit is also saved there by a commsched.torch.Checkpointer.
     """
 
     def __init__(
@@ -218,7 +224,8 @@ class TorchState(ObjectState):
         if directory is not None and not background:
             raise ValueError(
                 "TorchState(checkpoint_dir=...) needs model= a torch.nn.Module and optimizer= an optimizer "
-                "that is not DistributedOptimizer(shard=True); save such state with commsched.torch.Checkpointer"
+                "(a DistributedOptimizer(shard=True) over every rank, not a process set); save such state "
+                "with commsched.torch.Checkpointer"
             )
         handlers: dict[str, _Handler] = {}
         plain: dict[str, Any] = {}
@@ -231,6 +238,9 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_handlers", handlers)
         object.__setattr__(self, "_directory", directory)
         object.__setattr__(self, "_background", None)
+        # Commit number -> the objects committed with it: a restore that falls back to the commit
+        # before (a capture that failed) takes that commit's objects too, so they stay together.
+        object.__setattr__(self, "_versions", {})
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
         if background:
@@ -244,6 +254,7 @@ class TorchState(ObjectState):
         background = BackgroundCommit(self.model, self.optimizer, self._directory)
         background.commit(background=False)
         object.__setattr__(self, "_background", background)
+        self._versions.clear()  # numbered by the previous BackgroundCommit
 
     def _own(self) -> dict[str, _Handler]:
         """The handlers that commit and restore themselves (not the background pair)."""
@@ -258,6 +269,19 @@ class TorchState(ObjectState):
         if self._background is not None:
             self._background.commit()
         super().save()
+        if self._background is not None:
+            own = {name: handler.saved for name, handler in self._own().items()}
+            self._versions[self._background.commits] = (self._saved_state, own)
+            for number in [n for n in self._versions if n < self._background.commits - 2]:
+                del self._versions[number]
+
+    def check_host_updates(self) -> None:
+        """Raises HostsUpdatedInterrupt on every rank together when a host-update notice came."""
+        try:
+            super().check_host_updates()
+        except HostsUpdatedInterrupt:
+            self.wait()  # the commit's capture (a sharded one's gather) needs this generation's ranks
+            raise
 
     def wait(self) -> None:
         """Blocks until the last commit of model and optimizer is captured (before changing them outside step())."""
@@ -267,7 +291,12 @@ class TorchState(ObjectState):
     def restore(self) -> None:
         """Loads the last committed state into every tracked object."""
         if self._background is not None:
-            self._background.restore(_discard_in_flight)
+            number = self._background.restore(_discard_in_flight)
+            kept = self._versions.get(number)
+            if kept is not None:
+                object.__setattr__(self, "_saved_state", kept[0])
+                for name, saved in kept[1].items():
+                    self._handlers[name].saved = saved
         for handler in self._own().values():
             handler.restore()
         super().restore()
@@ -282,7 +311,7 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         """Re-shards the samplers over the new ranks."""
         if self._background is not None:
-            self._background.close_disk()  # its collectives belong to the ranks that were
+            self._background.reformed()
         for handler in self._handlers.values():
             if isinstance(handler, _SamplerHandler):
                 handler.value.reset()

@@ -12,45 +12,70 @@ capture still under way finish: every parameter it has not copied yet was not up
 commit. Changes made outside optimizer.step() (load_state_dict, edits of parameters) must come
 after wait(); TorchState.sync() and restore() wait themselves.
 
+With DistributedOptimizer(shard=True) a rank holds only its shard of the optimizer state, and a
+rank that is lost takes its shard with it: the capture copies this rank's shard, and the background
+thread then all-gathers every rank's copied shard (lowest priority, after every gradient), so each
+rank's commit holds the whole optimizer state, as an unsharded optimizer's commit does. A commit
+counts once its gather finished; restore() joins the shards into the plain per-parameter form and
+the optimizer cuts it again at the rank count it re-formed at (elastic_shard).
+
 With a directory (TorchState(..., checkpoint_dir=...)) every commit is also saved to disk by a
 commsched.torch.Checkpointer, loadable with Checkpointer(model, optimizer, directory).load().
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from commsched.torch import checkpoint_format as fmt
 from commsched.torch import checkpoint_shards as sharded
+from commsched.torch import elastic_shard
 from commsched.torch.checkpoint_capture import Capture, Copy, Unit
+from commsched.torch.checkpoint_read import Contents
 from commsched.torch.checkpoint_worker import lower_priority
 from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
 import torch
 
+_LAST = 2**31 - 1  # priority of a commit's gather: after every gradient
+
 
 def supported(model: Any, optimizer: Any) -> bool:
-    """True when the pair can be committed in the background (a sharded optimizer cannot yet)."""
+    """True when the pair can be committed in the background (a sharded one: over every rank)."""
     return (
         isinstance(model, torch.nn.Module)
         and isinstance(optimizer, torch.optim.Optimizer)
-        and not sharded.is_sharded(optimizer)
+        and (not sharded.is_sharded(optimizer) or elastic_shard.usable(optimizer))
     )
 
 
 class _Version:
-    """One commit: host tensors by key, the optimizer's non-tensor state and its param_groups."""
+    """One commit: host tensors by key, the optimizer's non-tensor state and its param_groups.
+
+    A sharded optimizer's commit holds, in `optimizer`, the per-parameter values (Adam's step) and
+    the param_groups in plain form, its layout in `layout`, this rank's shards in one flat host
+    tensor per dtype (`flats`, where each (bucket, key) sits is in `places`) and, once gathered,
+    every rank's shards in `shards`.
+    """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.model: dict[str, Any] = {}
         self.optimizer: dict[str, Any] = {}
+        self.number = 0
+        self.layout: dict[str, Any] | None = None
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.places: list[tuple[torch.dtype, int, str, int, int]] = []  # dtype, bucket, key, offset, numel
+        self.shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.gather_name = ""
 
     def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The reused host tensor for `key`, reallocated only when its dtype or shape changed."""
@@ -59,6 +84,24 @@ class _Version:
             pin = like.is_cuda and torch.cuda.is_available()
             held = self.tensors[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
         return held
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict in plain per-parameter form (a sharded one's shards joined), a copy."""
+        if self.layout is None:
+            # A copy: load_state_dict keeps CPU tensors as given, and the next commits reuse these buffers.
+            return copy.deepcopy(self.optimizer)
+        joined = Contents(
+            step=self.number,
+            verified=True,
+            model={},
+            optimizer_state=copy.deepcopy(self.optimizer["state"]),
+            param_groups=copy.deepcopy(self.optimizer["param_groups"]),
+            lr_scheduler=None,
+            extra={},
+            sharded=self.layout,
+            shards=self.shards,
+        )
+        return joined.plain_state()
 
 
 class BackgroundCommit:
@@ -70,15 +113,19 @@ class BackgroundCommit:
         self._model = model
         self._optimizer = optimizer
         self._inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+        self.sharded = sharded.is_sharded(optimizer)
+        self._gathers = 0  # this generation's gathers: their names must be the same on every rank
         self._directory = directory
         self._disk: Any = None  # the Checkpointer, built at the first commit with commsched running
-        self._commits = 0
+        self.commits = 0  # commits started; each version has its number
         self._lock = threading.Lock()
         self._committed: _Version | None = None
         self._spare = _Version()  # the buffers the next capture writes into
         self._capture: Capture | None = None
         self._running: tuple[threading.Thread, Capture] | None = None
         self._hooks = self._register_hooks()
+        # A capture still running at exit would be stopped inside commsched's wait (a gather) and abort.
+        atexit.register(_finish_at_exit, weakref.ref(self))
 
     def _register_hooks(self) -> list[Any]:
         if isinstance(self._optimizer, DistributedOptimizer):
@@ -102,11 +149,15 @@ class BackgroundCommit:
     def commit(self, background: bool = True) -> None:
         """Starts capturing the current state; returns once only the parameters are left to copy."""
         self.wait()
-        if isinstance(self._optimizer, DistributedOptimizer) and self._optimizer.pending_updates():
+        layout = None
+        if self.sharded:
+            layout = self._optimizer.checkpoint_layout()  # applies the gathers waiting for the next forward
+            # Before the first forward the state is per parameter, and that forward re-keys it: copy it now.
+            background = background and layout is not None
+        elif isinstance(self._optimizer, DistributedOptimizer) and self._optimizer.pending_updates():
             # Overlap mode: the last step's updates wait for the next forward; the commit holds them.
             self._optimizer.apply_pending_updates()
         version = self._spare
-        params = [p for group in self._inner.param_groups for p in group["params"]]
         units: dict[int, Unit] = {}
         loose: list[Unit] = []
         for name, tensor in self._model.state_dict(keep_vars=True).items():
@@ -120,6 +171,31 @@ class BackgroundCommit:
                 units.setdefault(id(tensor), Unit(tensor)).copies.append(piece)
             else:  # a buffer: the next forward may change it, and no update hook says when
                 loose.append(Unit(None, [piece]))
+        if layout is None:
+            self._plain_state(version, units)
+        else:
+            self._shard_state(version, layout, units)
+        capture = Capture(loose + list(units.values()))
+        for unit in loose:
+            capture.copy_now(unit)
+        self.commits += 1
+        version.number = self.commits
+        if not background:
+            capture.run()
+            self._gather(version)
+            self._publish(version)
+        else:
+            self._capture = capture
+            thread = threading.Thread(
+                target=self._run, args=(capture, version), name="commsched-commit", daemon=True
+            )
+            self._running = (thread, capture)
+            thread.start()
+        self._save_to_disk()
+
+    def _plain_state(self, version: _Version, units: dict[int, Unit]) -> None:
+        """Adds the per-parameter optimizer state: tensors to their parameters' units, the rest copied now."""
+        params = [p for group in self._inner.param_groups for p in group["params"]]
         state: dict[int, dict[str, Any]] = {}
         for i, param in enumerate(params):
             for name, value in self._inner.state.get(param, {}).items():
@@ -139,27 +215,63 @@ class BackgroundCommit:
             group["params"] = list(range(index, index + len(original["params"])))
             index += len(original["params"])
         version.optimizer = {"state": state, "param_groups": groups}
-        capture = Capture(loose + list(units.values()))
-        for unit in loose:
-            capture.copy_now(unit)
-        self._commits += 1
-        if not background:
-            capture.run()
-            self._publish(version)
-        else:
-            self._capture = capture
-            thread = threading.Thread(
-                target=self._run, args=(capture, version), name="commsched-commit", daemon=True
-            )
-            self._running = (thread, capture)
-            thread.start()
-        self._save_to_disk()
+        version.layout = None
+
+    def _shard_state(self, version: _Version, layout: dict[str, Any], units: dict[int, Unit]) -> None:
+        """Adds this rank's shards (copied before their bucket's next update, into one flat host tensor
+        per dtype, which the background thread all-gathers) and the per-parameter values (copied now)."""
+        own = sharded.own_shards(self._optimizer, layout)
+        totals: dict[torch.dtype, int] = {}
+        version.places = []
+        for k, key, _, value in own:
+            offset = totals.get(value.dtype, 0)
+            version.places.append((value.dtype, k, key, offset, value.numel()))
+            totals[value.dtype] = offset + value.numel()
+        version.flats = {
+            dtype: version.tensor(f"flat.{dtype}", torch.empty(numel, dtype=dtype))
+            for dtype, numel in totals.items()
+        }
+        for (k, key, owner, value), (dtype, _, _, offset, numel) in zip(own, version.places, strict=True):
+            destination = version.flats[dtype][offset : offset + numel]
+            piece = _copy(f"optimizer.shard.{k}.{key}", lambda v=value: v, destination)
+            units.setdefault(id(owner), Unit(owner)).copies.append(piece)
+        values = {
+            index: {
+                k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in record.items()
+            }
+            for index, record in self._optimizer.member_values().items()
+        }
+        version.optimizer = {"state": values, "param_groups": copy.deepcopy(self._optimizer.plain_groups())}
+        version.layout = layout
+        version.shards = {}
+        if version.flats:
+            version.gather_name = f"commsched.commit.{self._gathers}"
+            self._gathers += 1
+
+    def _gather(self, version: _Version) -> None:
+        """A sharded commit: every rank's copied shards, so any ranks left after a failure have them all."""
+        if version.layout is None:
+            return
+        ranks = version.layout["ranks"]
+        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {
+            (r, k): {} for r in range(ranks) for k in range(len(version.layout["buckets"]))
+        }
+        for dtype, flat in version.flats.items():
+            name = f"{version.gather_name}.{str(dtype).removeprefix('torch.')}"
+            full = commsched.allgather_async(flat, name=name, priority=_LAST).wait()
+            parts = torch.as_tensor(full).reshape(ranks, -1)
+            for kind, k, key, offset, numel in version.places:
+                if kind == dtype:
+                    for r in range(ranks):
+                        shards[(r, k)][key] = parts[r, offset : offset + numel]
+        version.shards = shards
 
     def _run(self, capture: Capture, version: _Version) -> None:
         """The background thread: copies what is left, then makes the version the committed one."""
         try:
             lower_priority()
             capture.run()
+            self._gather(version)
         except BaseException as error:  # noqa: BLE001 - reported by wait(); the last commit stays
             capture.error = capture.error or error
             return
@@ -182,7 +294,7 @@ class BackgroundCommit:
         self._running = None
         if capture.error is not None:
             warnings.warn(
-                f"commit {self._commits} was not captured ({capture.error}); a restore goes back to the commit before it",
+                f"commit {self.commits} was not captured ({capture.error}); a restore goes back to the commit before it",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -194,20 +306,43 @@ class BackgroundCommit:
             from commsched.torch.checkpoint import Checkpointer
 
             self._disk = Checkpointer(self._model, self._optimizer, self._directory)
-        self._disk.save(self._commits)
+        self._disk.save(self.commits)
 
     # -- restore -------------------------------------------------------------------------------
-    def restore(self, discard_in_flight: Callable[[Any], None]) -> None:
-        """Loads the last complete commit into the model and the optimizer."""
+    def restore(self, discard_in_flight: Callable[[Any], None]) -> int:
+        """Loads the last complete commit into the model and the optimizer; returns its number.
+
+        A sharded optimizer is taken back to before its layout and given the plain form: its next
+        forward lays it out at the ranks of that moment and cuts the state into shards again.
+        """
         self.wait()
         self.close_disk()  # its save in progress may belong to the failed generation
         committed = self._committed
         if committed is None:
             raise RuntimeError("TorchState.restore(): nothing was committed yet; call commit() first")
         self._model.load_state_dict(committed.model)
-        discard_in_flight(self._optimizer)
-        # A copy: load_state_dict keeps CPU tensors as given, and the next commits reuse these buffers.
-        self._optimizer.load_state_dict(copy.deepcopy(committed.optimizer))
+        if self.sharded:
+            elastic_shard.unbuild(self._optimizer)
+        else:
+            discard_in_flight(self._optimizer)
+        self._optimizer.load_state_dict(committed.optimizer_state())
+        return committed.number
+
+    def reformed(self) -> None:
+        """After a re-forming: the disk Checkpointer and the gathers' names start afresh at the new ranks;
+        a sharded optimizer takes them too (rebuilt from the commit if no restore() took it apart)."""
+        self.close_disk()  # its collectives belong to the ranks that were
+        self._gathers = 0
+        if not self.sharded:
+            return
+        if elastic_shard.built(self._optimizer):  # hosts changed: the state is the commit just taken
+            self.restore(lambda optimizer: None)
+        elastic_shard.adopt_ranks(self._optimizer)
+
+    def committed_number(self) -> int | None:
+        """The number of the last complete commit (None before any)."""
+        self.wait()
+        return None if self._committed is None else self._committed.number
 
     def close_disk(self) -> None:
         """Stops the disk Checkpointer (a new one starts at the next commit, at the current ranks)."""
@@ -226,6 +361,13 @@ class BackgroundCommit:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _finish_at_exit(owner: weakref.ref[BackgroundCommit]) -> None:
+    """At exit: lets the capture in progress end, warning of a failure instead of raising."""
+    commit = owner()
+    if commit is not None:
+        commit.wait()
 
 
 def _copy(key: str, source: Callable[[], torch.Tensor], destination: torch.Tensor) -> Copy:

@@ -12,7 +12,8 @@ ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1
 ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `localhost:SLOTS` to
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
 host-update notice, so the job grows at that very commit; while it is larger, it waits until the
-launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit).
+launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit),
+ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main() -> None:
         torch.optim.SGD(model.parameters(), lr=0.125, momentum=1.0),
         named_parameters=model.named_parameters(),
         op=hvd.Sum,
+        shard=os.environ.get("ELASTIC_SHARD") == "1",
     )
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, seen=[[] for _ in range(EPOCHS)])

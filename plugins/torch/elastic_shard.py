@@ -1,0 +1,69 @@
+"""DistributedOptimizer(shard=True) across a re-forming: its shards belong to one rank count.
+
+Each rank owns a shard of every bucket, cut for the ranks of the generation that laid the buckets
+out, and a lost rank takes its shard with it. So a commit gathers every rank's shard in the
+background (elastic_commit), and after a failure each survivor joins the committed shards into the
+plain per-parameter form (checkpoint_read.Contents.plain_state), takes the optimizer back to before
+its layout (``unbuild``) and loads that form; the next forward (or, without ``model=``, the first
+gradient) lays the buckets out again at the new rank count and cuts the state into new shards, as
+a freshly built sharded optimizer does with a state loaded before its first forward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from commsched.torch._order import ForwardOrder
+
+import commsched
+from commsched import _horovod
+
+
+def usable(optimizer: Any) -> bool:
+    """True when a sharded optimizer shards over every rank (a process set's shards cannot re-form)."""
+    how = getattr(optimizer, "_how", None)
+    return how is not None and _horovod.is_global(how.process_set)
+
+
+def built(optimizer: Any) -> bool:
+    """True once the buckets are laid out (the state is then this rank's shards)."""
+    return bool(getattr(optimizer, "_built", False))
+
+
+def unbuild(optimizer: Any) -> None:
+    """Takes a sharded optimizer back to before its layout: no buckets, no reductions or gathers in
+    flight (they belong to a generation that failed), no state, the wrapped optimizer over the
+    parameters again. Its next forward, or first gradient, lays the buckets out afresh."""
+    if optimizer._waits is not None:
+        optimizer._waits.remove()
+        optimizer._waits = None
+    if optimizer._recorder is not None:
+        optimizer._recorder.remove()
+    if optimizer._model is not None:  # the order is measured again, as at the first forward
+        optimizer._recorder = ForwardOrder(optimizer._model, optimizer._on_forward_order)
+    inner = optimizer._inner
+    for group, params in zip(inner.param_groups, optimizer._original_groups, strict=True):
+        group["params"] = list(params)
+    inner.state = defaultdict(dict)
+    optimizer._buckets = []
+    optimizer._where = {}
+    optimizer._built = False
+    optimizer._seen = [0] * len(optimizer._labelled)
+    optimizer._open = optimizer._reduced = optimizer._synchronized = False
+    optimizer._counts = None
+    optimizer._unused = set()
+    optimizer._deferred = None
+    # A rank that joins numbers its layouts from 0: the survivors' next layout must have its name.
+    optimizer._layouts = 0
+    for _, param in optimizer._labelled:
+        param.grad = None  # may be a guard of a reduction that will never finish
+
+
+def adopt_ranks(optimizer: Any) -> None:
+    """Takes the rank count and position of the generation commsched runs now (after a re-forming)."""
+    how = optimizer._how
+    how.settle()
+    optimizer._ranks = int(how.ranks or commsched.size())
+    optimizer._member = True
+    optimizer._position = commsched.rank()

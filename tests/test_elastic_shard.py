@@ -1,0 +1,162 @@
+"""TorchState with DistributedOptimizer(shard=True): commit() captures this rank's shard in the
+background and gathers every rank's there, restore() re-cuts the committed state, and after a SIGKILL
+the survivors end with the parameters of a run started at their size from the restored commit. A
+restore that falls back to the commit before a failed capture takes that commit's objects too."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import commsched.torch as cst
+from commsched.torch import checkpoint_capture, elastic_commit
+from commsched.torch.elastic import TorchState
+from test_elastic import assert_every_sample_once, launch, results
+
+
+def build(shard: bool) -> tuple[Any, Any, Any]:
+    """Two layers, Adam (per-element moments, a per-parameter step) and one input."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = cst.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        model=model,
+        shard=shard,
+    )
+    return model, optimizer, torch.randn(8, 16)
+
+
+def step(model: Any, optimizer: Any, data: Any) -> None:
+    optimizer.zero_grad()
+    model(data).square().sum().backward()
+    optimizer.step()
+
+
+def plain(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """Copies of the parameters and of the optimizer state in per-parameter form."""
+    state = optimizer.full_state_dict()["state"]
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {i: {k: torch.as_tensor(v).clone() for k, v in s.items()} for i, s in state.items()},
+    )
+
+
+def assert_same(got: Any, expected: Any) -> None:
+    assert got[0].keys() == expected[0].keys() and got[1].keys() == expected[1].keys()
+    for name, tensor in got[0].items():
+        assert torch.equal(tensor, expected[0][name]), name
+    for index, values in got[1].items():
+        assert values.keys() == expected[1][index].keys()
+        for name, value in values.items():
+            assert torch.equal(value, expected[1][index][name]), (index, name)
+
+
+def test_sharded_commit_is_captured_in_the_background(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """commit() returns with the shard still to copy: the steps after it copy it first, on the training
+    thread, while the capture waits; restore() gives the committed state, and training from it again
+    repeats the step taken after the commit exactly (the state re-cut into shards)."""
+    model, optimizer, data = build(shard=True)
+    state = TorchState(model, optimizer)
+    step(model, optimizer, data)
+    release = threading.Event()
+    monkeypatch.setattr(elastic_commit, "lower_priority", lambda: release.wait(10))
+    state.commit()
+    running = state._background._running
+    assert running is not None and running[0].is_alive(), "commit() copied everything before returning"
+    committed = plain(model, optimizer)
+    step(model, optimizer, data)
+    after_one = plain(model, optimizer)
+    step(model, optimizer, data)
+    assert running[0].is_alive() and running[1].inline_copies > 0
+    threading.Timer(0.2, release.set).start()
+    state.restore()
+    assert not optimizer._built  # laid out again, at the ranks of the next forward
+    assert_same(plain(model, optimizer), committed)
+    step(model, optimizer, data)
+    assert optimizer._built
+    assert_same(plain(model, optimizer), after_one)
+
+
+def test_a_failed_capture_takes_the_objects_back_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that fails leaves the commit before it, and restore() gives that commit's epoch too."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TorchState(model, optimizer, epoch=0)
+    data = torch.randn(3, 4)
+
+    def train() -> None:
+        optimizer.zero_grad()
+        model(data).sum().backward()
+        optimizer.step()
+
+    train()
+    state.epoch = 1
+    state.commit()
+    state.wait()
+    weight = model.weight.detach().clone()
+    train()
+    state.epoch = 2
+
+    def failing(copy: Any, tensor: Any) -> Any:
+        raise OSError("no memory for the copy")
+
+    monkeypatch.setattr(checkpoint_capture, "_check", failing)
+    state.commit()
+    with pytest.warns(RuntimeWarning, match="was not captured"):
+        state.restore()
+    assert state.epoch == 1
+    assert torch.equal(model.weight, weight)
+
+
+def test_sigkill_with_shard_equals_a_run_started_from_the_commit(tmp_path: Path) -> None:
+    """3 ranks over Gloo with shard=True; the rank launched as 1 (holding a shard of real elements)
+    SIGKILLs itself after step() of step 3. The survivors rebuild its shard from the gathered commit,
+    re-cut the state for 2 ranks and end with the parameters of a 2-rank run from that commit; the
+    restored state and the end equal those of the same run without sharding (exact arithmetic)."""
+    ends = {}
+    for shard in ("1", "0"):
+        out = tmp_path / f"shard{shard}"
+        done = launch(
+            out,
+            "-n",
+            "3",
+            "--min-np",
+            "2",
+            ELASTIC_KILL="1:0:3",
+            ELASTIC_SHARD=shard,
+            COMMSCHED_TRANSPORT="gloo",
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "rank 1 (numbered as at launch" in done.stderr and "generation 1: 2 ranks" in done.stderr
+        final = results(out)
+        assert final["size"] == 2
+        assert_every_sample_once(final)
+        ends[shard] = (final, torch.load(out / "restored.pt", weights_only=False))
+    (final, restored), (plain_final, plain_restored) = ends["1"], ends["0"]
+    assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 3 * 2}
+    assert "shard" not in restored["optimizer"]  # restored whole, per parameter
+    momentum = restored["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.count_nonzero(momentum) == momentum.numel()
+    assert torch.equal(momentum, plain_restored["optimizer"]["state"][0]["momentum_buffer"])
+    assert torch.equal(final["weight"], plain_final["weight"])
+    reference = launch(
+        tmp_path / "reference",
+        "-n",
+        "2",
+        ELASTIC_START=str(tmp_path / "shard1" / "restored.pt"),
+        ELASTIC_SHARD="1",
+        COMMSCHED_TRANSPORT="gloo",
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = results(tmp_path / "reference")
+    assert torch.equal(final["weight"], expected["weight"])
+    assert final["seen"] == expected["seen"]
