@@ -12,6 +12,7 @@ Every rank must build the same buckets, so the order comes from rank 0 (see Redu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,11 +37,16 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     guards: list[Any] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)  # the members' slot indices
+    params: list[torch.Tensor] = field(default_factory=list)  # the members' parameters
     layout: int = 0  # which of the reducer's layouts built it
     # While in flight: the collective and its iteration.
     out: Outgoing | None = None
     iteration: int = -1
     position: int = 0  # its place in its layout's list of buckets
+    # What it carries in flight, per member: whether this rank had the gradient, whether it was sparse.
+    flight_used: list[bool] = field(default_factory=list)
+    flight_sparse: list[bool] = field(default_factory=list)
+    dense: list[bool] = field(default_factory=list)  # all False: flight_sparse when no member was sparse
 
 
 def group_key(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
@@ -89,19 +95,32 @@ def plan(slots: list[Slot], limit: int, priority: list[int]) -> list[list[Slot]]
     return sorted(done, key=lambda members: (priority[members[0].index], members[0].index))
 
 
-def build(members: list[Slot], name: str, priority: int, layout: int = 0) -> Bucket:
-    """Allocates one bucket and gives each member its view of it (the gradient's home from now on)."""
+def build(
+    members: list[Slot],
+    name: str,
+    priority: int,
+    layout: int = 0,
+    touch: Callable[[Bucket, Any], None] | None = None,
+) -> Bucket:
+    """Allocates one bucket and gives each member its view of it (the gradient's home from now on).
+
+    `touch(bucket, guard)` runs when code touches the values of a member's guard (see _guard); it is
+    bound once here, so sending the bucket arms nothing per member.
+    """
     first = members[0].param
     total = sum(slot.param.numel() for slot in members)
     flat = torch.zeros(total, dtype=first.dtype, device=first.device)
     bucket = Bucket(name, flat, list(members), priority, layout=layout)
+    settle = None if touch is None else functools.partial(touch, bucket)
     offset = 0
     for slot in members:
         numel = slot.param.numel()
         view = flat[offset : offset + numel].view(slot.param.shape)
         offset += numel
-        slot.bind(bucket, view)
+        slot.bind(bucket, view, settle)
         bucket.views.append(view)
         bucket.guards.append(slot.guard)
         bucket.indices.append(slot.index)
+        bucket.params.append(slot.param)
+    bucket.dense = [False] * len(members)
     return bucket

@@ -13,6 +13,7 @@ _counter), and the last member's hook submits the whole bucket, so Python runs o
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,20 +50,19 @@ class Slot:
     bucket: _buckets.Bucket | None = None
     view: torch.Tensor | None = None
     guard: _guard.InFlightGrad | None = None
-    # The bucket carrying this slot's gradient now (maybe of an older layout), and what it carries.
+    # The bucket carrying this slot's gradient now (maybe of an older layout; what it carries is there).
     flight: _buckets.Bucket | None = None
-    flight_used: bool = False
-    flight_sparse: bool = False
 
-    def bind(self, bucket: _buckets.Bucket, view: torch.Tensor) -> None:
-        """Makes `view` (in `bucket`) this parameter's gradient storage from the next iteration on."""
+    def bind(
+        self, bucket: _buckets.Bucket, view: torch.Tensor, settle: Callable[[Any], None] | None = None
+    ) -> None:
+        """Makes `view` (in `bucket`) this parameter's gradient storage from the next iteration on.
+
+        `settle(guard)` runs when code touches the guard's values (it checks the bucket is in flight).
+        """
         self.bucket = bucket
         self.view = view
-        self.guard = _guard.guard(view, self.label, None)
-
-    def in_flight(self) -> bool:
-        """True while a reduction of this parameter's gradient is pending."""
-        return self.record is not None or self.flight is not None
+        self.guard = _guard.guard(view, self.label, settle)  # type: ignore[arg-type]
 
 
 @dataclass(eq=False)
@@ -112,6 +112,21 @@ def bucket_limit(ranks: int) -> int | None:
     return partition if ranks > 1 and partition > 0 else 0
 
 
+def _bucket_touch(reducer: Reducer) -> Callable[[_buckets.Bucket, _guard.InFlightGrad], None]:
+    """What touching a bucket member's guard does: settle (see Reducer._on_touch) while the bucket flies.
+
+    It holds the reducer weakly: a guard left in .grad must not keep a dropped optimizer alive.
+    """
+    owner = weakref.ref(reducer)
+
+    def touch(bucket: _buckets.Bucket, guard: _guard.InFlightGrad) -> None:
+        live = owner()
+        if live is not None and bucket.out is not None:
+            live._on_touch(guard)
+
+    return touch
+
+
 class Reducer:
     """Submits gradients from post-accumulate-grad hooks and settles them in barrier or overlap mode."""
 
@@ -138,14 +153,23 @@ class Reducer:
         self._counter = _counter.make(len(slots), self._passes, self._on_event)
         self._buckets: list[_buckets.Bucket] = []
         self._layout_trainable: tuple[bool, ...] | None = None  # what the buckets were built for
+        self._hooked_trainable: tuple[bool, ...] | None = None  # what the hooks were laid for
         self._layouts = 0
+        # Kept as they change, so a step never scans every slot for them: the buckets in flight (in
+        # the order sent), the slots with a per-parameter reduction in flight, the slots with no
+        # bucket (in priority order).
+        self._flying: list[_buckets.Bucket] = []
+        self._recorded: dict[Slot, None] = {}
+        self._unbucketed = list(self._order)
+        self._touch = _bucket_touch(self)
         self._hook_trainable()
 
-    def _hook_trainable(self) -> None:
+    def _hook_trainable(self, trainable: tuple[bool, ...] | None = None) -> None:
         # Frozen parameters cannot carry hooks; one unfrozen later is hooked when the iteration closes.
         # A rank outside the optimizer's process set reduces nothing: it keeps its own gradients.
-        if not self.options.member:
+        if not self.options.member or (trainable is not None and trainable == self._hooked_trainable):
             return
+        self._hooked_trainable = trainable
         for slot in self.slots:
             if slot.param.requires_grad and not self._counter.hooked(slot.index):
                 self._counter.hook(slot.param, slot.index)
@@ -157,6 +181,7 @@ class Reducer:
         for slot in self.slots:
             slot.priority = position.get(id(slot.param), len(order) + slot.index)
         self._order = sorted(self.slots, key=lambda s: (s.priority, s.index))
+        self._unbucketed = [slot for slot in self._order if slot.bucket is None]
         self._layout_trainable = None  # the next close lays the buckets out in this order
 
     # -- submission -------------------------------------------------------------------------
@@ -230,6 +255,7 @@ class Reducer:
             record.guard = _guard.guard(grad, slot.label, self._on_touch)
             param.grad = record.guard
         slot.record = record
+        self._recorded[slot] = None
 
     def _submit_bucket(self, bucket: _buckets.Bucket, used: list[bool] | None = None) -> None:
         """Sends a bucket: gradients that live elsewhere (after zero_grad(set_to_none)) are copied in first.
@@ -239,15 +265,38 @@ class Reducer:
         if used is None:
             used = self._counter.take_used(bucket.indices)
         self._counter.set_flying(bucket.indices, True)
+        params = bucket.params
+        grads = [param.grad for param in params]
+        if all(used) and all(type(grad) is torch.Tensor and not grad.is_sparse for grad in grads):
+            # What every step after zero_grad() brings: each member's dense gradient (copied in; a
+            # member's own view copies onto itself, which is no copy), then its guard in .grad.
+            torch._foreach_copy_(bucket.views, grads)
+            for param, guard in zip(params, bucket.guards):
+                param.grad = guard
+            sparse = bucket.dense
+        else:
+            sparse = self._gather(bucket, used, grads)
+        for slot in bucket.slots:
+            slot.flight = bucket
+        bucket.flight_used = used
+        bucket.flight_sparse = sparse
+        bucket.iteration = self._iteration
+        self._flying.append(bucket)
+        if self.options.overlap or not self._last_to_fly(bucket):
+            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+            return
+        # Barrier mode's last bucket: step() waits for it next and runs the core's round itself.
+        with commsched._caller_drives():
+            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+
+    def _gather(self, bucket: _buckets.Bucket, used: list[bool], grads: list[Any]) -> list[bool]:
+        """Brings each member's gradient into the bucket, whatever .grad holds; returns which were sparse."""
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         zeros: list[torch.Tensor] = []
-        for slot, view, guard, slot_used in zip(bucket.slots, bucket.views, bucket.guards, used):
-            param = slot.param
-            grad = param.grad
-            slot.flight = bucket
-            slot.flight_used = slot_used
-            slot.flight_sparse = False
+        sparse = [False] * len(grads)
+        members = zip(bucket.params, grads, bucket.views, bucket.guards, used)
+        for k, (param, grad, view, guard, slot_used) in enumerate(members):
             if slot_used:
                 if grad is guard or grad is view:
                     pass
@@ -256,14 +305,13 @@ class Reducer:
                 elif grad.is_sparse:
                     targets.append(view)
                     sources.append(grad.to_dense())
-                    slot.flight_sparse = True  # the sparse .grad stays readable meanwhile
+                    sparse[k] = True  # the sparse .grad stays readable meanwhile
                 else:
                     targets.append(view)
                     sources.append(
                         grad.as_subclass(torch.Tensor) if isinstance(grad, _guard.InFlightGrad) else grad
                     )
-                if not slot.flight_sparse:
-                    guard._cs_settle = self._on_touch  # type: ignore[union-attr]
+                if not sparse[k]:
                     param.grad = guard
             else:
                 # Not used here: whatever .grad holds stays untouched unless another rank used it.
@@ -274,13 +322,7 @@ class Reducer:
             torch._foreach_copy_(targets, sources)
         if zeros:
             torch._foreach_zero_(zeros)
-        bucket.iteration = self._iteration
-        if self.options.overlap or not self._last_to_fly(bucket):
-            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
-            return
-        # Barrier mode's last bucket: step() waits for it next and runs the core's round itself.
-        with commsched._caller_drives():
-            bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
+        return sparse
 
     def _last_to_fly(self, bucket: _buckets.Bucket) -> bool:
         """Whether every other bucket of the layout is already in flight this iteration."""
@@ -296,27 +338,30 @@ class Reducer:
         self.settle_previous()
         counts = [0] * len(self.slots)
         passes = self._counter.take_passes()
-        for slot in self._order:
-            if slot.bucket is None:
-                if slot.record is None and slot.param.requires_grad:
-                    unhooked = not self._counter.hooked(slot.index)  # unfrozen since: its gradient is unseen
-                    used = (passes[slot.index] > 0 or unhooked) and slot.param.grad is not None
-                    self._submit(slot, used=used)
-                if slot.record is not None and slot.record.used:
-                    counts[slot.index] = 1
-            elif passes[slot.index] > 0 and slot.bucket.out is None:
-                self._counter.set_used(slot.index)  # fewer passes than backward_passes_per_step still count
+        for slot in self._unbucketed:
+            if slot.record is None and slot.param.requires_grad:
+                unhooked = not self._counter.hooked(slot.index)  # unfrozen since: its gradient is unseen
+                used = (passes[slot.index] > 0 or unhooked) and slot.param.grad is not None
+                self._submit(slot, used=used)
+            if slot.record is not None and slot.record.used:
+                counts[slot.index] = 1
         for bucket in self._buckets:
             if bucket.out is None:
+                for index in bucket.indices:
+                    if passes[index] > 0:
+                        self._counter.set_used(
+                            index
+                        )  # fewer passes than backward_passes_per_step still count
                 used = self._counter.take_used(bucket.indices)
                 for index, slot_used in zip(bucket.indices, used):
                     if slot_used:
                         counts[index] = 1
                 self._submit_bucket(bucket, used)
             elif bucket.iteration == self._iteration:
-                for slot in bucket.slots:
-                    counts[slot.index] = 1  # a bucket sent from the hooks had every member
-        self._hook_trainable()
+                for index in bucket.indices:
+                    counts[index] = 1  # a bucket sent from the hooks had every member
+        trainable = tuple(slot.param.requires_grad for slot in self.slots)
+        self._hook_trainable(trainable)
         # The previous iteration's counts are long done by now; their name is about to be reused.
         self.finish_masks()
         name = f"{self.options.prefix}used"
@@ -325,20 +370,19 @@ class Reducer:
         self._iteration += 1
         self._closed = True
         self._counter.mark_closed()
-        self._relayout()
+        self._relayout(trainable)
 
     def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
         return self._send(counts, name, -1, "sum")
 
     # -- buckets ----------------------------------------------------------------------------
-    def _relayout(self) -> None:
+    def _relayout(self, trainable: tuple[bool, ...]) -> None:
         """Lays the buckets out anew when the priorities or the trainable parameters changed.
 
         The gradients of the iteration just closed stay in the old buckets until settled; the
         next iteration's go to the new ones. Every rank takes the same layout: priorities are the
         smallest any rank measured, so ranks whose first forward skipped a layer still agree.
         """
-        trainable = tuple(slot.param.requires_grad for slot in self.slots)
         if trainable == self._layout_trainable:
             return
         limit = bucket_limit(self.options.ranks or commsched.size())
@@ -362,9 +406,10 @@ class Reducer:
         prefix = f"{self.options.prefix}bucket{self._layouts}."
         self._layouts += 1
         self._buckets = [
-            _buckets.build(chosen, f"{prefix}{k}", priorities[chosen[0].index], self._layouts)
+            _buckets.build(chosen, f"{prefix}{k}", priorities[chosen[0].index], self._layouts, self._touch)
             for k, chosen in enumerate(plans)
         ]
+        self._unbucketed = [slot for slot in self._order if slot.bucket is None]
         bucket_of = [-1] * len(self.slots)
         for k, bucket in enumerate(self._buckets):
             bucket.position = k
@@ -394,6 +439,7 @@ class Reducer:
         assert record is not None
         reduced = record.out.finish(self.options.timeout)
         slot.record = None
+        self._recorded.pop(slot, None)
         if record.guard is not None:
             _guard.release(record.guard)
         if record.sparse:
@@ -403,28 +449,32 @@ class Reducer:
         return None, False
 
     def _finish_bucket(self, bucket: _buckets.Bucket) -> None:
-        """Waits for a bucket's reduction; its members' flight state stays for _member_result."""
+        """Waits for a bucket's reduction; what it carried stays for _member_result."""
         out = bucket.out
         assert out is not None
         out.finish(self.options.timeout)
-        bucket.out = None
-        # Its members may count again (each clears its own flight state in _member_result); a bucket
-        # of a layout since replaced has nothing left to count.
+        bucket.out = None  # from here its guards act as plain tensors
+        self._flying.remove(bucket)
+        for slot in bucket.slots:
+            if slot.flight is bucket:
+                slot.flight = None
+        # Its members may count again; a bucket of a layout since replaced has nothing left to count.
         self._counter.set_flying(bucket.indices, False)
         if bucket.layout == self._layouts:
             self._counter.reset_bucket(bucket.position)
 
-    def _member_result(
-        self, slot: Slot, iteration: int, view: torch.Tensor, guard: _guard.InFlightGrad
-    ) -> tuple[torch.Tensor | None, bool]:
-        """(gradient to use, whether to replace .grad) for a member of a bucket that just finished."""
-        slot.flight = None
-        guard._cs_settle = None  # type: ignore[assignment]
-        if not slot.flight_used and not self._used_anywhere(iteration, slot):
+    def _member_result(self, bucket: _buckets.Bucket, k: int) -> tuple[torch.Tensor | None, bool]:
+        """(gradient to use, whether to replace .grad) for member `k` of a bucket that just finished."""
+        if not bucket.flight_used[k] and not self._used_anywhere(bucket.iteration, bucket.slots[k]):
             return None, False
-        if slot.flight_sparse:
-            return view.to_sparse(), True
-        return view, True
+        if bucket.flight_sparse[k]:
+            return bucket.views[k].to_sparse(), True
+        return bucket.views[k], True
+
+    @staticmethod
+    def _plain(bucket: _buckets.Bucket) -> bool:
+        """Whether every member had a dense gradient here: each gets its view back as .grad."""
+        return bucket.flight_sparse is bucket.dense and all(bucket.flight_used)
 
     def settle(self, params: list[torch.Tensor]) -> None:
         """Overlap mode: finishes these parameters' closed reductions and applies their updates."""
@@ -457,11 +507,17 @@ class Reducer:
             after.append((slot, keep))
         for bucket in buckets:
             self._finish_bucket(bucket)
-            for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
+            if self._plain(bucket):
+                for slot, param, view, guard in zip(bucket.slots, bucket.params, bucket.views, bucket.guards):
+                    current = param.grad
+                    param.grad = view
+                    after.append((slot, view if current is guard else current))
+                continue
+            for k, (slot, guard) in enumerate(zip(bucket.slots, bucket.guards)):
                 current = slot.param.grad
-                sparse = slot.flight_sparse
-                in_flight = slot.flight_used and not sparse and current is guard
-                grad, replace = self._member_result(slot, bucket.iteration, view, guard)
+                sparse = bucket.flight_sparse[k]
+                in_flight = bucket.flight_used[k] and not sparse and current is guard
+                grad, replace = self._member_result(bucket, k)
                 keep = grad if in_flight or (sparse and current is not None) else current
                 if replace:
                     slot.param.grad = grad
@@ -470,24 +526,23 @@ class Reducer:
             self._apply([slot for slot, _ in after])
         finally:
             for slot, keep in after:
-                slot.param.grad = keep
+                if slot.param.grad is not keep:
+                    slot.param.grad = keep
 
     def _flying_buckets(self, closed_only: bool = True) -> list[_buckets.Bucket]:
         """Buckets in flight (of closed iterations only, by default), in priority order."""
-        found: list[_buckets.Bucket] = []
-        for slot in self._order:
-            bucket = slot.flight
-            if (
-                bucket is not None
-                and (bucket.iteration < self._iteration or not closed_only)
-                and bucket not in found
-            ):
-                found.append(bucket)
+        found = [b for b in self._flying if b.iteration < self._iteration or not closed_only]
+        if len(found) > 1:
+            found.sort(key=lambda b: (b.priority, b.indices[0]))
         return found
 
     def settle_previous(self) -> None:
         """Finishes every reduction of already closed iterations (their updates too, in overlap mode)."""
-        pending = [s for s in self._order if s.record is not None and s.record.iteration < self._iteration]
+        pending = []
+        if self._recorded:
+            pending = [
+                s for s in self._order if s.record is not None and s.record.iteration < self._iteration
+            ]
         buckets = self._flying_buckets()
         if self.options.overlap:
             if pending or buckets:
@@ -499,8 +554,12 @@ class Reducer:
                 slot.param.grad = grad
         for bucket in buckets:
             self._finish_bucket(bucket)
-            for slot, view, guard in zip(bucket.slots, bucket.views, bucket.guards):
-                grad, replace = self._member_result(slot, bucket.iteration, view, guard)
+            if self._plain(bucket):
+                for param, view in zip(bucket.params, bucket.views):
+                    param.grad = view
+                continue
+            for k, slot in enumerate(bucket.slots):
+                grad, replace = self._member_result(bucket, k)
                 if replace:
                     slot.param.grad = grad
         # Counts are waited for only where a gradient was missing here (_used_anywhere): when every
@@ -523,7 +582,7 @@ class Reducer:
 
     def pending(self) -> bool:
         """True while any gradient reduction is in flight (used counts excepted: nothing reads them)."""
-        return any(s.in_flight() for s in self.slots)
+        return bool(self._flying or self._recorded)
 
     def pending_params(self) -> list[torch.Tensor]:
         """Parameters whose reduction (and, in overlap mode, update) of a closed iteration is pending."""
@@ -543,15 +602,15 @@ class Reducer:
 
     def zero_grad_in_flight(self, set_to_none: bool) -> None:
         """Overlap mode: detaches in-flight gradients from .grad, so zeroing never writes into them."""
-        for slot in self.slots:
+        for slot in list(self._recorded):
             record = slot.record
             if record is not None and record.guard is not None and slot.param.grad is record.guard:
                 grad = record.out.target
                 slot.param.grad = None if set_to_none else torch.zeros_like(grad)
         for bucket in self._flying_buckets(closed_only=False):
-            for slot, guard in zip(bucket.slots, bucket.guards):
-                if slot.param.grad is guard:
-                    slot.param.grad = None if set_to_none else torch.zeros_like(slot.param)
+            for param, guard in zip(bucket.params, bucket.guards):
+                if param.grad is guard:
+                    param.grad = None if set_to_none else torch.zeros_like(param)
 
     def remove(self) -> None:
         """Detaches the gradient hooks."""
