@@ -162,6 +162,7 @@ class Reducer:
         self._recorded: dict[Slot, None] = {}
         self._unbucketed = list(self._order)
         self._touch = _bucket_touch(self)
+        self.on_close: Callable[[], None] | None = None  # runs once an iteration closed
         self._hook_trainable()
 
     def _hook_trainable(self, trainable: tuple[bool, ...] | None = None) -> None:
@@ -371,6 +372,8 @@ class Reducer:
         self._closed = True
         self._counter.mark_closed()
         self._relayout(trainable)
+        if self.on_close is not None:
+            self.on_close()
 
     def _start_counts(self, counts: torch.Tensor, name: str) -> _wire.Outgoing:
         return self._send(counts, name, -1, "sum")
@@ -476,8 +479,11 @@ class Reducer:
         """Whether every member had a dense gradient here: each gets its view back as .grad."""
         return bucket.flight_sparse is bucket.dense and all(bucket.flight_used)
 
-    def settle(self, params: list[torch.Tensor]) -> None:
-        """Overlap mode: finishes these parameters' closed reductions and applies their updates."""
+    def settle(self, params: list[torch.Tensor]) -> bool:
+        """Overlap mode: finishes these parameters' closed reductions and applies their updates.
+
+        Returns whether there was any to finish.
+        """
         ready: list[Slot] = []
         buckets: list[_buckets.Bucket] = []
         for param in params:
@@ -491,6 +497,15 @@ class Reducer:
                 buckets.append(bucket)
         if ready or buckets:
             self._settle_overlap(ready, buckets)
+            return True
+        return False
+
+    def idle(self) -> bool:
+        """True when no reduction of a closed iteration is left to settle."""
+        closed = self._iteration
+        return all(b.iteration >= closed for b in self._flying) and all(
+            slot.record is None or slot.record.iteration >= closed for slot in self._recorded
+        )
 
     def _settle_overlap(self, slots: list[Slot], buckets: list[_buckets.Bucket]) -> None:
         after: list[tuple[Slot, Any]] = []

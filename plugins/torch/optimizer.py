@@ -148,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._recorder = ForwardOrder(model, self._on_forward_order) if model is not None else None
         self._waits: ModuleWaits | None = None
         if overlap_forward and model is not None:
-            self._waits = ModuleWaits(model, {id(s.param) for s in self._reducer.slots}, self._reducer.settle)
+            self._waits = self._module_waits(model)
             self._waits.set_reached([], self._unowned())
 
     # -- shared state of the wrapped optimizer ---------------------------------------------
@@ -229,6 +229,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._forward_order is not None:
             reducer.set_priorities(self._forward_order)
         return reducer
+
+    def _module_waits(self, model: torch.nn.Module) -> ModuleWaits:
+        """Overlap mode's per-module waits on this reducer; their hooks rest while nothing is pending."""
+        reducer = self._reducer
+        waits = ModuleWaits(model, {id(s.param) for s in reducer.slots}, reducer.settle, reducer.idle)
+        reducer.on_close = waits.arm
+        return waits
 
     def _unowned(self) -> list[torch.Tensor]:
         owned = {id(p) for p in self._model.parameters()} if self._model is not None else set()
@@ -338,9 +345,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._waits is not None:
             self._waits.remove()
             assert self._model is not None
-            self._waits = ModuleWaits(
-                self._model, {id(s.param) for s in self._reducer.slots}, self._reducer.settle
-            )
+            self._waits = self._module_waits(self._model)
             self._waits.set_reached(self._forward_order or [], self._unowned())
 
     # -- per-parameter update hooks (state capture, e.g. commsched.torch.Checkpointer) -------
