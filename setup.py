@@ -140,6 +140,7 @@ extensions.append(
 # Gloo transport and Python gradient hooks, so these extensions never fail an install.
 GLOO_SOURCES = [
     "csrc/transport/gloo/gloo_transport.cc",
+    "csrc/transport/gloo/gloo_ring.cc",
     "csrc/transport/gloo/peer_probe.cc",
     "csrc/transport/gloo/gloo_module.cc",
     "csrc/core/elementwise.cc",

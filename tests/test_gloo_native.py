@@ -97,7 +97,7 @@ def test_seed_accepts_a_gloo_group_and_reports_its_ranks(tmp_path: Path) -> None
         [sys.executable, "-c", script], env=env, check=False, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "0 1 [('exchanges', 0), ('launches', 0)]" in done.stdout, done.stdout + done.stderr
+    assert "0 1 [('exchanges', 0), ('launches', 0), ('rings', 0)]" in done.stdout, done.stdout + done.stderr
 
 
 @needs_native

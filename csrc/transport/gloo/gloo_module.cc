@@ -130,6 +130,7 @@ class GlooSeed {
     py::dict out;
     out["launches"] = counters_->launches.load();
     out["exchanges"] = counters_->exchanges.load();
+    out["rings"] = counters_->rings.load();
     return out;
   }
 
@@ -174,5 +175,5 @@ PYBIND11_MODULE(_gloo, module) {
       .def(
           "address", [](GlooSeed& seed) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&seed)); },
           "The handle the factory takes; valid while this seed lives (keep it referenced).")
-      .def("counters", &GlooSeed::counters, "Launches and agreement exchanges that went over the native path.");
+      .def("counters", &GlooSeed::counters, "Launches, agreement exchanges and ring collectives that went over the native path.");
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -74,12 +75,6 @@ std::string describe(const WireOp& op) {
   return text;
 }
 
-// The message of a c10 error without the C++ backtrace torch appends to what().
-std::string message_of(const std::exception& error) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) return c10_error->what_without_backtrace();
-  return error.what();
-}
-
 // Blocks until `future` completes or `timeout_s` passes (negative: no limit); returns what went
 // wrong, or "" when it succeeded. The completion callback may fire after a timeout, so what it
 // touches is shared.
@@ -112,10 +107,10 @@ std::string wait_for(c10::ivalue::Future& future, double timeout_s) {
 // A c10d work seen through the core's PendingOp: done once its future completes.
 class GlooOp : public PendingOp {
  public:
-  GlooOp(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what,
-         std::shared_ptr<PeerProbe> probe)
+  GlooOp(c10::intrusive_ptr<c10d::Work> work, c10::intrusive_ptr<c10::ivalue::Future> future,
+         std::function<void()> finish, std::string what, std::shared_ptr<PeerProbe> probe)
       : work_(std::move(work)),
-        future_(work_->getFuture()),
+        future_(work_ ? work_->getFuture() : std::move(future)),
         finish_(std::move(finish)),
         what_(std::move(what)),
         probe_(std::move(probe)) {}
@@ -136,7 +131,7 @@ class GlooOp : public PendingOp {
       try {
         finish();
       } catch (const std::exception& error) {
-        throw CommError(what_ + " completed, but its result could not be copied out: " + message_of(error));
+        throw CommError(what_ + " completed, but its result could not be copied out: " + gloo_message(error));
       }
     }
     return true;
@@ -144,7 +139,7 @@ class GlooOp : public PendingOp {
   c10::ivalue::Future& future() { return *future_; }
 
  private:
-  c10::intrusive_ptr<c10d::Work> work_;  // keeps the tensors (views of the core's memory) referenced
+  c10::intrusive_ptr<c10d::Work> work_;  // keeps the tensors (views of the core's memory) referenced; null for a ring
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::function<void()> finish_;  // copies a widened, padded or whole result into the core's memory
   std::string what_;
@@ -176,10 +171,25 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> data, c10::intrus
   }
   send_slot_ = at::empty({slot_bytes_}, at::kByte);
   received_slots_ = at::empty({slot_bytes_ * size_}, at::kByte);
+  if (const char* ring = std::getenv("COMMSCHED_GLOO_RING")) {
+    const std::string value = ring;
+    if (value == "0") {
+      ring_ = false;
+    } else if (!value.empty() && value != "1") {
+      throw UsageError("COMMSCHED_GLOO_RING=" + value + ": give 1 (ring reduce-scatter and all-gather, the default) " +
+                       "or 0 (Gloo's own alltoall and allgather)");
+    }
+  }
 }
 
 GlooTransport::~GlooTransport() {
-  if (exchange_abandoned_ || in_flight_->load() > 0 || !probe_->lost().empty()) {
+  const bool stuck = exchange_abandoned_ || in_flight_->load() > 0 || !probe_->lost().empty();
+  {
+    // Their threads use the backends: they stop (a wait in progress aborted) before anything goes.
+    std::lock_guard<std::mutex> lock(sets_mutex_);
+    rings_.clear();
+  }
+  if (stuck) {
     // Work waiting for a rank that is gone (or stopped) holds its group's destructor until Gloo's
     // own timeout (30 minutes by default): ProcessGroupGloo::~ProcessGroupGloo waits for its queue
     // to drain, and Backend::abort() does nothing for Gloo. So the groups are aborted where a
@@ -228,7 +238,7 @@ const uint8_t* GlooTransport::allgather(const at::Tensor& send, at::Tensor& rece
   try {
     work = control_->allgather(outputs, inputs);
   } catch (const std::exception& error) {
-    throw CommError(what + " failed to start: " + probe_->explain(message_of(error)));
+    throw CommError(what + " failed to start: " + probe_->explain(gloo_message(error)));
   }
   const std::string failure = wait_for(*work->getFuture(), timeout_s);
   if (!failure.empty()) {
@@ -316,12 +326,12 @@ std::unique_ptr<PendingOp> GlooTransport::start(const WireOp& op) {
   } catch (const CommError&) {
     throw;
   } catch (const std::exception& error) {
-    throw CommError(what + " failed to start: " + message_of(error));
+    throw CommError(what + " failed to start: " + gloo_message(error));
   }
-  if (!launched.work) return std::make_unique<DoneOp>();  // every rank agreed there is nothing to move
+  if (!launched.work && !launched.ring) return std::make_unique<DoneOp>();  // every rank agreed: nothing to move
   counters_->launches.fetch_add(1, std::memory_order_relaxed);
-  auto pending =
-      std::make_unique<GlooOp>(std::move(launched.work), std::move(launched.finish), std::move(what), probe_);
+  auto pending = std::make_unique<GlooOp>(std::move(launched.work), std::move(launched.ring),
+                                          std::move(launched.finish), std::move(what), probe_);
   in_flight_->fetch_add(1);
   // Runs on Gloo's worker thread the moment the collective completes (or at once if it has); it
   // takes no GIL, so it may run at any time, also while the interpreter finalizes. It holds the
@@ -344,6 +354,7 @@ void GlooTransport::add_process_set(int32_t id, const std::vector<int>& ranks) {
 
 void GlooTransport::remove_process_set(int32_t id) {
   std::lock_guard<std::mutex> lock(sets_mutex_);
+  rings_.erase(id);
   sets_.erase(id);
 }
 
@@ -420,6 +431,8 @@ GlooLaunch GlooTransport::launch_allgather(const WireOp& op) {
   const uint64_t total = total_of(op.recv_counts);
   if (total == 0) return launched;
   const at::ScalarType type = moved_type(op.dtype);
+  GlooLaunch ring = launch_ring(op, group, view_of(op.data, op.count, type), view_of(op.output, total, type));
+  if (ring.ring) return ring;
   const uint64_t width = *std::max_element(op.recv_counts.begin(), op.recv_counts.end());
   const bool even = std::all_of(op.recv_counts.begin(), op.recv_counts.end(), [&](uint64_t n) { return n == width; });
   at::Tensor output = view_of(op.output, total, type);
@@ -467,7 +480,12 @@ GlooLaunch GlooTransport::launch_reducescatter(const WireOp& op) {
                     " elements submitted");
   }
   if (op.count == 0) return launched;
-  if (total_of(op.recv_counts) == op.count) return launch_reducescatter_by_parts(op, group, kept);
+  if (total_of(op.recv_counts) == op.count) {
+    const at::ScalarType type = scalar_type(op.dtype);
+    GlooLaunch ring = launch_ring(op, group, view_of(op.data, op.count, type), view_of(op.output, kept, type));
+    if (ring.ring) return ring;
+    return launch_reducescatter_by_parts(op, group, kept);
+  }
   const at::Tensor input = view_of(op.data, op.count, scalar_type(op.dtype));
   at::Tensor reduced = input.to(reduced_type(op.dtype), /*non_blocking=*/false, /*copy=*/true);
   at::Tensor output = view_of(op.output, kept, scalar_type(op.dtype));
@@ -512,6 +530,27 @@ GlooLaunch GlooTransport::launch_reducescatter_by_parts(const WireOp& op, const 
     }
   };
   launched.work = group.backend->alltoall_base(received, input, output_splits, input_splits, c10d::AllToAllOptions());
+  return launched;
+}
+
+GlooLaunch GlooTransport::launch_ring(const WireOp& op, const Group& group, at::Tensor input, at::Tensor output) {
+  GlooLaunch launched;
+  const uint64_t bytes = total_of(op.recv_counts) * static_cast<uint64_t>(input.element_size());
+  if (!ring_ || group.size < 2 || bytes < RingRunner::kMinBytes) return launched;
+  RingJob job;
+  job.kind = op.kind;
+  job.dtype = op.dtype;
+  job.op = op.op;
+  job.input = std::move(input);
+  job.output = std::move(output);
+  job.counts = op.recv_counts;
+  job.what = describe(op);
+  // Under the lock, so a process set removed meanwhile cannot take its runner away.
+  std::lock_guard<std::mutex> lock(sets_mutex_);
+  std::unique_ptr<RingRunner>& runner = rings_[op.process_set];
+  if (!runner) runner = std::make_unique<RingRunner>(group.backend, group.rank, group.size);
+  launched.ring = runner->submit(std::move(job));
+  counters_->rings.fetch_add(1, std::memory_order_relaxed);
   return launched;
 }
 

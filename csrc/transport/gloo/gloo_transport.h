@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/gloo/gloo_ring.h"
 #include "transport/gloo/peer_probe.h"
 #include "transport/transport.h"
 
@@ -24,12 +25,15 @@ namespace commsched {
 struct GlooCounters {
   std::atomic<uint64_t> launches{0};
   std::atomic<uint64_t> exchanges{0};
+  std::atomic<uint64_t> rings{0};  // launches that ran as ring collectives (gloo_ring.h)
 };
 
-// A collective handed to Gloo: its work (null when there was nothing to move), what copies its result
-// into the core's memory once it completes, and the temporaries it reads or writes meanwhile.
+// A collective handed to Gloo: its work, or the future of a ring collective (both null when there was
+// nothing to move), what copies its result into the core's memory once it completes, and the
+// temporaries it reads or writes meanwhile.
 struct GlooLaunch {
   c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10::ivalue::Future> ring;
   std::function<void()> finish;
   std::vector<at::Tensor> temporaries;
 };
@@ -85,6 +89,9 @@ class GlooTransport : public Transport {
   GlooLaunch launch_reducescatter(const WireOp& op);
   GlooLaunch launch_reducescatter_by_parts(const WireOp& op, const Group& group, uint64_t kept);
   GlooLaunch launch_alltoall(const WireOp& op);
+  // `op` (a reduce-scatter or an all-gather) as a ring collective over `group` where the ring moves
+  // it faster than Gloo's own collective; an empty launch otherwise.
+  GlooLaunch launch_ring(const WireOp& op, const Group& group, at::Tensor input, at::Tensor output);
 
   static constexpr int64_t kMinSlotBytes = 64;
   static constexpr int64_t kSlotStepBytes = 1024;
@@ -104,6 +111,9 @@ class GlooTransport : public Transport {
   GlooSetMaker make_set_;
   std::mutex sets_mutex_;
   std::map<int32_t, Group> sets_;  // guarded by sets_mutex_; this rank's process sets only
+  // Each group's ring runner, built at its first ring collective; guarded by sets_mutex_.
+  std::map<int32_t, std::unique_ptr<RingRunner>> rings_;
+  bool ring_ = true;  // COMMSCHED_GLOO_RING=0 turns the ring collectives off
   int rank_ = 0;
   int size_ = 1;
   // Agreement buffers, owned by torch so a round that timed out may still land in them safely.
