@@ -1,7 +1,7 @@
 """Elastic training: recovery from a SIGKILL against torchrun's restart, and the cost of commit().
 
     python benchmarks/elastic_recovery.py [--trials 5] [--ranks 4] [--transport gloo] [--json F]
-        [--only recovery,torchrun,commit,torchrun-elastic] [--rounds 5] [--steps 60] [--every 10]
+        [--only recovery,torchrun,commit,torchrun-elastic] [--rounds 5] [--steps 60] [--every 10] [--shard]
 
 recovery: seconds from the SIGKILL of one of 4 ranks to the next completed step at 3 ranks, under
 `commsched-run -n 4 --min-np 3` (the survivors re-form without restarting). Each trial runs
@@ -18,7 +18,8 @@ rendezvous, plain DDP over Gloo, a torch.save checkpoint every 5 steps): seconds
 first step a restarted worker completes (benchmarks/elastic_workers.py).
 
 commit: ms per step of the same 2-rank training without commits and with commit() every 10 steps,
-alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more.
+alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more. --shard: the
+same with DistributedOptimizer(shard=True), whose commits also gather every rank's shard.
 
 Prints medians with the range and writes every trial to --json.
 """
@@ -142,14 +143,16 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def commit_cost(rounds: int, steps: int, every: int, timeout_s: float) -> dict[str, object]:
+def commit_cost(
+    rounds: int, steps: int, every: int, timeout_s: float, shard: bool = False
+) -> dict[str, object]:
     """ms per step without and with commits at 2 ranks, from one run (elastic_workers.py commit)."""
     with tempfile.TemporaryDirectory(prefix="commit-cost-") as out:
         result = Path(out) / "commit.json"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
         command = [sys.executable, "-m", "commsched.run", "-n", "2", str(WORKERS), "commit", str(result)]
         done = subprocess.run(
-            [*command, str(rounds), str(steps), str(every)],
+            [*command, str(rounds), str(steps), str(every), *(["shard"] if shard else [])],
             env=env,
             capture_output=True,
             text=True,
@@ -183,6 +186,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="commit: rounds of each variant (default 5)")
     parser.add_argument("--steps", type=int, default=60, help="commit: steps per round (default 60)")
     parser.add_argument("--every", type=int, default=10, help="commit: steps between commits (default 10)")
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="commit: DistributedOptimizer(shard=True) (its commits gather shards)",
+    )
     parser.add_argument("--json", type=Path, help="write every trial here")
     args = parser.parse_args()
     chosen = set(args.only.split(","))
@@ -209,13 +217,14 @@ def main() -> None:
         }[name]
         rows.append((what, _summary(seconds), "s"))
     if "commit" in chosen:
-        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4)
+        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4, args.shard)
         ms = cost["ms_per_step"]  # type: ignore[index]
         none, commit = _summary(ms["none"]), _summary(ms["commit"])
         cost["overhead_percent"] = 100 * (commit["median"] / none["median"] - 1)
         report["commit"] = cost
-        rows.append(("2 ranks, no commits", none, "ms/step"))
-        rows.append((f"2 ranks, commit() every {args.every} steps", commit, "ms/step"))
+        sharded = ", shard=True" if args.shard else ""
+        rows.append((f"2 ranks{sharded}, no commits", none, "ms/step"))
+        rows.append((f"2 ranks{sharded}, commit() every {args.every} steps", commit, "ms/step"))
     print(f"\n| {'measurement':<56} | median | range | unit |")
     for what, summary, unit in rows:
         spread = f"{summary['min']:.2f}-{summary['max']:.2f}"

@@ -1,11 +1,12 @@
 """The ranks of benchmarks/elastic_recovery.py: the cost of commit() and torchrun's restart from disk.
 
-    commsched-run -n 2 benchmarks/elastic_workers.py commit OUT.json ROUNDS STEPS EVERY
+    commsched-run -n 2 benchmarks/elastic_workers.py commit OUT.json ROUNDS STEPS EVERY [shard]
     torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1 ... benchmarks/elastic_workers.py torchrun OUT K
 
 commit: each round trains STEPS steps without commits and STEPS steps with TorchState.commit() every
 EVERY steps (the two alternate, which goes first too, so drift of the host falls on both), a 6 MiB
-MLP over DistributedOptimizer with Adam; rank 0 writes the ms per step of every round to OUT.json.
+MLP over DistributedOptimizer with Adam (`shard`: DistributedOptimizer(shard=True), whose commits
+gather every rank's shard in the background); rank 0 writes the ms per step of every round to OUT.json.
 
 torchrun: plain DDP over Gloo; rank 0 torch.saves model and optimizer every K steps (under a temporary
 name, then renamed); every rank loads the newest checkpoint at start. In the first attempt the last
@@ -37,7 +38,7 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
 
 
-def commit_cost(out: Path, rounds: int, steps: int, every: int) -> None:
+def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = False) -> None:
     """Rounds of the same training without and with commits; rank 0 writes ms per step."""
     import commsched.torch as hvd
     from commsched.torch.elastic import TorchState
@@ -46,7 +47,7 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int) -> None:
     hvd.init()
     model = mlp()
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=1e-4), named_parameters=model.named_parameters()
+        torch.optim.Adam(model.parameters(), lr=1e-4), named_parameters=model.named_parameters(), shard=shard
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     state = TorchState(model, optimizer, epoch=0)
@@ -84,6 +85,7 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int) -> None:
             "ms_in_commit": in_commit,
             "parameter_bytes": size,
             "ranks": hvd.size(),
+            "shard": shard,
         }
         out.write_text(json.dumps(report))
     hvd.shutdown()
@@ -146,7 +148,8 @@ def main() -> None:
     """Dispatches to the measurement named by the first argument."""
     kind, out = sys.argv[1], Path(sys.argv[2])
     if kind == "commit":
-        commit_cost(out, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        shard = sys.argv[6:] == ["shard"]
+        commit_cost(out, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), shard)
     elif kind == "torchrun":
         torchrun_worker(out, int(sys.argv[3]))
     else:
