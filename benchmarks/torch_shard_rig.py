@@ -9,7 +9,8 @@ link rate set so one iteration's allreduce of all gradients takes about as long 
 
 Variants: PyTorch DDP; `ZeroRedundancyOptimizer` over DDP; FSDP2 `fully_shard` per layer; commsched
 unsharded `overlap_forward`; commsched `shard=True` with `overlap_forward` (and, with --variants
-shard_wait, the same with step() waiting for every reduce-scatter before any update). ZeRO's
+shard_wait, the same with step() waiting for every reduce-scatter before any update; shard_gloo, the
+same over Gloo's own alltoall and allgather instead of the native transport's ring). ZeRO's
 `overlap_with_ddp` is left out: torch refuses it on Gloo ("Gloo backend using Overlapping DDP with
 ZeRO may meet hangs", torch 2.13), and the rig carries Gloo only. The rounds take turns, so a host
 that speeds up or slows down weighs on each alike. Bytes are what rank 0 holds: gradients after a
@@ -41,8 +42,11 @@ VARIANTS = {
     "overlap": "commsched overlap_forward",
     "shard": "commsched shard=True, overlap_forward",
     "shard_wait": "commsched shard=True, unpipelined step",
+    "shard_gloo": "commsched shard=True, Gloo's own RS/AG",
 }
-# shard_wait is step() before it was pipelined per bucket: asked for by name, to measure the pipelining.
+# shard_wait is step() before it was pipelined per bucket, shard_gloo shard=True over Gloo's own
+# alltoall and allgather instead of commsched's ring (COMMSCHED_GLOO_RING=0): asked for by name, to
+# measure the pipelining and the ring.
 DEFAULT_VARIANTS = ("ddp", "zero", "fsdp2", "overlap", "shard")
 MODELS = ("vgg", "transformer")
 _VOCAB, _WIDTH, _SEQUENCE = 4096, 256, 64
@@ -201,7 +205,7 @@ def worker(variant: str, model: str, batch: int, warmup: int, iterations: int) -
         result = {"variant": variant, "seconds_per_iteration": elapsed / iterations}
         result.update(grad_bytes=grads, state_bytes=state)
         print(RESULT_TAG + json.dumps(result), flush=True)
-    if variant in ("overlap", "shard", "shard_wait"):
+    if variant == "overlap" or variant.startswith("shard"):
         import commsched
 
         commsched.shutdown()
@@ -222,6 +226,7 @@ def _run_variant(rig: Any, variant: str, args: argparse.Namespace, port: int) ->
     env = {
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "COMMSCHED_GLOO_RING": "0" if variant == "shard_gloo" else "1",
     }
     return run_on_rig(rig, argv, env, port, args.timeout, RESULT_TAG, variant)
 
