@@ -1,6 +1,7 @@
 """The native Gloo transport's ring reduce-scatter and all-gather (csrc/transport/gloo/gloo_ring.cc):
 exact for every dtype and op with uneven parts, on every rank and on a process set, at 2 and 3 ranks;
-small collectives stay on Gloo's own; a peer leaving mid-ring fails the others with a named error."""
+small collectives stay on Gloo's own; a peer leaving mid-ring fails the others with a named error;
+a bad COMMSCHED_GLOO_RING is refused by name."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def test_a_peer_leaving_mid_ring_fails_the_collective_with_a_named_error() -> No
     """Rank 1 exits while a 64 MiB reduce-scatter runs: rank 0's fails with an error, within the timeout."""
     output = run(2, "--peer-exits")
     assert "rank 0: failed as expected" in output, output
+
+
+def test_a_bad_ring_setting_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    """COMMSCHED_GLOO_RING=yes fails init() with the variable and the values it takes."""
+    program = tmp_path / "init.py"
+    program.write_text("import commsched\ncommsched.init(transport='gloo')\n")
+    env = {**clean_rank_env(ROOT), "COMMSCHED_GLOO_RING": "yes"}
+    done = subprocess.run(
+        local_launch(1, str(program)), env=env, check=False, capture_output=True, text=True, timeout=120
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "COMMSCHED_GLOO_RING=yes: give 1" in output, output
