@@ -20,12 +20,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from commsched.elastic import membership, torchrun
+from commsched.elastic.torchrun_resume import kept_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "elastic_ranks"))
 from torchrun_agents import environment, run_agents
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "elastic_ranks" / "train.py"
+GROW_SCRIPT = ROOT / "tests" / "elastic_ranks" / "torchrun_grow.py"
 SAMPLES = 48  # as in the rank script
 LAUNCH_TIMEOUT_S = 90
 AGENTS_END_S = 60  # from the fault to every agent's end; torch's exit barrier alone waits 300 s
@@ -89,6 +91,56 @@ def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
         COMMSCHED_ELASTIC_TIMEOUT="2",
     )
     assert_every_sample_once(results(tmp_path))
+
+
+def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) -> None:
+    """2 agents under --nnodes 2:3; in step 3 of a job of 2 a third agent joins and torchrun restarts
+    every worker: the old workers keep their last commit across the restart, the joining worker gets
+    it through the state sync, and the 3 ranks end with the parameters of a 3-rank run from that
+    commit, every sample seen once per epoch and no kept commit left behind."""
+    out = tmp_path / "grown"
+    # torch 2.13's agents share their store with the workers, and a node that joins never learns
+    # the round's store address (it waits for a key the old agents do not write again): unshared,
+    # worker rank 0 hosts the workers' store, and the join goes through.
+    output = run_agents(
+        out,
+        GROW_SCRIPT,
+        2,
+        2,
+        3,
+        LAUNCH_TIMEOUT_S,
+        join_when="join",
+        ELASTIC_JOIN="0:3:2",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    assert output.count(" of 3 done") == 3, output[-4000:]
+    assert output.count("SIGTERM: the last commit is kept in") == 2, output[-4000:]
+    final = results(out)
+    assert final["size"] == 3
+    assert_every_sample_once(final)
+    restored = torch.load(out / "restored.pt", weights_only=False)
+    # Rank 0 waited for the join before its commit of step 3: steps 0-2 of 2 ranks x 2 samples (the
+    # 36 left split evenly over 3 ranks: an uneven split would repeat samples, as torch's sampler does).
+    assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "commsched.run", "-n", "3", str(SCRIPT)],
+        env=environment(reference, ELASTIC_START=str(out / "restored.pt")),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = results(reference)
+    assert torch.count_nonzero(expected["weight"]) > 0
+    assert torch.equal(final["weight"], expected["weight"])
+    assert final["seen"] == expected["seen"]
+    assert not list(
+        kept_path({"TORCHELASTIC_RUN_ID": out.name}).parent.glob(f"commsched-elastic-{out.name}-*")
+    )
 
 
 def run_to_the_end(out: Path, **fault: str) -> str:
@@ -195,17 +247,32 @@ def test_minimum_comes_from_torchruns_nnodes(monkeypatch: pytest.MonkeyPatch) ->
         agent.wait()
 
 
-def test_restarted_workers_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers that torchrun restarted (a node joined) refuse to go on, naming why."""
+def test_restarted_workers_without_a_kept_commit_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A later worker group of the run (a node joined) in which no worker found a kept commit, and
+    workers torchrun restarted after a failure, refuse to go on, naming why."""
+    import commsched
+    from commsched.elastic import torchrun_resume
+
     server = _Store()
     job = _job(monkeypatch, server.port, 0, [0, 1])
     job.prefix = ""
     monkeypatch.setenv(torchrun.RUN_ID_VARIABLE, "refusals")
     torchrun.start(lambda value: value)  # the first worker group of the run
-    assert job.prefix == "commsched.elastic.refusals.1"
+    assert (job.prefix, job.group) == ("commsched.elastic.refusals.1", 1)
     job.prefix = ""
-    with pytest.raises(membership.MembershipError, match="torchrun restarted the workers of this job"):
-        torchrun.start(lambda value: value)  # the next group: a node joined
+    torchrun.start(lambda value: value)  # the next group: a node joined
+    assert job.group == 2
+    monkeypatch.setattr(torchrun_resume, "_SHARED_MEMORY", tmp_path)  # nothing kept there
+    monkeypatch.setattr(torchrun_resume, "_resumed", False)
+    monkeypatch.setattr(commsched, "allgather_object", lambda value, name=None: [value, False])
+    with pytest.raises(membership.MembershipError, match="no worker kept the last commit"):
+        torchrun_resume.resume(object())
+    job.prefix = ""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(membership.MembershipError, match="restarted the workers of this job after a failure"):
+        torchrun.start(lambda value: value)
 
 
 def test_other_transports_say_at_start_that_a_failure_ends_the_job(

@@ -343,11 +343,26 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        from commsched.elastic import torchrun_resume
+
+        try:
+            return attempts(state, *args, **kwargs)
+        except torchrun_resume.Stopping:  # torchrun restarts the workers: the commit outlives them
+            torchrun_resume.keep_and_exit(state)
+        finally:
+            torchrun_resume.unwatch()
+
+    def attempts(state: State, *args: Any, **kwargs: Any) -> Any:
         if not commsched.is_initialized():
             commsched.init()
         if not _check_launcher():
             state.sync()
             return func(state, *args, **kwargs)
+        if torchrun.active() and not _membership.elastic:
+            from commsched.elastic import torchrun_resume
+
+            torchrun_resume.watch(state)
+            torchrun_resume.resume(state)
         skip_sync = False
         reforming = False
         while True:

@@ -15,8 +15,9 @@ What torchrun itself does around this, and what follows:
   the agent of group rank 0 holds MASTER_PORT's store, and the agent that bound --rdzv-endpoint
   holds the rendezvous (torch's other agents end their workers when it is gone). Losing a worker
   of one of those agents ends the job; a survivor then says so, naming the store.
-- A node that joins makes every agent restart its workers: the state committed in memory ends with
-  them, so the restarted workers refuse to go on (growth is commsched-run --host-discovery-script's).
+- A node that joins makes every agent restart its workers (SIGTERM): each keeps its last commit for
+  its successor on the same node, and the restarted group resumes from it (torchrun_resume.py). A
+  worker that loses a peer to that SIGTERM waits for its own instead of re-forming without it.
 - torch's exit barrier at the end counts every agent, and one whose worker failed never arrives:
   the new rank 0 arrives for each agent whose workers were all lost (exit_barrier.py), so the
   survivors' agents end with their workers instead of after 300 s.
@@ -44,6 +45,12 @@ TIMEOUT_VARIABLE = "COMMSCHED_ELASTIC_TIMEOUT"
 _DEFAULT_WINDOW_S = 10.0
 _POLL_S = 0.02
 _STORE_TIMEOUT = datetime.timedelta(seconds=30)
+# How long a worker waits for its agent's SIGTERM once another was stopped for a restart (torch's
+# agents see a joining node within their --monitor-interval of each other).
+_RESTART_WAIT_S = 30.0
+# How long a worker whose store went away waits for its own SIGTERM before the job ends (agents see
+# a joining node within about a second of each other).
+_RESTART_GRACE_S = 5.0
 
 
 # The transports whose ranks re-form under torchrun.
@@ -136,6 +143,7 @@ class _Job:
         self.members = list(range(int(os.environ["WORLD_SIZE"])))
         self.launched = list(self.members)
         self.generation = 0
+        self.group = 0  # which worker group of the run this is (torchrun restarts them all on a join)
         self._store: Any = None
 
     def store(self) -> Any:
@@ -174,7 +182,7 @@ def job() -> _Job:
 
 def start(broadcast_object: Any) -> None:
     """Called once by every worker of a worker group before training: names the group's keys,
-    records where this worker runs, and refuses workers that torchrun restarted."""
+    records where this worker runs, and refuses workers that torchrun restarted after a failure."""
     current = job()
     run_id = os.environ[RUN_ID_VARIABLE]
     store = current.store()
@@ -190,14 +198,51 @@ def start(broadcast_object: Any) -> None:
         exit_barrier.record_agent(store, current.prefix, current.member)
     except RuntimeError as error:
         raise current.gone(error) from None
+    current.group = group
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if group > 1 or restarts > 0:
+    if restarts > 0:
         raise MembershipError(
-            "torchrun restarted the workers of this job (a node joined its rendezvous, or a restart "
-            "under --max-restarts), and the state committed in memory ended with the old workers: "
-            "commsched re-forms under torchrun only as ranks leave. Launch with --nnodes MIN:N for N "
-            "nodes and --max-restarts 0, or add ranks with `commsched-run --host-discovery-script`"
+            "torchrun restarted the workers of this job after a failure (--max-restarts), and the state "
+            "committed in memory ended with the old workers: commsched re-forms under torchrun without "
+            "restarts. Launch with --max-restarts 0 (a node that joins keeps the last commit)"
         )
+
+
+def stopping() -> None:
+    """Tells the other workers that torchrun's agent is stopping this one (SIGTERM): a rank lost to
+    that is no failure, and they wait for their own SIGTERM instead of re-forming without it."""
+    current = job()
+    if current.prefix:
+        try:
+            current.store().set(f"{current.prefix}/stopping", str(current.member))
+        except (RuntimeError, MembershipError):
+            pass  # the store is gone: the job is ending anyway
+
+
+def _wait_for_the_restart(store: Any, prefix: str) -> None:
+    """Waits for this worker's SIGTERM when torchrun's agents are stopping the workers to restart
+    them (a node joined): its handler ends the wait, and the worker keeps its last commit."""
+    if not store.check([f"{prefix}/stopping"]):
+        return
+    member = store.get(f"{prefix}/stopping").decode()
+    deadline = time.monotonic() + _RESTART_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    raise MembershipError(
+        f"torchrun's agent stopped rank {member} (numbered as at launch) to restart the workers, but "
+        f"this worker's agent did not stop it within {_RESTART_WAIT_S:g}s"
+    )
+
+
+def _grace_for_a_restart() -> None:
+    """Before a store that went away ends the job: if this worker keeps its commit on SIGTERM, waits
+    a little for one. The worker that hosted the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) may have
+    ended for torchrun's restart of every worker, and this worker's agent then stops it too."""
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        return
+    deadline = time.monotonic() + _RESTART_GRACE_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def request(failed_rank: int | None) -> Assignment:
@@ -205,6 +250,11 @@ def request(failed_rank: int | None) -> Assignment:
     current = job()
     if not current.prefix:
         raise MembershipError("commsched.elastic: the torchrun membership was not started (start())")
+    try:
+        _wait_for_the_restart(current.store(), current.prefix)
+    except (RuntimeError, OSError) as error:
+        _grace_for_a_restart()
+        raise current.gone(error) from None
     named = (
         [current.members[failed_rank]]
         if failed_rank is not None and 0 <= failed_rank < len(current.members)
@@ -218,6 +268,7 @@ def request(failed_rank: int | None) -> Assignment:
     except MembershipError:
         raise
     except (RuntimeError, OSError) as error:
+        _grace_for_a_restart()
         raise current.gone(error) from None
     lost = [member for member in current.members if member not in decided]
     if current.member not in decided:

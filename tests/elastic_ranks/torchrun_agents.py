@@ -52,36 +52,47 @@ def run_agents(
     finishers: int,
     timeout_s: float,
     wait_agents: bool = False,
+    join_when: str = "",
     **extra: str,
 ) -> str:
     """`nodes` agents (`--nnodes min_nodes:nodes`, one worker each) running `script`; returns their
     output once `finishers` workers printed `... done` (with `wait_agents`: once every agent ended,
     then followed by `--- agents ended at T` (time.time()) and each agent's exit status) or every
-    agent ended, or at the timeout."""
+    agent ended, or at the timeout. With `join_when`, one more agent (the maximum is nodes + 1)
+    starts once a file of that name appears in `out`, to join the running job."""
     out.mkdir(parents=True, exist_ok=True)
     endpoint = f"127.0.0.1:{free_port()}"
     env = environment(out, **extra)
     agents: list[subprocess.Popen[bytes]] = []
     ended = ""
-    logs = [out / f"agent.{node}.log" for node in range(nodes)]
-    try:
-        for node, log in enumerate(logs):
-            command = [
-                *(sys.executable, "-m", "torch.distributed.run"),
-                *("--nnodes", f"{min_nodes}:{nodes}", "--nproc-per-node", "1", "--max-restarts", "0"),
-                *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
-                *("--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", f"127.0.0.{node + 1}"),
-                *("--monitor-interval", "0.1", str(script)),
-            ]
-            with open(log, "wb") as handle:
-                agents.append(
-                    subprocess.Popen(
-                        command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
-                    )
+    most = nodes + (1 if join_when else 0)
+    logs = [out / f"agent.{node}.log" for node in range(most)]
+
+    def start(node: int) -> None:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run"),
+            *("--nnodes", f"{min_nodes}:{most}", "--nproc-per-node", "1", "--max-restarts", "0"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
+            # A round below the maximum closes after 1 s, not torch's 30 s of last call.
+            *("--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=1"),
+            *("--local-addr", f"127.0.0.{node + 1}"),
+            *("--monitor-interval", "0.1", str(script)),
+        ]
+        with open(logs[node], "wb") as handle:
+            agents.append(
+                subprocess.Popen(
+                    command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
                 )
+            )
+
+    try:
+        for node in range(nodes):
+            start(node)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            text = "".join(log.read_text(errors="replace") for log in logs)
+            if len(agents) < most and (out / join_when).exists():
+                start(len(agents))
+            text = "".join(log.read_text(errors="replace") for log in logs[: len(agents)])
             if all(agent.poll() is not None for agent in agents):
                 ended = f"--- agents ended at {time.time():.6f}\n" + "".join(
                     f"--- agent {node} exit {agent.returncode}\n" for node, agent in enumerate(agents)
@@ -92,7 +103,10 @@ def run_agents(
             time.sleep(0.1)
     finally:
         _stop(agents, out, script)
-    output = "".join(f"--- agent {node}\n" + log.read_text(errors="replace") for node, log in enumerate(logs))
+    output = "".join(
+        f"--- agent {node}\n" + log.read_text(errors="replace")
+        for node, log in enumerate(logs[: len(agents)])
+    )
     return output + (ended if wait_agents else "")
 
 
