@@ -95,9 +95,10 @@ def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
 
 def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) -> None:
     """2 agents under --nnodes 2:3; in step 3 of a job of 2 a third agent joins and torchrun restarts
-    every worker: the old workers keep their last commit across the restart, the joining worker gets
-    it through the state sync, and the 3 ranks end with the parameters of a 3-rank run from that
-    commit, every sample seen once per epoch and no kept commit left behind."""
+    every worker: the old workers keep their last commit across the restart, are renumbered ahead of
+    the joining worker (torchrun made it rank 0), which gets the commit through the state sync, and
+    the 3 ranks end with the parameters of a 3-rank run from that commit, every sample seen once per
+    epoch and no kept commit left behind."""
     out = tmp_path / "grown"
     # torch 2.13's agents share their store with the workers, and a node that joins never learns
     # the round's store address (it waits for a key the old agents do not write again): unshared,
@@ -115,6 +116,7 @@ def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) 
     )
     assert output.count(" of 3 done") == 3, output[-4000:]
     assert output.count("SIGTERM: the last commit is kept in") == 2, output[-4000:]
+    assert "rank 2 of 3 done" in output.partition("--- agent 2\n")[2]  # renumbered after the keepers
     final = results(out)
     assert final["size"] == 3
     assert_every_sample_once(final)

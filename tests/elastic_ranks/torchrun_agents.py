@@ -59,7 +59,8 @@ def run_agents(
     output once `finishers` workers printed `... done` (with `wait_agents`: once every agent ended,
     then followed by `--- agents ended at T` (time.time()) and each agent's exit status) or every
     agent ended, or at the timeout. With `join_when`, one more agent (the maximum is nodes + 1)
-    starts once a file of that name appears in `out`, to join the running job."""
+    starts once a file of that name appears in `out`, to join the running job; its address sorts
+    before the others', so torchrun makes its worker rank 0."""
     out.mkdir(parents=True, exist_ok=True)
     endpoint = f"127.0.0.1:{free_port()}"
     env = environment(out, **extra)
@@ -68,6 +69,13 @@ def run_agents(
     most = nodes + (1 if join_when else 0)
     logs = [out / f"agent.{node}.log" for node in range(most)]
 
+    def address(node: int) -> str:
+        # A joining agent sorts first: it becomes group rank 0, and the workers that kept the commit
+        # are renumbered ahead of it.
+        if not join_when:
+            return f"127.0.0.{node + 1}"
+        return "127.0.0.1" if node == nodes else f"127.0.0.{node + 2}"
+
     def start(node: int) -> None:
         command = [
             *(sys.executable, "-m", "torch.distributed.run"),
@@ -75,7 +83,7 @@ def run_agents(
             *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
             # A round below the maximum closes after 1 s, not torch's 30 s of last call.
             *("--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=1"),
-            *("--local-addr", f"127.0.0.{node + 1}"),
+            *("--local-addr", address(node)),
             *("--monitor-interval", "0.1", str(script)),
         ]
         with open(logs[node], "wb") as handle:
