@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from commsched.torch._guard import InFlightGrad
+
 import torch
 
 if TYPE_CHECKING:
@@ -47,6 +49,10 @@ class Bucket:
     flight_used: list[bool] = field(default_factory=list)
     flight_sparse: list[bool] = field(default_factory=list)
     dense: list[bool] = field(default_factory=list)  # all False: flight_sparse when no member was sparse
+
+    def plain(self) -> bool:
+        """Whether every member had a dense gradient here when sent: each gets its view back as .grad."""
+        return self.flight_sparse is self.dense and all(self.flight_used)
 
 
 def group_key(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
@@ -124,3 +130,37 @@ def build(
         bucket.params.append(slot.param)
     bucket.dense = [False] * len(members)
     return bucket
+
+
+def gather(bucket: Bucket, used: list[bool], grads: list[Any]) -> list[bool]:
+    """Brings each member's gradient into the bucket, whatever .grad holds; returns which were sparse."""
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+    sparse = [False] * len(grads)
+    members = zip(bucket.params, grads, bucket.views, bucket.guards, used)
+    for k, (param, grad, view, guard, slot_used) in enumerate(members):
+        if slot_used:
+            if grad is guard or grad is view:
+                pass
+            elif grad is None:  # set to None after backward: it counts as zeros
+                zeros.append(view)
+            elif grad.is_sparse:
+                targets.append(view)
+                sources.append(grad.to_dense())
+                sparse[k] = True  # the sparse .grad stays readable meanwhile
+            else:
+                targets.append(view)
+                sources.append(grad.as_subclass(torch.Tensor) if isinstance(grad, InFlightGrad) else grad)
+            if not sparse[k]:
+                param.grad = guard
+        else:
+            # Not used here: whatever .grad holds stays untouched unless another rank used it.
+            if grad is not None and (grad is view or grad is guard):
+                param.grad = view.clone()
+            zeros.append(view)
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    if zeros:
+        torch._foreach_zero_(zeros)
+    return sparse

@@ -276,7 +276,7 @@ class Reducer:
                 param.grad = guard
             sparse = bucket.dense
         else:
-            sparse = self._gather(bucket, used, grads)
+            sparse = _buckets.gather(bucket, used, grads)
         for slot in bucket.slots:
             slot.flight = bucket
         bucket.flight_used = used
@@ -289,41 +289,6 @@ class Reducer:
         # Barrier mode's last bucket: step() waits for it next and runs the core's round itself.
         with commsched._caller_drives():
             bucket.out = self._start(bucket.flat, bucket.name, bucket.priority)
-
-    def _gather(self, bucket: _buckets.Bucket, used: list[bool], grads: list[Any]) -> list[bool]:
-        """Brings each member's gradient into the bucket, whatever .grad holds; returns which were sparse."""
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        zeros: list[torch.Tensor] = []
-        sparse = [False] * len(grads)
-        members = zip(bucket.params, grads, bucket.views, bucket.guards, used)
-        for k, (param, grad, view, guard, slot_used) in enumerate(members):
-            if slot_used:
-                if grad is guard or grad is view:
-                    pass
-                elif grad is None:  # set to None after backward: it counts as zeros
-                    zeros.append(view)
-                elif grad.is_sparse:
-                    targets.append(view)
-                    sources.append(grad.to_dense())
-                    sparse[k] = True  # the sparse .grad stays readable meanwhile
-                else:
-                    targets.append(view)
-                    sources.append(
-                        grad.as_subclass(torch.Tensor) if isinstance(grad, _guard.InFlightGrad) else grad
-                    )
-                if not sparse[k]:
-                    param.grad = guard
-            else:
-                # Not used here: whatever .grad holds stays untouched unless another rank used it.
-                if grad is not None and (grad is view or grad is guard):
-                    param.grad = view.clone()
-                zeros.append(view)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        return sparse
 
     def _last_to_fly(self, bucket: _buckets.Bucket) -> bool:
         """Whether every other bucket of the layout is already in flight this iteration."""
@@ -477,11 +442,6 @@ class Reducer:
             return bucket.views[k].to_sparse(), True
         return bucket.views[k], True
 
-    @staticmethod
-    def _plain(bucket: _buckets.Bucket) -> bool:
-        """Whether every member had a dense gradient here: each gets its view back as .grad."""
-        return bucket.flight_sparse is bucket.dense and all(bucket.flight_used)
-
     def settle(self, params: list[torch.Tensor]) -> bool:
         """Overlap mode: finishes these parameters' closed reductions and applies their updates.
 
@@ -525,7 +485,7 @@ class Reducer:
             after.append((slot, keep))
         for bucket in buckets:
             self._finish_bucket(bucket)
-            if self._plain(bucket):
+            if bucket.plain():
                 for slot, param, view, guard in zip(bucket.slots, bucket.params, bucket.views, bucket.guards):
                     current = param.grad
                     param.grad = view
@@ -572,7 +532,7 @@ class Reducer:
                 slot.param.grad = grad
         for bucket in buckets:
             self._finish_bucket(bucket)
-            if self._plain(bucket):
+            if bucket.plain():
                 for param, view in zip(bucket.params, bucket.views):
                     param.grad = view
                 continue
