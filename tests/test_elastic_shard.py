@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import commsched.torch as cst
 from commsched.torch import checkpoint_capture, elastic_commit
 from commsched.torch.elastic import TorchState
-from test_elastic import assert_every_sample_once, launch, results
+from test_elastic import SAMPLES, assert_every_sample_once, launch, results
 
 
 def build(shard: bool) -> tuple[Any, Any, Any]:
@@ -121,42 +121,51 @@ def test_sigkill_with_shard_equals_a_run_started_from_the_commit(tmp_path: Path)
     """3 ranks over Gloo with shard=True; the rank launched as 1 (holding a shard of real elements)
     SIGKILLs itself after step() of step 3. The survivors rebuild its shard from the gathered commit,
     re-cut the state for 2 ranks and end with the parameters of a 2-rank run from that commit; the
-    restored state and the end equal those of the same run without sharding (exact arithmetic)."""
-    ends = {}
-    for shard in ("1", "0"):
-        out = tmp_path / f"shard{shard}"
-        done = launch(
-            out,
-            "-n",
-            "3",
-            "--min-np",
-            "2",
-            ELASTIC_KILL="1:0:3",
-            ELASTIC_SHARD=shard,
-            COMMSCHED_TRANSPORT="gloo",
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "rank 1 (numbered as at launch" in done.stderr and "generation 1: 2 ranks" in done.stderr
-        final = results(out)
-        assert final["size"] == 2
-        assert_every_sample_once(final)
-        ends[shard] = (final, torch.load(out / "restored.pt", weights_only=False))
-    (final, restored), (plain_final, plain_restored) = ends["1"], ends["0"]
+    restored momentum is the sum of the committed samples' gradients, computed here."""
+    out = tmp_path / "elastic"
+    shard = {"ELASTIC_SHARD": "1", "COMMSCHED_TRANSPORT": "gloo"}
+    done = launch(out, "-n", "3", "--min-np", "2", ELASTIC_KILL="1:0:3", **shard)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1 (numbered as at launch" in done.stderr and "generation 1: 2 ranks" in done.stderr
+    final = results(out)
+    assert final["size"] == 2
+    assert_every_sample_once(final)
+    restored = torch.load(out / "restored.pt", weights_only=False)
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 3 * 2}
     assert "shard" not in restored["optimizer"]  # restored whole, per parameter
+    # The rank script's loss is sum(w . x * t): each sample's gradient is t x whatever w is, and
+    # SGD with momentum 1 keeps their sum, over every rank, in the momentum buffer.
+    generator = torch.Generator().manual_seed(7)
+    data = torch.randint(-3, 4, (SAMPLES, 4), generator=generator).double()
+    target = torch.randint(-3, 4, (SAMPLES,), generator=generator).double()
+    committed = restored["seen"][0]
+    assert len(committed) == 18
+    expected_momentum = (target[committed, None] * data[committed]).sum(0, keepdim=True)
     momentum = restored["optimizer"]["state"][0]["momentum_buffer"]
-    assert torch.count_nonzero(momentum) == momentum.numel()
-    assert torch.equal(momentum, plain_restored["optimizer"]["state"][0]["momentum_buffer"])
-    assert torch.equal(final["weight"], plain_final["weight"])
-    reference = launch(
-        tmp_path / "reference",
-        "-n",
-        "2",
-        ELASTIC_START=str(tmp_path / "shard1" / "restored.pt"),
-        ELASTIC_SHARD="1",
-        COMMSCHED_TRANSPORT="gloo",
-    )
+    assert torch.count_nonzero(momentum[0, 2:4]) == 2  # the lost rank's shard held real values
+    assert torch.equal(momentum, expected_momentum)
+    reference = launch(tmp_path / "reference", "-n", "2", ELASTIC_START=str(out / "restored.pt"), **shard)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = results(tmp_path / "reference")
     assert torch.equal(final["weight"], expected["weight"])
     assert final["seen"] == expected["seen"]
+
+
+def test_sharded_kill_in_commit_goes_on_from_a_complete_commit(tmp_path: Path) -> None:
+    """gRPC, shard=True: the rank launched as 1 dies as its commit's capture starts, so the others'
+    gather of that commit fails; they restore a complete commit with its own sampler state, re-form
+    at 2 ranks and see every sample once per epoch."""
+    done = launch(
+        tmp_path,
+        *("-n", "3", "--min-np", "2", "--elastic-timeout", "3"),
+        ELASTIC_KILL="1:1:1:commit",
+        ELASTIC_SHARD="1",
+        COMMSCHED_TRANSPORT="grpc",
+        COMMSCHED_STALL_TIMEOUT="1",
+        COMMSCHED_STALL_SHUTDOWN="3",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generation 1: 2 ranks" in done.stderr, done.stderr[-3000:]
+    final = results(tmp_path)
+    assert final["size"] == 2
+    assert_every_sample_once(final)
