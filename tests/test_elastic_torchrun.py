@@ -61,11 +61,17 @@ def killed_equals_reference(tmp_path: Path, transport: str) -> str:
     assert_every_sample_once(final)
     restored = torch.load(out / "restored.pt", weights_only=False)
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 3 * 2}  # 3 commits of 3 ranks x 2
-    reference = tmp_path / "reference"
+    assert_equals_a_run_from_the_commit(out, tmp_path / "reference", 2, COMMSCHED_TRANSPORT=transport)
+    return output
+
+
+def assert_equals_a_run_from_the_commit(out: Path, reference: Path, ranks: int, **extra: str) -> None:
+    """`ranks` ranks under commsched-run, started from out/restored.pt, end with the parameters and
+    the samples of out/final.pt."""
     reference.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "commsched.run", "-n", "2", str(SCRIPT)],
-        env=environment(reference, ELASTIC_START=str(out / "restored.pt"), COMMSCHED_TRANSPORT=transport),
+        [sys.executable, "-m", "commsched.run", "-n", str(ranks), str(SCRIPT)],
+        env=environment(reference, ELASTIC_START=str(out / "restored.pt"), **extra),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,11 +79,10 @@ def killed_equals_reference(tmp_path: Path, transport: str) -> str:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = results(reference)
+    final, expected = results(out), results(reference)
     assert torch.count_nonzero(expected["weight"]) > 0
     assert torch.equal(final["weight"], expected["weight"])
     assert final["seen"] == expected["seen"]
-    return output
 
 
 def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
@@ -124,22 +129,7 @@ def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) 
     # Rank 0 waited for the join before its commit of step 3: steps 0-2 of 2 ranks x 2 samples (the
     # 36 left split evenly over 3 ranks: an uneven split would repeat samples, as torch's sampler does).
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "commsched.run", "-n", "3", str(SCRIPT)],
-        env=environment(reference, ELASTIC_START=str(out / "restored.pt")),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    expected = results(reference)
-    assert torch.count_nonzero(expected["weight"]) > 0
-    assert torch.equal(final["weight"], expected["weight"])
-    assert final["seen"] == expected["seen"]
+    assert_equals_a_run_from_the_commit(out, tmp_path / "reference", 3)
     assert not list(
         kept_path({"TORCHELASTIC_RUN_ID": out.name}).parent.glob(f"commsched-elastic-{out.name}-*")
     )
