@@ -26,7 +26,7 @@ from typing import Any
 from commsched.torch import _optimizer_args as _args
 from commsched.torch import _shard_layout as layout
 from commsched.torch import _shard_state as _state
-from commsched.torch import _shard_step, _wire
+from commsched.torch import _shard_step, _wire, elastic_shard
 from commsched.torch._order import ForwardOrder, ModuleWaits
 from commsched.torch._reducer import bucket_limit
 from commsched.torch.compression import Compression
@@ -125,8 +125,9 @@ class ShardedOptimizer(DistributedOptimizer):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
         if model is not None:
             self._recorder = ForwardOrder(model, self._on_forward_order)
-        else:
+        elif not elastic_shard.joining():
             self._build([])
+        # else: the others lay theirs out at their first gradient after the state sync, so it does too.
 
     def __repr__(self) -> str:
         mode = "overlap_forward" if self._overlap else "barrier"

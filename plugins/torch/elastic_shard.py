@@ -7,10 +7,15 @@ plain per-parameter form (checkpoint_read.Contents.plain_state), takes the optim
 its layout (``unbuild``) and loads that form; the next forward (or, without ``model=``, the first
 gradient) lays the buckets out again at the new rank count and cuts the state into new shards, as
 a freshly built sharded optimizer does with a state loaded before its first forward.
+
+A worker that joins lays its buckets out at that same moment, never at construction: without
+``model=`` a sharded optimizer lays them out as it is built (a collective), which in a joiner would
+wait for the others while they wait for it in the state sync.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -18,12 +23,18 @@ from commsched.torch._order import ForwardOrder
 
 import commsched
 from commsched import _horovod
+from commsched.elastic.membership import GENERATION_VARIABLE
 
 
 def usable(optimizer: Any) -> bool:
     """True when a sharded optimizer shards over every rank (a process set's shards cannot re-form)."""
     how = getattr(optimizer, "_how", None)
     return how is not None and _horovod.is_global(how.process_set)
+
+
+def joining() -> bool:
+    """True in a worker started to join a running elastic job (commsched-run --max-np grew it)."""
+    return int(os.environ.get(GENERATION_VARIABLE, "0") or 0) > 0
 
 
 def built(optimizer: Any) -> bool:

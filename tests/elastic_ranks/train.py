@@ -13,7 +13,7 @@ ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `lo
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
 host-update notice, so the job grows at that very commit; while it is larger, it waits until the
 launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit),
-ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)).
+ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)), ELASTIC_SHARD=model (shard=True with model=).
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def main() -> None:
         torch.optim.SGD(model.parameters(), lr=0.125, momentum=1.0),
         named_parameters=model.named_parameters(),
         op=hvd.Sum,
-        shard=os.environ.get("ELASTIC_SHARD") == "1",
+        shard=os.environ.get("ELASTIC_SHARD") in ("1", "model"),
+        model=model if os.environ.get("ELASTIC_SHARD") == "model" else None,
     )
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, seen=[[] for _ in range(EPOCHS)])
