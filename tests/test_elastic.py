@@ -291,9 +291,8 @@ def test_discovery_script_errors_name_the_script_and_line(
         assert str(script) in error and words in error, error
 
 
-def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
-    """2 ranks, the script edited to 3 slots in step 2: a third rank joins at that commit and gets the
-    state from rank 0; the end equals a 3-rank run from that commit, every sample seen once per epoch."""
+def grow_2_to_3(tmp_path: Path, **environment: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """2 ranks over Gloo, the discovery script edited to 3 slots in step 2: a third rank joins there."""
     out = tmp_path / "grown"
     script = _discovery(tmp_path, "echo localhost:2")
     flags = ("-n", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script))
@@ -304,7 +303,13 @@ def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
         ELASTIC_SCRIPT=str(script),
         **FAST_FAILURE,
         COMMSCHED_TRANSPORT="gloo",
+        **environment,
     )
+    return out, done
+
+
+def check_grown(out: Path, done: subprocess.CompletedProcess[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job grew to 3 at the step-2 commit and saw every sample once; its final and restored state."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert "generation 1: 3 ranks (no rank, numbered as at launch, lost; rank 2 joining)" in done.stderr
     final = results(out)
@@ -312,6 +317,14 @@ def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
     assert_every_sample_once(final)
     restored = torch.load(out / "restored.pt", weights_only=False)
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}  # 3 commits of 2 ranks x 2
+    return final, restored
+
+
+def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
+    """2 ranks, the script edited to 3 slots in step 2: a third rank joins at that commit and gets the
+    state from rank 0; the end equals a 3-rank run from that commit, every sample seen once per epoch."""
+    out, done = grow_2_to_3(tmp_path)
+    final, _ = check_grown(out, done)
     reference = launch(
         tmp_path / "reference", "-n", "3", ELASTIC_START=str(out / "restored.pt"), COMMSCHED_TRANSPORT="gloo"
     )

@@ -7,7 +7,6 @@ buckets out at its first gradient, as the others do after the state sync, instea
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,37 +14,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_elastic import FAST_FAILURE, _discovery, assert_every_sample_once, launch, results
+from test_elastic import check_grown, grow_2_to_3, launch, results
 
 GLOO = {"COMMSCHED_TRANSPORT": "gloo"}
 
 
-def grow(tmp_path: Path, shard: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """2 ranks with ELASTIC_SHARD=`shard`; the script edited to 3 slots in step 2, so a third rank
-    joins at that commit."""
-    out = tmp_path / f"grown-{shard}"
-    script = _discovery(tmp_path, "echo localhost:2")
-    done = launch(
-        out,
-        *("-n", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)),
-        ELASTIC_GROW="0:2:3",  # 36 samples left: 12 per rank, no padding
-        ELASTIC_SCRIPT=str(script),
-        ELASTIC_SHARD=shard,
-        **FAST_FAILURE,
-        **GLOO,
-    )
-    return out, done
-
-
-def check_grown(out: Path, done: subprocess.CompletedProcess[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The job grew to 3 at the step-2 commit and saw every sample once; its final and restored state."""
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "generation 1: 3 ranks (no rank, numbered as at launch, lost; rank 2 joining)" in done.stderr
-    final = results(out)
-    assert final["size"] == 3
-    assert_every_sample_once(final)
-    restored = torch.load(out / "restored.pt", weights_only=False)
-    assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}  # 3 commits of 2 ranks x 2
+def grow(tmp_path: Path, shard: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The growth of tests/test_elastic.py with ELASTIC_SHARD=`shard`; its final and restored state."""
+    final, restored = check_grown(*grow_2_to_3(tmp_path, ELASTIC_SHARD=shard))
     assert "shard" not in restored["optimizer"]  # the plain form, cut again at 3 ranks
     return final, restored
 
@@ -53,7 +29,7 @@ def check_grown(out: Path, done: subprocess.CompletedProcess[str]) -> tuple[dict
 @pytest.fixture(scope="module")
 def with_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
     """The growth with DistributedOptimizer(shard=True, model=model)."""
-    return check_grown(*grow(tmp_path_factory.mktemp("with-model"), "model"))
+    return grow(tmp_path_factory.mktemp("with-model"), "model")
 
 
 def test_grow_with_model_equals_a_3_rank_run_from_the_commit(
@@ -83,7 +59,7 @@ def test_grow_without_model_lays_out_after_the_sync(
 ) -> None:
     """Without model= the joiner does not wait in a layout of its own: the job grows at the same commit
     and ends where the run with model= ends (the layout order does not change these exact sums)."""
-    final, restored = check_grown(*grow(tmp_path, "1"))
+    final, restored = grow(tmp_path, "1")
     expected_final, expected_restored = with_model
     assert torch.equal(restored["model"]["weight"], expected_restored["model"]["weight"])
     assert torch.equal(
