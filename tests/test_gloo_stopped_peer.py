@@ -1,0 +1,52 @@
+"""A peer stopped (SIGSTOP, not exited) in the middle of a 32 MiB reduce-scatter or all-gather over the
+native Gloo transport: the survivor's wait fails naming the stopped rank and the tensor within
+COMMSCHED_STALL_SHUTDOWN, and its shutdown() returns at once instead of waiting on a Gloo receive that
+never completes, on the ring collectives and on Gloo's own."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from mpirun import clean_rank_env, local_launch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "ranks" / "gloo_stopped_peer.py"
+STALL_S = 2.0  # COMMSCHED_STALL_TIMEOUT and COMMSCHED_STALL_SHUTDOWN in the rank program
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("commsched._gloo") is None,
+    reason="commsched._gloo was not built here",
+)
+
+
+@pytest.mark.parametrize(("kind", "ring"), [("reducescatter", "1"), ("allgather", "0")])
+def test_survivor_names_the_stopped_rank_and_shuts_down(kind: str, ring: str, tmp_path: Path) -> None:
+    """Rank 1 stops mid-collective: rank 0's wait names rank 1 and 'cut', and shutdown() takes under 2 s."""
+    env = {**clean_rank_env(ROOT), "COMMSCHED_GLOO_RING": ring}
+    try:
+        done = subprocess.run(
+            local_launch(2, str(PROGRAM), "--kind", kind, "--pid-dir", str(tmp_path)),
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    finally:
+        # Whatever happened to rank 0, the stopped rank must not outlive the test.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            os.kill(int((tmp_path / "pid.1").read_text()), signal.SIGKILL)
+    output = done.stdout + done.stderr
+    failed = re.search(r"rank 0: failed after ([\d.]+)s: (.*)", output)
+    assert failed, output
+    assert float(failed.group(1)) < 4 * STALL_S, output
+    assert "'cut'" in failed.group(2) and "rank 1" in failed.group(2), output
+    returned = re.search(r"rank 0: shutdown returned after ([\d.]+)s", output)
+    assert returned and float(returned.group(1)) < 2.0, output
