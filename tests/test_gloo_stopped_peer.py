@@ -50,3 +50,6 @@ def test_survivor_names_the_stopped_rank_and_shuts_down(kind: str, ring: str, tm
     assert "'cut'" in failed.group(2) and "rank 1" in failed.group(2), output
     returned = re.search(r"rank 0: shutdown returned after ([\d.]+)s", output)
     assert returned and float(returned.group(1)) < 2.0, output
+    assert "over native" in output, output
+    # Its exit after that is clean too: no Gloo thread left to throw once the stopped rank is gone.
+    assert "rank 0: exiting" in output and "terminate called" not in output, output

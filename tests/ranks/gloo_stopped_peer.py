@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import commsched
+from commsched.transports import gloo
 
 STALL_S = 2.0
 # Past this, rank 0 prints its stacks (where it hangs) and exits instead of waiting on.
@@ -68,6 +69,7 @@ def main() -> None:
         time.sleep(0.02)  # the first segments are on the wire
         os.kill(os.getpid(), signal.SIGSTOP)
         return  # only once continued, which the test never does
+    print(f"rank 0: over {gloo.last_path}", flush=True)
     started = time.monotonic()
     try:
         wait_for_cut(handle, args.poll)
@@ -81,6 +83,7 @@ def main() -> None:
         print(f"rank 0: shutdown raised: {error}", flush=True)
     print(f"rank 0: shutdown returned after {time.monotonic() - started:.1f}s", flush=True)
     os.kill(int(pids[1, 0]), signal.SIGKILL)
+    print("rank 0: exiting", flush=True)
 
 
 if __name__ == "__main__":
