@@ -202,6 +202,15 @@ def resume(state: Any) -> bool:
                 "handler; was SIGTERM handled by the program, or were the workers killed?)"
             )
         return False
+    if not all(held) and any(
+        getattr(h.value, "sharded", False) for h in getattr(state, "_handlers", {}).values()
+    ):
+        # Every rank decides on the same gathered list, so all refuse together instead of one waiting.
+        raise MembershipError(
+            "a node joined under torchrun, and DistributedOptimizer(shard=True) cannot hand the joining "
+            "worker its shard of the kept commit; grow a sharded job with commsched-run --min-np N "
+            "--max-np M --host-discovery-script S, or pass shard=False"
+        )
     order = [rank for rank, has in enumerate(held) if has] + [
         rank for rank, has in enumerate(held) if not has
     ]
