@@ -1,4 +1,4 @@
-"""The Python Gloo transport (commsched._gloo made unimportable) when a rank stops with a 64 MiB
+"""The Python Gloo transport (commsched._gloo made unimportable) when a rank stops with a 128 MiB
 allreduce in flight: SIGSTOPped, the other rank exits within COMMSCHED_STALL_SHUTDOWN + 10 s of the
 fault naming it; by commsched.shutdown(), both ranks' waits end at once naming the shutdown. At 2
 ranks under commsched-run; nothing of the job may be left behind."""
@@ -99,7 +99,7 @@ def _assert_python_path(output: str) -> None:
 
 
 def test_a_rank_stopped_mid_allreduce_is_named_in_time(tmp_path: Path, python_gloo: None) -> None:
-    """Rank 1 SIGSTOPs with a 64 MiB allreduce on the wire: rank 0 exits in time naming rank 1."""
+    """Rank 1 SIGSTOPs with a 128 MiB allreduce on the wire: rank 0 exits in time naming rank 1."""
     output, exited, status = _run("stop", tmp_path)
     _assert_python_path(output)
     fault_at = _fault_time(tmp_path, output)
@@ -114,7 +114,7 @@ def test_a_rank_stopped_mid_allreduce_is_named_in_time(tmp_path: Path, python_gl
 
 
 def test_shutdown_mid_allreduce_ends_every_wait_at_once(tmp_path: Path, python_gloo: None) -> None:
-    """Rank 1 calls commsched.shutdown() with a 64 MiB allreduce in flight: both ranks' waits end
+    """Rank 1 calls commsched.shutdown() with a 128 MiB allreduce in flight: both ranks' waits end
     within a few seconds with NotRunningError naming rank 1's shutdown."""
     output, exited, status = _run("shutdown", tmp_path)
     _assert_python_path(output)

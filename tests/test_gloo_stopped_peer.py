@@ -1,4 +1,4 @@
-"""A peer stopped (SIGSTOP, not exited) in the middle of a 32 MiB reduce-scatter or all-gather over the
+"""A peer stopped (SIGSTOP, not exited) in the middle of a 64 MiB reduce-scatter or all-gather over the
 native Gloo transport: the survivor's wait fails naming the stopped rank and the tensor within
 COMMSCHED_STALL_SHUTDOWN, and its shutdown() returns at once instead of waiting on a Gloo receive that
 never completes, on the ring collectives and on Gloo's own."""

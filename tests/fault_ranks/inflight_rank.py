@@ -1,6 +1,6 @@
-"""Rank program of tests/test_gloo_python_faults.py: rank 1 stops while a 64 MiB allreduce is in flight.
+"""Rank program of tests/test_gloo_python_faults.py: rank 1 stops while a 128 MiB allreduce is in flight.
 
-Every rank submits one checked small allreduce, then a 64 MiB one. Once every rank has submitted
+Every rank submits one checked small allreduce, then a 128 MiB one. Once every rank has submitted
 it, rank 1 either SIGSTOPs itself (--fault stop) or calls commsched.shutdown() (--fault shutdown),
 and waits for its own handle in the second case. A rank whose wait fails prints
 `FAULT-SEEN rank R: <error>` and exits with status 3. Each rank prints `PATH rank R: <transport path>`
@@ -23,8 +23,8 @@ from commsched.launch import detect
 from commsched.transports import gloo
 
 VICTIM = 1
-LARGE_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of float32: long enough on the wire to stop in
-IN_FLIGHT_S = 0.005  # from every rank's submission until the victim stops: the 64 MiB take longer on any host
+LARGE_ELEMENTS = 32 * 1024 * 1024  # 128 MiB of float32: 64 MiB finished before the fault on a busy host once
+IN_FLIGHT_S = 0.005  # from every rank's submission until the victim stops: the 128 MiB take longer
 
 
 def main() -> int:

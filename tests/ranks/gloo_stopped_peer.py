@@ -28,8 +28,8 @@ WATCHDOG_S = 40.0
 
 
 def submit(kind: str) -> Any:
-    """A warm-up, then the 32 MiB collective named 'cut' that rank 1 stops in the middle of."""
-    data = np.ones((2, 4 * 1024 * 1024), np.float32)
+    """A warm-up, then the 64 MiB collective named 'cut' that rank 1 stops in the middle of."""
+    data = np.ones((2, 8 * 1024 * 1024), np.float32)
     if kind == "reducescatter":
         commsched.reducescatter(data[:, :1024].copy(), name="warm")
         return commsched.reducescatter_async(data, name="cut")
@@ -66,7 +66,8 @@ def main() -> None:
         (args.pid_dir / "pid.1").write_text(str(os.getpid()))
     handle = submit(args.kind)
     if rank == 1:
-        time.sleep(0.02)  # the first segments are on the wire
+        # At once: 64 MiB cannot cross before this, and any later a busy host's scheduler let the
+        # collective finish before the stop in one CI run.
         os.kill(os.getpid(), signal.SIGSTOP)
         return  # only once continued, which the test never does
     print(f"rank 0: over {gloo.last_path}", flush=True)
