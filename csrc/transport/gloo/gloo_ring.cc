@@ -38,12 +38,6 @@ int64_t offset_of(const std::vector<uint64_t>& counts, int block) {
   return offset;
 }
 
-// Keeps what Gloo may still read or write (posted works, their buffers) for the rest of the process:
-// after a failure or an abort, a message may yet land in a receive that nobody waits for.
-void abandon(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> tensors) {
-  new std::pair<decltype(works), decltype(tensors)>(std::move(works), std::move(tensors));  // never freed
-}
-
 }  // namespace
 
 std::string gloo_message(const std::exception& error) {
@@ -176,7 +170,10 @@ void RingRunner::run(RingJob& job) {
   };
   std::vector<c10::intrusive_ptr<c10d::Work>> posted;
   posted.reserve(sends.size() + receives.size());
-  const auto fail = [&] { abandon(std::move(posted), {scratch_, job.input, job.output}); };
+  // After a failure or an abort a message may yet land in a receive nobody waits for.
+  const auto fail = [&] {
+    keep_until_exit(std::make_pair(std::move(posted), std::vector<at::Tensor>{scratch_, job.input, job.output}));
+  };
   std::vector<c10::intrusive_ptr<c10d::Work>> received(receives.size());
   std::vector<c10::intrusive_ptr<c10d::Work>> sent(sends.size());
   size_t first_later_send = 0;

@@ -10,9 +10,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/types.h"
@@ -21,6 +23,14 @@ namespace commsched {
 
 // The message of a c10 error without the C++ backtrace torch appends to what().
 std::string gloo_message(const std::exception& error);
+
+// Keeps `held` alive until the process exits, deliberately never freed: what Gloo may still use after
+// a failure or an abort (a group whose destructor would wait for a stopped rank, a receive a late
+// message may yet land in) must outlive every owner that lets go of it.
+template <typename T>
+void keep_until_exit(T held) {
+  static_cast<void>(std::make_unique<T>(std::move(held)).release());
+}
 
 // One ring collective: a reduce-scatter of `input` (the blocks of every rank, in group order) into
 // this rank's block at `output`, or an all-gather of this rank's `input` into `output`.

@@ -206,7 +206,7 @@ GlooTransport::~GlooTransport() {
         backend->abort();
       } catch (const std::exception&) {  // kept below in any case
       }
-      new c10::intrusive_ptr<c10d::Backend>(backend);  // deliberately never freed
+      keep_until_exit(backend);
     }
   }
   // The backends go first: the groups the Python side destroys in on_close_ are then unreferenced.
