@@ -314,10 +314,8 @@ class Reducer:
         for bucket in self._buckets:
             if bucket.out is None:
                 for index in bucket.indices:
-                    if passes[index] > 0:
-                        self._counter.set_used(
-                            index
-                        )  # fewer passes than backward_passes_per_step still count
+                    if passes[index] > 0:  # fewer passes than backward_passes_per_step still count
+                        self._counter.set_used(index)
                 used = self._counter.take_used(bucket.indices)
                 for index, slot_used in zip(bucket.indices, used):
                     if slot_used:
