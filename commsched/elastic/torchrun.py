@@ -225,9 +225,7 @@ def _wait_for_the_restart(store: Any, prefix: str) -> None:
     if not store.check([f"{prefix}/stopping"]):
         return
     member = store.get(f"{prefix}/stopping").decode()
-    deadline = time.monotonic() + _RESTART_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+    time.sleep(_RESTART_WAIT_S)  # the SIGTERM handler raises out of the sleep
     raise MembershipError(
         f"torchrun's agent stopped rank {member} (numbered as at launch) to restart the workers, but "
         f"this worker's agent did not stop it within {_RESTART_WAIT_S:g}s"
@@ -238,11 +236,8 @@ def _grace_for_a_restart() -> None:
     """Before a store that went away ends the job: if this worker keeps its commit on SIGTERM, waits
     a little for one. The worker that hosted the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) may have
     ended for torchrun's restart of every worker, and this worker's agent then stops it too."""
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
-        return
-    deadline = time.monotonic() + _RESTART_GRACE_S
-    while time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+        time.sleep(_RESTART_GRACE_S)  # the SIGTERM handler raises out of the sleep
 
 
 def request(failed_rank: int | None) -> Assignment:
@@ -356,12 +351,11 @@ def _grpc_peers(store: Any, base: str, assignment: Assignment, timeout: datetime
     A fresh port per generation: the failed generation's servers may still hold theirs, and a port
     from outside the ephemeral range is not one the other ranks' outgoing connections take meanwhile.
     """
-    import importlib
-
+    from commsched.config import resolve
     from commsched.run import free_port
     from commsched.transports.grpc_net import resolve_bind
 
-    settings = importlib.import_module("commsched.config").resolve({})
+    settings = resolve({})
     host, _, port = job().address.rpartition(":")
     _, advertise = resolve_bind(settings.grpc_bind, host.strip("[]"), int(port))
     shown = f"[{advertise}]" if ":" in advertise else advertise
