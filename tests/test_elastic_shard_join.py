@@ -68,32 +68,3 @@ def test_grow_without_model_lays_out_after_the_sync(
     )
     assert torch.equal(final["weight"], expected_final["weight"])
     assert final["seen"] == expected_final["seen"]
-
-
-def test_a_node_joining_under_torchrun_is_refused_with_shard(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Under torchrun a joining worker would get no shard of the kept commit (and the keepers' commit
-    would gather without it): every rank sees that one holds no commit and refuses, naming the fix."""
-    from types import SimpleNamespace
-
-    import commsched
-    from commsched.elastic import membership, torchrun, torchrun_resume
-
-    monkeypatch.setattr(torchrun, "job", lambda: SimpleNamespace(group=2))  # the group after a join
-    monkeypatch.setattr(torchrun_resume, "_SHARED_MEMORY", tmp_path)
-    monkeypatch.setattr(torchrun_resume, "_resumed", False)
-    monkeypatch.setattr(commsched, "allgather_object", lambda value, name=None: [True, False])
-    optimizer = SimpleNamespace(sharded=True)
-    state = SimpleNamespace(_handlers={"optimizer": SimpleNamespace(value=optimizer)})
-    with pytest.raises(
-        membership.MembershipError,
-        match=r"shard=True\) cannot hand the joining worker.*commsched-run --min-np",
-    ):
-        torchrun_resume.resume(state)
-    # Without sharding the join goes on.
-    optimizer.sharded = False
-    monkeypatch.setattr(torchrun_resume, "_resumed", False)
-    monkeypatch.setattr(torchrun_resume, "_renumber", lambda order: None)
-    monkeypatch.setattr(state, "on_reset", lambda: None, raising=False)
-    assert torchrun_resume.resume(state) is True

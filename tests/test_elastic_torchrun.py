@@ -2,8 +2,9 @@
 itself after step(); the survivors agree on the new membership through torchrun's store, re-form
 Gloo (or gRPC, at addresses exchanged through the store) at 2 ranks without restarting, and end
 with the parameters of a 2-rank run started from the restored commit, every sample seen once per
-epoch. The store-side agreement, the minimum and the
-refusals are exercised in-process."""
+epoch. A node that joins (Gloo; gRPC with shard=True) ends at the parameters of a 3-rank run from
+the commit kept across torchrun's restart. The store-side agreement, the minimum, the gRPC address
+exchange without the agent's store and the refusals are exercised in-process."""
 
 from __future__ import annotations
 
@@ -98,16 +99,15 @@ def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
     assert_every_sample_once(results(tmp_path))
 
 
-def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) -> None:
+def grow_under_torchrun(out: Path, **extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """2 agents under --nnodes 2:3; in step 3 of a job of 2 a third agent joins and torchrun restarts
     every worker: the old workers keep their last commit across the restart, are renumbered ahead of
     the joining worker (torchrun made it rank 0), which gets the commit through the state sync, and
-    the 3 ranks end with the parameters of a 3-rank run from that commit, every sample seen once per
-    epoch and no kept commit left behind."""
-    out = tmp_path / "grown"
-    # torch 2.13's agents share their store with the workers, and a node that joins never learns
-    # the round's store address (it waits for a key the old agents do not write again): unshared,
-    # worker rank 0 hosts the workers' store, and the join goes through.
+    3 ranks end, every sample seen once per epoch and no kept commit left behind. Returns the final
+    and the restored state."""
+    # torch 2.13's agents keep the first round's address of the store they share with the workers,
+    # and a node that joins waits for one the old agents do not write again: unshared, worker rank 0
+    # hosts the workers' store, and the join goes through.
     output = run_agents(
         out,
         GROW_SCRIPT,
@@ -118,6 +118,7 @@ def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) 
         join_when="join",
         ELASTIC_JOIN="0:3:2",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        **extra,
     )
     assert output.count(" of 3 done") == 3, output[-4000:]
     assert output.count("SIGTERM: the last commit is kept in") == 2, output[-4000:]
@@ -129,10 +130,46 @@ def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(tmp_path: Path) 
     # Rank 0 waited for the join before its commit of step 3: steps 0-2 of 2 ranks x 2 samples (the
     # 36 left split evenly over 3 ranks: an uneven split would repeat samples, as torch's sampler does).
     assert restored["sampler"] == {"epoch": 0, "processed_num": 3 * 2 * 2}
-    assert_equals_a_run_from_the_commit(out, tmp_path / "reference", 3)
+    assert "shard" not in restored["optimizer"]  # the plain form, whether the job shards or not
+    assert torch.count_nonzero(restored["optimizer"]["state"][0]["momentum_buffer"]) > 0
     assert not list(
         kept_path({"TORCHELASTIC_RUN_ID": out.name}).parent.glob(f"commsched-elastic-{out.name}-*")
     )
+    return final, restored
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The growth over Gloo: its directory, final and restored state."""
+    out = tmp_path_factory.mktemp("torchrun-grown") / "grown"
+    return (out, *grow_under_torchrun(out))
+
+
+def test_a_node_that_joins_under_torchrun_keeps_the_last_commit(
+    grown: tuple[Path, dict[str, Any], dict[str, Any]], tmp_path: Path
+) -> None:
+    """Over Gloo the 3 ranks end with the parameters of a 3-rank run from the kept commit."""
+    assert_equals_a_run_from_the_commit(grown[0], tmp_path / "reference", 3)
+
+
+def test_a_node_joins_a_sharded_job_over_grpc_under_torchrun(
+    grown: tuple[Path, dict[str, Any], dict[str, Any]], tmp_path: Path
+) -> None:
+    """The same growth over gRPC (rank 0 hosts the workers' store and its server listens on a port of
+    its own) with DistributedOptimizer(shard=True) laid out as it is built: the keepers' restore
+    joined every rank's shard, and the restarted workers lay out and cut again at 3 ranks. Commit
+    and end equal the Gloo run's (the sums are exact), which equal a 3-rank run from the commit."""
+    _, gloo_final, gloo_restored = grown
+    final, restored = grow_under_torchrun(
+        tmp_path / "grown-grpc", COMMSCHED_TRANSPORT="grpc", ELASTIC_SHARD="1"
+    )
+    assert torch.equal(restored["model"]["weight"], gloo_restored["model"]["weight"])
+    assert torch.equal(
+        restored["optimizer"]["state"][0]["momentum_buffer"],
+        gloo_restored["optimizer"]["state"][0]["momentum_buffer"],
+    )
+    assert torch.equal(final["weight"], gloo_final["weight"])
+    assert final["seen"] == gloo_final["seen"]
 
 
 def run_to_the_end(out: Path, **fault: str) -> str:
@@ -290,6 +327,53 @@ def test_other_transports_say_at_start_that_a_failure_ends_the_job(
     message = capsys.readouterr().err
     assert "under torchrun commsched re-forms the ranks over Gloo and gRPC only, not nccl" in message, message
     assert "so a failed rank ends the job" in message
+
+
+def test_without_the_agents_store_grpc_meets_through_the_one_rank_0_hosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: worker rank 0 hosts the workers' store at MASTER_PORT
+    and the gRPC addresses (fresh ports, not MASTER_PORT) are exchanged there; a MASTER_PORT already
+    taken is named; with the agent's store nothing is exchanged."""
+    import threading
+
+    from torchrun_agents import free_port
+
+    port = free_port()
+    for name, value in (
+        (torchrun.RUN_ID_VARIABLE, "unshared"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(port)),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torchrun, "_job", None)
+    monkeypatch.setattr(torchrun, "_hosted", None)
+    wait = datetime.timedelta(seconds=10)
+    other: list[list[str]] = []
+
+    def rank_1() -> None:  # connects once rank 0's store is up (a client retries until its timeout)
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+        assignment = membership.Assignment(1, 2, 0, 0)
+        other.append(torchrun._grpc_peers(store, "commsched.grpc.unshared.first", assignment, wait))
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    peers = torchrun.first_grpc_peers(0, 2, wait)
+    thread.join()
+    assert other == [peers] and len(set(peers)) == 2
+    assert all(peer.startswith("127.0.0.1:") and peer != f"127.0.0.1:{port}" for peer in peers)
+    monkeypatch.setattr(torchrun, "_job", None)  # another worker told the same MASTER_PORT
+    hosted, torchrun._hosted = torchrun._hosted, None
+    with pytest.raises(
+        membership.MembershipError, match=rf"could not host the workers' store at MASTER_PORT={port}"
+    ):
+        torchrun.first_grpc_peers(0, 2, wait)
+    torchrun._hosted = hosted
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert torchrun.first_grpc_peers(0, 2, wait) == []
 
 
 def test_a_store_that_went_away_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,6 +121,10 @@ class State:
     def reset(self) -> None:
         """Adjusts objects to the new membership before the state is synchronised."""
 
+    def tracked(self) -> dict[str, Any]:
+        """The objects with a state_dict() this state commits, by name (none here; TorchState's)."""
+        return {}
+
 
 class ObjectState(State):
     """State of plain picklable Python objects, given as keyword arguments and kept as attributes."""
@@ -152,6 +156,15 @@ class ObjectState(State):
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
+
+    def committed_objects(self) -> dict[str, Any]:
+        """The plain objects as last committed, by name."""
+        return dict(self._saved_state)
+
+    def load_committed_objects(self, values: dict[str, Any]) -> None:
+        """Takes `values` as the committed plain objects and sets the attributes to them."""
+        self._saved_state = dict(values)
+        self._set_attrs()
 
     def _set_attrs(self) -> None:
         import copy

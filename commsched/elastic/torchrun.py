@@ -18,6 +18,9 @@ What torchrun itself does around this, and what follows:
 - A node that joins makes every agent restart its workers (SIGTERM): each keeps its last commit for
   its successor on the same node, and the restarted group resumes from it (torchrun_resume.py). A
   worker that loses a peer to that SIGTERM waits for its own instead of re-forming without it.
+  With torch 2.13 a node joins only with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (its agents keep the
+  first round's address of a shared store): worker rank 0 then hosts the workers' store at
+  MASTER_PORT, and over gRPC the first generation's addresses meet there too (first_grpc_peers).
 - torch's exit barrier at the end counts every agent, and one whose worker failed never arrives:
   the new rank 0 arrives for each agent whose workers were all lost (exit_barrier.py), so the
   survivors' agents end with their workers instead of after 300 s.
@@ -342,6 +345,50 @@ def join(assignment: Assignment, timeout: datetime.timedelta, transport: str = "
     dist.init_process_group(
         "gloo", store=store, rank=assignment.rank, world_size=assignment.size, timeout=timeout
     )
+
+
+def first_grpc_peers(rank: int, size: int, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's gRPC address as a worker group starts, exchanged through the workers' store, when
+    no agent hosts that store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); [] otherwise (gRPC then meets
+    one port above the agent's store, at MASTER_PORT + 1).
+
+    Without the agent's store worker rank 0 hosts it at MASTER_PORT, as torch.distributed's env://
+    rendezvous would, for the whole life of the process: the elastic membership meets there, so
+    rank 0's gRPC server must not take that port, and listens on a fresh one like every other rank's.
+    """
+    global _hosted
+    if size < 2 or not active() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return []
+    import torch.distributed as dist
+
+    current = job()
+    host, _, port = current.address.rpartition(":")
+    if rank == 0 and _hosted is None:
+        try:
+            _hosted = dist.TCPStore(
+                host.strip("[]"), int(port), is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+            )
+        except (RuntimeError, ValueError) as error:
+            raise MembershipError(
+                f"worker rank 0 could not host the workers' store at MASTER_PORT={port} ({error}): "
+                "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun leaves that port to rank 0; is "
+                "another process listening on it?"
+            ) from None
+    store = current.store()
+    run_id = os.environ.get(RUN_ID_VARIABLE, "")
+    try:
+        return _grpc_peers(store, f"commsched.grpc.{run_id}.first", Assignment(rank, size, 0, 0), timeout)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise MembershipError(
+            f"the {size} gRPC ranks did not all write their addresses to the workers' store at "
+            f"{current.address} within {timeout.total_seconds():g}s ({first}): did every worker start? "
+            "(the wait is the larger stall limit, COMMSCHED_STALL_TIMEOUT or COMMSCHED_STALL_SHUTDOWN)"
+        ) from None
+
+
+# The workers' store when this worker hosts it (first_grpc_peers): it lives as long as the process.
+_hosted: Any = None
 
 
 def _grpc_peers(store: Any, base: str, assignment: Assignment, timeout: datetime.timedelta) -> list[str]:

@@ -7,7 +7,9 @@ SIGTERM each worker restores its last commit and keeps it in a file in /dev/shm 
 id, its agent's pid and its local rank, where its successor on the same node finds it. The new
 worker group gathers which ranks found one; the ranks that did come first (they are renumbered if
 the group's own numbering puts a joining node first), each loads its own, the reset callbacks run,
-and the state sync makes every rank rank 0's, the joining node's workers included.
+and the state sync makes every rank rank 0's, the joining node's workers included. A
+DistributedOptimizer(shard=True) is kept in its plain form and laid out afresh at the new size on
+every rank, as after a failure (elastic_shard).
 
 A SIGTERM during commit() waits until the commit is whole. A file whose agent ended without
 starting new workers is removed by a small watcher process once that agent is gone.
@@ -142,12 +144,22 @@ def keep_and_exit(state: Any) -> None:
     os._exit(128 + signal.SIGTERM)
 
 
+def _tracked(state: Any) -> dict[str, Any]:
+    """The objects with a state_dict() that `state` commits (a State of the program's own: none)."""
+    tracked = getattr(state, "tracked", None)
+    return tracked() if callable(tracked) else {}
+
+
 def _snapshot(state: Any) -> dict[str, Any]:
-    """The restored state: each tracked object's state_dict() (TorchState) and the plain objects."""
-    handlers = getattr(state, "_handlers", {})
+    """The restored state: each tracked object's state_dict() (TorchState) and the plain objects.
+
+    A DistributedOptimizer(shard=True) gives its plain per-parameter form here: restore() joined
+    every rank's shard of the commit and took it back to before its layout (elastic_shard).
+    """
+    committed = getattr(state, "committed_objects", None)
     return {
-        "objects": {name: handler.value.state_dict() for name, handler in handlers.items()},
-        "plain": dict(getattr(state, "_saved_state", {})),
+        "objects": {name: value.state_dict() for name, value in _tracked(state).items()},
+        "plain": committed() if callable(committed) else {},
     }
 
 
@@ -172,14 +184,32 @@ def _load(data: bytes) -> dict[str, Any]:
 
 def _apply(state: Any, snapshot: dict[str, Any]) -> None:
     """Loads a snapshot into `state` and commits it."""
-    handlers = getattr(state, "_handlers", {})
+    tracked = _tracked(state)
     for name, saved in snapshot["objects"].items():
-        if name in handlers:
-            handlers[name].value.load_state_dict(saved)
+        if name in tracked:
+            tracked[name].load_state_dict(saved)
     if snapshot["plain"]:
-        object.__setattr__(state, "_saved_state", snapshot["plain"])
-        state._set_attrs()
+        state.load_committed_objects(snapshot["plain"])
     state.save()
+
+
+def _lay_out_afresh(state: Any) -> None:
+    """Takes every DistributedOptimizer(shard=True) of `state` back to before its layout, on every rank.
+
+    Built as the group started (without model=), its state is cut for that group's ranks: the kept
+    commit (the plain form) then loads as a whole optimizer's, the keepers' commit of it gathers no
+    shards from the joining worker, which is in the state sync meanwhile, the sync hands every rank
+    the plain form, and every rank lays its buckets out and cuts the state again at its next
+    forward or first gradient, as after a re-forming (elastic_shard).
+    """
+    sharded = [value for value in _tracked(state).values() if getattr(value, "sharded", False)]
+    if not sharded:
+        return
+    from commsched.torch import elastic_shard
+
+    for optimizer in sharded:
+        if elastic_shard.built(optimizer):
+            elastic_shard.unbuild(optimizer)
 
 
 def resume(state: Any) -> bool:
@@ -202,15 +232,7 @@ def resume(state: Any) -> bool:
                 "handler; was SIGTERM handled by the program, or were the workers killed?)"
             )
         return False
-    if not all(held) and any(
-        getattr(h.value, "sharded", False) for h in getattr(state, "_handlers", {}).values()
-    ):
-        # Every rank decides on the same gathered list, so all refuse together instead of one waiting.
-        raise MembershipError(
-            "a node joined under torchrun, and DistributedOptimizer(shard=True) cannot hand the joining "
-            "worker its shard of the kept commit; grow a sharded job with commsched-run --min-np N "
-            "--max-np M --host-discovery-script S, or pass shard=False"
-        )
+    _lay_out_afresh(state)
     order = [rank for rank, has in enumerate(held) if has] + [
         rank for rank, has in enumerate(held) if not has
     ]

@@ -110,6 +110,13 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
     if launch.size < 1:
         raise ValueError("COMMSCHED_TRANSPORT=grpc needs the number of ranks: set WORLD_SIZE")
     peers = parse_peers(os.environ.get("COMMSCHED_GRPC_PEERS", ""))
+    if not peers:  # under torchrun without the agent's store: through the store rank 0 hosts
+        import datetime
+
+        from commsched.elastic import torchrun
+
+        wait = datetime.timedelta(seconds=max(settings.stall_timeout, settings.stall_shutdown))
+        peers = torchrun.first_grpc_peers(launch.rank, launch.size, wait)
     endpoint = endpoint_from(
         launch.rank,
         launch.size,

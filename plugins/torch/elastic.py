@@ -247,6 +247,10 @@ class TorchState(ObjectState):
             self._start_background()
         super().__init__(bcast_object=broadcast_object, get_rank=commsched.rank, **plain)
 
+    def tracked(self) -> dict[str, Any]:
+        """The models, optimizers and ElasticSamplers this state commits, by name."""
+        return {name: handler.value for name, handler in self._handlers.items()}
+
     def _start_background(self) -> None:
         """Commits model and optimizer in the background from now on, starting with their current state."""
         if self._background is not None:
