@@ -98,11 +98,13 @@ ControlPath::ControlPath(ControlChannel mode, const std::string& address_overrid
   channel_ = std::move(channel);
 }
 
-std::vector<std::string> ControlPath::exchange(const std::string& mine, double timeout_s, bool critical) {
-  if (!channel_) return transport_.exchange(mine, timeout_s);
+bool ControlPath::exchange_until(const std::string& mine, double timeout_s, bool critical,
+                                 std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports) {
+  if (!channel_) return transport_.exchange_until(mine, timeout_s, yield_at, reports);
   try {
-    return channel_->exchange(mine, timeout_s,
-                              spins_ && critical ? kCriticalRoundSpin : std::chrono::microseconds(0));
+    return channel_->exchange_until(mine, timeout_s,
+                                    spins_ && critical ? kCriticalRoundSpin : std::chrono::microseconds(0), yield_at,
+                                    reports);
   } catch (const control::PeerLost& lost) {
     transport_.peer_lost(lost.what(), lost.rank());
     throw;

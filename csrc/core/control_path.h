@@ -3,6 +3,7 @@
 // transport's exchange.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,10 +23,13 @@ class ControlPath {
   ControlPath(ControlChannel mode, const std::string& address_override, Transport& transport, double timeout_s,
               const Logger& logger);
 
-  // Every rank's report, indexed by rank; throws CommError as Transport::exchange does. A
-  // `critical` round (nothing else in flight waits on the link) spins on the channel briefly
-  // where every rank shares this host and has a core for it (spins_on_critical_rounds()).
-  std::vector<std::string> exchange(const std::string& mine, double timeout_s, bool critical = false);
+  // Every rank's report, indexed by rank, in `reports`; throws CommError as Transport::exchange
+  // does. A `critical` round (nothing else in flight waits on the link) spins on the channel
+  // briefly where every rank shares this host and has a core for it (spins_on_critical_rounds()).
+  // Returns false once `yield_at` passed with the round unfinished, which stays open for the next
+  // call (any thread, the same `mine`): a caller's wait keeps its timeout (Transport::exchange_until).
+  bool exchange_until(const std::string& mine, double timeout_s, bool critical,
+                      std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports);
 
   // True when reports travel over the TCP control channel.
   bool over_channel() const { return channel_ != nullptr; }

@@ -198,14 +198,19 @@ class Runtime {
   using Clock = std::chrono::steady_clock;
 
   void loop();
-  // Runs one agreement round and what it admits; false once the runtime has stopped.
-  bool run_round();
+  // Runs one agreement round and what it admits; false once the runtime has stopped. Once
+  // `yield_at` passed with the exchange unfinished it returns true with the round left open
+  // (round_open_), for the next driver to go on with.
+  bool run_round(Clock::time_point yield_at = Clock::time_point::max());
+  // Takes what waits in the inbox into a new round's report (open_report_).
+  void open_round();
   // Background thread: returns holding the driver role once a round is due, false once stopped.
   bool wait_for_news();
   // A waiting caller's turn at the core, driver role held: a round if one is due, else a poll.
   // Returns when the caller should look again without the role.
-  // `due`: a round is due by the state the caller saw under the lock.
-  Clock::time_point drive_for_caller(bool due);
+  // `due`: a round is due by the state the caller saw under the lock; `give_up`: the caller's
+  // deadline, at which it leaves a round it cannot finish open.
+  Clock::time_point drive_for_caller(bool due, Clock::time_point give_up);
   // Wakes the core's thread and every waiting caller: there is news for whoever drives.
   void wake_all();
   // Wakes the core's thread alone, from whichever sleep it is in.
@@ -320,6 +325,13 @@ class Runtime {
   Clock::duration heartbeat_;
   std::vector<Submission> intake_;  // take_submissions' batch, kept for its capacity
   CycleOutcome outcome_;  // run_round's, kept for its capacity
+  // The round in progress: one a caller left open at its deadline stays here for the next driver.
+  bool round_open_ = false;
+  std::string open_report_;
+  bool open_had_news_ = false;
+  bool open_critical_ = false;
+  uint64_t open_exchange_start_us_ = 0;
+  std::vector<std::string> round_reports_;  // kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::map<int32_t, Scheduler> set_schedulers_;  // process sets other than 0
   NodeRecycler<std::unordered_map<uint64_t, LocalTensor>> tensor_nodes_;

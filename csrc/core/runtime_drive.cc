@@ -43,8 +43,8 @@ void Runtime::loop() {
 }
 
 bool Runtime::round_due_locked(Clock::time_point now) const {
-  return !inbox_.empty() || refusals_waiting_ || join_requested_ || shutdown_requested_ || !abort_message_.empty() ||
-         !abort_requested_.empty() || now >= next_round_;
+  return round_open_ || !inbox_.empty() || refusals_waiting_ || join_requested_ || shutdown_requested_ ||
+         !abort_message_.empty() || !abort_requested_.empty() || now >= next_round_;
 }
 
 bool Runtime::poll_for_news() {
@@ -154,9 +154,10 @@ bool Runtime::wait(const HandleState& handle, double timeout_s, bool until_launc
       doorbell_rang_ = false;  // this pass polls whatever rang it
       const bool due = round_due_locked(now);
       lock.unlock();
-      look_again = std::min(look_again, drive_for_caller(due));
+      look_again = std::min(look_again, drive_for_caller(due, give_up));
       // What this caller leaves behind needs the core's thread once no caller waits.
-      leave_work = !in_flight_.empty() || scheduler_.queued_chunks() > 0 || agreement_.waiting_on_others();
+      leave_work = round_open_ || !in_flight_.empty() || scheduler_.queued_chunks() > 0 ||
+                   agreement_.waiting_on_others();
       lock.lock();
       // Not for a heartbeat due soon: the core's thread looks each cycle by itself, and a
       // wake-up per collective here kept it bouncing in and out of its sleep.
@@ -193,7 +194,7 @@ bool Runtime::wait(const HandleState& handle, double timeout_s, bool until_launc
   return handle.wait(std::max(0.0, std::chrono::duration<double>(give_up - Clock::now()).count()));
 }
 
-Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
+Runtime::Clock::time_point Runtime::drive_for_caller(bool due, Clock::time_point give_up) {
   due = poll_for_news() || due;
   if (!due && poll_interval_.count() == 0) {
     // A transport that moves data only while tested (MPI progresses a large message inside its
@@ -201,49 +202,62 @@ Runtime::Clock::time_point Runtime::drive_for_caller(bool due) {
     for (unsigned tests = 1; tests < kTestsPerBurst && !due && !in_flight_.empty(); ++tests) due = poll_for_news();
   }
   if (due) {
-    run_round();
+    run_round(give_up);
     return Clock::time_point::min();  // look again at once
   }
   if (!in_flight_.empty()) return Clock::now() + poll_interval_;
   return next_round_;
 }
 
-bool Runtime::run_round() {
+void Runtime::open_round() {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    if (abort_message_.empty() && !abort_requested_.empty()) abort_message_ = abort_requested_;
+  }
+  ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
+  take_set_changes();  // before the submissions: a set's first collective may be among them
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    status.join = join_requested_;
+    join_requested_ = false;
+  }
+  take_refusals();
+  take_submissions(status);
+  open_had_news_ = agreement_.has_announcements();
+  open_exchange_start_us_ = timeline_.stamp_us();
+  if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, open_exchange_start_us_);
+  timeline_.flush_if_due(open_exchange_start_us_);
+  // With nothing in flight a round carrying news is all this rank waits on: worth a brief spin.
+  // Heartbeats and retries while a slower rank catches up sleep, so waiting costs no CPU.
+  open_critical_ = open_had_news_ && in_flight_.empty();
+  open_report_ = agreement_.build_report(status);
+  round_open_ = true;
+}
+
+bool Runtime::run_round(Clock::time_point yield_at) {
   CycleOutcome& outcome = outcome_;
   // Read once: a round on shared memory takes a few microseconds, and each read ~20 ns.
   Clock::time_point after_exchange;
   try {
-    {
-      std::lock_guard<std::mutex> lock(inbox_mutex_);
-      if (abort_message_.empty() && !abort_requested_.empty()) abort_message_ = abort_requested_;
+    if (!round_open_) open_round();
+    // A caller whose deadline comes first leaves the round open: its wait returns on time, and the
+    // next driver goes on with the same report (a stopped peer would hold it until the stall limit).
+    if (!control_.exchange_until(open_report_, exchange_timeout_s_, open_critical_, yield_at, round_reports_)) {
+      return true;
     }
-    ReportStatus status{completed_bytes_, shutdown_requested_.load(), abort_message_};
-    take_set_changes();  // before the submissions: a set's first collective may be among them
-    {
-      std::lock_guard<std::mutex> lock(inbox_mutex_);
-      status.join = join_requested_;
-      join_requested_ = false;
-    }
-    take_refusals();
-    take_submissions(status);
-    const bool had_news = agreement_.has_announcements();
-    const uint64_t exchange_start_us = timeline_.stamp_us();
-    if (timeline_.marks_cycles()) timeline_.instant("CYCLE_START", Timeline::kAgreementTrack, exchange_start_us);
-    timeline_.flush_if_due(exchange_start_us);
-    // With nothing in flight a round carrying news is all this rank waits on: worth a brief spin.
-    // Heartbeats and retries while a slower rank catches up sleep, so waiting costs no CPU.
-    const bool critical = had_news && in_flight_.empty();
-    const std::vector<std::string> reports =
-        control_.exchange(agreement_.build_report(status), exchange_timeout_s_, critical);
+    round_open_ = false;
     after_exchange = Clock::now();
-    agreement_.apply(reports, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
-    if (timeline_.enabled() && (had_news || !outcome.agreed.empty())) {
-      timeline_.complete("agree", Timeline::kAgreementTrack, exchange_start_us, Timeline::now_us() - exchange_start_us,
+    agreement_.apply(round_reports_, std::chrono::duration<double>(after_exchange - started_).count(), outcome);
+    if (timeline_.enabled() && (open_had_news_ || !outcome.agreed.empty())) {
+      timeline_.complete("agree", Timeline::kAgreementTrack, open_exchange_start_us_,
+                         Timeline::now_us() - open_exchange_start_us_,
                          "{\"agreed\":" + std::to_string(outcome.agreed.size()) + "}");
     }
     stats_.cycles.fetch_add(1, std::memory_order_relaxed);
     if (control_.over_channel()) stats_.control_channel_rounds.fetch_add(1, std::memory_order_relaxed);
-    if (critical && control_.spins_on_critical_rounds()) stats_.spun_rounds.fetch_add(1, std::memory_order_relaxed);
+    if (open_critical_ && control_.spins_on_critical_rounds()) {
+      stats_.spun_rounds.fetch_add(1, std::memory_order_relaxed);
+    }
     stats_.cached_names.store(agreement_.cached_names(), std::memory_order_relaxed);
   } catch (const control::PeerLost& lost) {
     // The control channel knows which rank it lost: handles then name it (RankFailure.rank).

@@ -132,6 +132,17 @@ class Transport {
   // `timeout_s` seconds without every rank joining.
   virtual std::vector<std::string> exchange(const std::string& mine, double timeout_s) = 0;
 
+  // exchange() for a caller with a deadline of its own: false once `yield_at` passed with the
+  // exchange unfinished, which stays open; the next call, from any thread and with the same
+  // `mine`, goes on with it, and `timeout_s` counts from the first. True with `reports` set once
+  // complete. A transport that cannot leave an exchange halfway runs it whole.
+  virtual bool exchange_until(const std::string& mine, double timeout_s,
+                              std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports) {
+    (void)yield_at;
+    reports = exchange(mine, timeout_s);
+    return true;
+  }
+
   // Starts a collective (allreduce and broadcast in place on `op.data`). Every rank starts
   // collectives in the same order (the agreement guarantees it). Only what unsupported() accepts
   // arrives here.

@@ -264,22 +264,38 @@ bool TcpControlChannel::receive_from(int peer, std::vector<std::string>& reports
 
 std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, double timeout_s,
                                                      std::chrono::microseconds spin) {
+  std::vector<std::string> reports;
+  exchange_until(mine, timeout_s, spin, Clock::time_point::max(), reports);
+  return reports;
+}
+
+bool TcpControlChannel::exchange_until(const std::string& mine, double timeout_s, std::chrono::microseconds spin,
+                                       Clock::time_point yield_at, std::vector<std::string>& reports_out) {
   if (!broken_.empty()) throw PeerLost(broken_, broken_rank_);
-  if (mine.size() > kMaxFrameBytes) {
-    throw CommError("control channel: this rank's report of " + std::to_string(mine.size()) +
-                    " bytes is over the limit of " + std::to_string(kMaxFrameBytes) + " bytes");
+  if (!round_open_) {
+    if (mine.size() > kMaxFrameBytes) {
+      throw CommError("control channel: this rank's report of " + std::to_string(mine.size()) +
+                      " bytes is over the limit of " + std::to_string(kMaxFrameBytes) + " bytes");
+    }
+    frame_.resize(kFrameHeaderBytes);
+    encode_frame_header(round_, static_cast<uint32_t>(mine.size()), frame_.data());
+    frame_ += mine;
+    reports_.assign(static_cast<size_t>(size_), std::string());
+    for (PeerState& state : states_) state = PeerState{};
+    round_timeout_s_ = timeout_s;
+    round_deadline_ = timeout_s < 0 ? Clock::time_point::max()
+                                    : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                         std::chrono::duration<double>(timeout_s));
+    spin_until_ = spin.count() > 0 ? Clock::now() + spin : Clock::time_point::min();
+    round_open_ = true;
   }
-  frame_.resize(kFrameHeaderBytes);
-  encode_frame_header(round_, static_cast<uint32_t>(mine.size()), frame_.data());
-  frame_ += mine;
-  std::vector<std::string> reports(static_cast<size_t>(size_));
-  for (PeerState& state : states_) state = PeerState{};
-  const auto deadline = timeout_s < 0 ? Clock::time_point::max()
-                                      : Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                           std::chrono::duration<double>(timeout_s));
-  const auto spin_until = spin.count() > 0 ? Clock::now() + spin : Clock::time_point::min();
+  std::vector<std::string>& reports = reports_;
+  const double round_timeout_s = round_timeout_s_;
+  const Clock::time_point deadline = round_deadline_;
+  const Clock::time_point spin_until = spin_until_;
   std::vector<pollfd> polled;
   std::vector<int> polled_peers;
+  bool past_yield = false;
   while (true) {
     polled.clear();
     polled_peers.clear();
@@ -293,9 +309,13 @@ std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, do
       polled_peers.push_back(peer);
     }
     if (polled.empty()) break;
-    const int ready = poll(polled.data(), polled.size(), Clock::now() < spin_until ? 0 : poll_timeout_ms(deadline));
+    if (past_yield) return false;  // the round stays open for the next call
+    const int wait_ms = Clock::now() < spin_until ? 0 : poll_timeout_ms(std::min(deadline, yield_at));
+    const int ready = poll(polled.data(), polled.size(), wait_ms);
     if (ready < 0 && errno != EINTR) fail(std::string("control channel: poll failed: ") + std::strerror(errno), -1);
-    if (ready == 0 && Clock::now() >= deadline) {
+    const auto now = Clock::now();
+    past_yield = now >= yield_at;
+    if (ready == 0 && now >= deadline) {
       std::vector<int> silent;
       for (int peer : polled_peers) {
         if (states_[peer].body_known && states_[peer].body_got >= reports[peer].size()) continue;
@@ -303,7 +323,7 @@ std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, do
       }
       if (silent.empty()) silent = polled_peers;  // only our sends are stuck: they stopped reading
       fail("control channel: no report from rank" + std::string(silent.size() == 1 ? " " : "s ") + rank_list(silent) +
-               " within " + seconds_text(timeout_s) + "s: " + (silent.size() == 1 ? "it" : "they") +
+               " within " + seconds_text(round_timeout_s) + "s: " + (silent.size() == 1 ? "it" : "they") +
                " stopped taking part (crashed, hung, stopped, or never called commsched.init())",
            silent.front());
     }
@@ -326,9 +346,11 @@ std::vector<std::string> TcpControlChannel::exchange(const std::string& mine, do
       }
     }
   }
-  reports[rank_] = mine;
+  reports[rank_].assign(frame_, kFrameHeaderBytes, std::string::npos);
   ++round_;
-  return reports;
+  round_open_ = false;
+  reports_out.swap(reports);
+  return true;
 }
 
 }  // namespace commsched::control

@@ -35,6 +35,12 @@ class TcpControlChannel {
   // throws the same error.
   std::vector<std::string> exchange(const std::string& mine, double timeout_s,
                                     std::chrono::microseconds spin = std::chrono::microseconds(0));
+  // exchange() for a caller with a deadline of its own: false once `yield_at` passed with the round
+  // unfinished, which stays open; the next call (from any thread) goes on with it, its `mine`,
+  // `timeout_s` and `spin` then unused: the round keeps its first deadline. True with `reports` set
+  // once the round is complete.
+  bool exchange_until(const std::string& mine, double timeout_s, std::chrono::microseconds spin,
+                      Clock::time_point yield_at, std::vector<std::string>& reports);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -75,6 +81,12 @@ class TcpControlChannel {
   uint32_t round_ = 0;
   std::string frame_;  // this round's outgoing frame, kept for its capacity
   std::vector<PeerState> states_;
+  // The round in progress, which a caller with a deadline may leave open for the next call.
+  bool round_open_ = false;
+  std::vector<std::string> reports_;
+  double round_timeout_s_ = -1;
+  Clock::time_point round_deadline_;
+  Clock::time_point spin_until_;
   std::string broken_;  // why the channel failed; empty while it works
   int broken_rank_ = -1;
 };

@@ -25,6 +25,10 @@ class CudaAwareMpiTransport : public Transport {
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override {
     return mpi_->exchange(mine, timeout_s);
   }
+  bool exchange_until(const std::string& mine, double timeout_s, std::chrono::steady_clock::time_point yield_at,
+                      std::vector<std::string>& reports) override {
+    return mpi_->exchange_until(mine, timeout_s, yield_at, reports);
+  }
   // MPI reads the bytes as soon as the collective starts: the producer must have finished by then.
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return mpi_->any_thread(); }

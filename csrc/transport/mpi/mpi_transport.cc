@@ -80,29 +80,46 @@ void fill(const std::vector<uint64_t>& counts, std::vector<Count>& out_counts, s
 // allreduce), then yielding between tests for a short while, then with short sleeps, so
 // waiting ranks leave the CPU to others (ranks often outnumber cores on a test machine).
 // The spin stays short: at 50 us, rounds came so fast that small tensors stopped fusing.
-// Returns false when `timeout_s` passed first (the requests stay pending).
-bool wait_polling(MPI_Request* requests, int count, double timeout_s, const char* what) {
+// kTimedOut when `timeout_s` passed since `started` (the requests stay pending); `started`, when
+// unset (min), is set at the 8th test: a peer already waiting answers before that, unclocked.
+// kYielded when `yield_at` passed first, the requests pending for the next call.
+enum class Polled { kDone, kTimedOut, kYielded };
+
+Polled poll_requests(MPI_Request* requests, int count, double timeout_s, std::chrono::steady_clock::time_point& started,
+                     std::chrono::steady_clock::time_point yield_at, const char* what) {
   constexpr auto kSpinFor = std::chrono::microseconds(4);
   constexpr auto kYieldFor = std::chrono::microseconds(200);
-  // The clock starts at the 8th test: a peer already waiting answers before that, unclocked.
-  std::chrono::steady_clock::time_point start;
+  using Clock = std::chrono::steady_clock;
+  // Spinning and yielding count from this call: a resumed exchange tests its peers at once.
+  Clock::time_point call_start;
   int sleeps = 0;
   for (unsigned tests = 1;; ++tests) {
     int flag = 0;
     check(MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE), what);
-    if (flag) return true;
+    if (flag) return Polled::kDone;
     if (tests % 8 != 0) continue;  // a test costs ~60 ns, a clock read ~20
-    const auto now = std::chrono::steady_clock::now();
-    if (tests == 8) start = now;
-    const auto waited = now - start;
+    const auto now = Clock::now();
+    if (tests == 8) {
+      call_start = now;
+      if (started == Clock::time_point::min()) started = now;
+    }
+    if (now >= yield_at) return Polled::kYielded;
+    const auto waited = now - call_start;
     if (waited < kSpinFor) continue;
     if (waited < kYieldFor) {
       std::this_thread::yield();
       continue;
     }
-    if (timeout_s >= 0 && waited > std::chrono::duration<double>(timeout_s)) return false;
+    if (timeout_s >= 0 && now - started > std::chrono::duration<double>(timeout_s)) return Polled::kTimedOut;
     std::this_thread::sleep_for(std::chrono::microseconds(++sleeps < 1024 ? 10 : 200));
   }
+}
+
+// Returns false when `timeout_s` passed first (the requests stay pending).
+bool wait_polling(MPI_Request* requests, int count, double timeout_s, const char* what) {
+  auto started = std::chrono::steady_clock::time_point::min();
+  return poll_requests(requests, count, timeout_s, started, std::chrono::steady_clock::time_point::max(), what) ==
+         Polled::kDone;
 }
 
 std::string seconds_text(double seconds) {
@@ -278,6 +295,13 @@ MPI_Op MpiTransport::reduce_op(DType dtype, ReduceOp op) const {
 }
 
 std::vector<std::string> MpiTransport::exchange(const std::string& mine, double timeout_s) {
+  std::vector<std::string> reports;
+  exchange_until(mine, timeout_s, std::chrono::steady_clock::time_point::max(), reports);
+  return reports;
+}
+
+bool MpiTransport::exchange_until(const std::string& mine, double timeout_s,
+                                  std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports) {
   // One exchange of equal slots carries every report in the common case; only reports
   // longer than a slot need a second, an allgatherv of their tails.
   const size_t slot_size = slot_bytes_;
@@ -286,39 +310,50 @@ std::vector<std::string> MpiTransport::exchange(const std::string& mine, double 
   // Kept across rounds: a round on shared memory costs ~1 us, and each allocation ~30 ns.
   std::string& slot = send_slot_;
   std::string& slots = received_slots_;
-  slot.resize(slot_size);  // past the report the slot's bytes are never read: not cleared
   const auto length = static_cast<uint32_t>(mine.size());
-  std::memcpy(slot.data(), &length, sizeof(length));
-  std::memcpy(slot.data() + sizeof(length), mine.data(), std::min(mine.size(), in_slot));
-  slots.resize(slot_size * static_cast<size_t>(size_));
-  const int slot_count = static_cast<int>(slot_size);
-  if (size_ <= kDirectExchangeMaxRanks) {
-    // Every rank sends its slot to every other: at 2 ranks on shared memory that took 0.6 us
-    // where MPICH's nonblocking allgather, which runs a general schedule, took 1.3.
+  const bool direct = size_ <= kDirectExchangeMaxRanks;
+  if (!exchange_open_) {
+    slot.resize(slot_size);  // past the report the slot's bytes are never read: not cleared
+    std::memcpy(slot.data(), &length, sizeof(length));
+    std::memcpy(slot.data() + sizeof(length), mine.data(), std::min(mine.size(), in_slot));
+    slots.resize(slot_size * static_cast<size_t>(size_));
+    const int slot_count = static_cast<int>(slot_size);
     requests_.clear();
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
+    if (direct) {
+      // Every rank sends its slot to every other: at 2 ranks on shared memory that took 0.6 us
+      // where MPICH's nonblocking allgather, which runs a general schedule, took 1.3.
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        requests_.emplace_back();
+        check(MPI_Irecv(slots.data() + peer * slot_size, slot_count, MPI_BYTE, peer, kExchangeTag, control_,
+                        &requests_.back()),
+              "Irecv");
+      }
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        requests_.emplace_back();
+        check(MPI_Isend(slot.data(), slot_count, MPI_BYTE, peer, kExchangeTag, control_, &requests_.back()),
+              "Isend");
+      }
+    } else {
       requests_.emplace_back();
-      check(MPI_Irecv(slots.data() + peer * slot_size, slot_count, MPI_BYTE, peer, kExchangeTag, control_,
-                      &requests_.back()),
-            "Irecv");
+      check(MPI_Iallgather(slot.data(), slot_count, MPI_BYTE, slots.data(), slot_count, MPI_BYTE, control_,
+                           &requests_.back()),
+            "Iallgather");
     }
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
-      requests_.emplace_back();
-      check(MPI_Isend(slot.data(), slot_count, MPI_BYTE, peer, kExchangeTag, control_, &requests_.back()), "Isend");
-    }
-    if (!wait_polling(requests_.data(), static_cast<int>(requests_.size()), timeout_s, "agreement exchange")) {
-      throw_exchange_timeout(silent_peers(), timeout_s);
-    }
-  } else {
-    MPI_Request request;
-    check(MPI_Iallgather(slot.data(), slot_count, MPI_BYTE, slots.data(), slot_count, MPI_BYTE, control_, &request),
-          "Iallgather");
-    if (!wait_polling(&request, 1, timeout_s, "agreement exchange")) throw_exchange_timeout({}, timeout_s);
+    exchange_open_ = true;
+    exchange_timeout_s_ = timeout_s;
+    exchange_started_ = std::chrono::steady_clock::time_point::min();
+  }
+  const Polled polled = poll_requests(requests_.data(), static_cast<int>(requests_.size()), exchange_timeout_s_,
+                                      exchange_started_, yield_at, "agreement exchange");
+  if (polled == Polled::kYielded) return false;
+  exchange_open_ = false;
+  if (polled == Polled::kTimedOut) {
+    throw_exchange_timeout(direct ? silent_peers() : std::vector<int>{}, exchange_timeout_s_);
   }
 
-  std::vector<std::string> reports(static_cast<size_t>(size_));
+  reports.assign(static_cast<size_t>(size_), std::string());
   uint64_t tail_total = 0;
   uint64_t longest = 0;
   // This rank's report is `mine` (the direct exchange leaves its own slot unfilled).
@@ -336,7 +371,7 @@ std::vector<std::string> MpiTransport::exchange(const std::string& mine, double 
     longest = std::max<uint64_t>(longest, their_length);
   }
   resize_slot(longest + sizeof(uint32_t));
-  if (tail_total == 0) return reports;
+  if (tail_total == 0) return true;
   if (tail_total > static_cast<uint64_t>(INT_MAX)) throw CommError("agreement reports exceed 2 GiB");
   std::vector<int> tail_counts(static_cast<size_t>(size_));
   std::vector<int> tail_offsets(static_cast<size_t>(size_));
@@ -353,9 +388,12 @@ std::vector<std::string> MpiTransport::exchange(const std::string& mine, double 
   check(MPI_Iallgatherv(mine.data() + std::min(mine.size(), in_slot), my_tail, MPI_BYTE, tails.data(),
                         tail_counts.data(), tail_offsets.data(), MPI_BYTE, control_, &request),
         "Iallgatherv");
-  if (!wait_polling(&request, 1, timeout_s, "agreement exchange")) throw_exchange_timeout({}, timeout_s);
+  // The tails follow at once on every rank that sent its slot: they block, under the round's limit.
+  if (!wait_polling(&request, 1, exchange_timeout_s_, "agreement exchange")) {
+    throw_exchange_timeout({}, exchange_timeout_s_);
+  }
   for (int r = 0; r < size_; ++r) reports[r].append(tails, tail_offsets[r], tail_counts[r]);
-  return reports;
+  return true;
 }
 
 std::vector<int> MpiTransport::silent_peers() const {

@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
@@ -27,6 +28,8 @@ class MpiTransport : public Transport {
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
+  bool exchange_until(const std::string& mine, double timeout_s, std::chrono::steady_clock::time_point yield_at,
+                      std::vector<std::string>& reports) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return true; }
   // MPI's exchange between ranks of one host runs over its shared memory.
@@ -70,6 +73,10 @@ class MpiTransport : public Transport {
   uint64_t slot_bytes_ = kMinSlotBytes;  // bytes per rank of the agreement allgather
   std::string send_slot_, received_slots_;  // exchange()'s buffers, kept for their capacity
   std::vector<MPI_Request> requests_;
+  // An exchange a caller with a deadline left open (exchange_until): its requests are requests_.
+  bool exchange_open_ = false;
+  double exchange_timeout_s_ = -1;
+  std::chrono::steady_clock::time_point exchange_started_;  // min until the clock starts
   int rank_ = 0;
   int size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;  // 16-bit floats as opaque 2-byte elements

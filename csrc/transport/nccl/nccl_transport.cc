@@ -67,8 +67,15 @@ NcclTransport::NcclTransport(std::shared_ptr<const Api> api, std::unique_ptr<Tra
 NcclTransport::~NcclTransport() = default;
 
 std::vector<std::string> NcclTransport::exchange(const std::string& mine, double timeout_s) {
+  std::vector<std::string> reports;
+  exchange_until(mine, timeout_s, std::chrono::steady_clock::time_point::max(), reports);
+  return reports;
+}
+
+bool NcclTransport::exchange_until(const std::string& mine, double timeout_s,
+                                   std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports) {
   try {
-    return control_->exchange(mine, timeout_s);
+    return control_->exchange_until(mine, timeout_s, yield_at, reports);
   } catch (...) {
     // The other ranks are gone or unreachable: NCCL kernels waiting for them would never end.
     comm_->abort();

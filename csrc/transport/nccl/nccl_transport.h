@@ -24,6 +24,8 @@ class NcclTransport : public Transport {
   int size() const override { return control_->size(); }
   std::string name() const override { return "nccl"; }
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
+  bool exchange_until(const std::string& mine, double timeout_s, std::chrono::steady_clock::time_point yield_at,
+                      std::vector<std::string>& reports) override;
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   // One cudaEventQuery per poll: cheap, and the GPU does the work meanwhile.
   std::chrono::microseconds poll_interval() const override { return std::chrono::microseconds(20); }
