@@ -27,8 +27,9 @@ from commsched.torch import _optimizer_args as _args
 from commsched.torch import _shard_layout as layout
 from commsched.torch import _shard_state as _state
 from commsched.torch import _shard_step, _wire, elastic_shard
-from commsched.torch._order import ForwardOrder, ModuleWaits
+from commsched.torch._order import ForwardOrder
 from commsched.torch._reducer import bucket_limit
+from commsched.torch._shard_order import FirstUse, ShardWaits
 from commsched.torch.compression import Compression
 from commsched.torch.optimizer import DistributedOptimizer
 
@@ -44,9 +45,11 @@ class ShardedOptimizer(DistributedOptimizer):
     """DistributedOptimizer(..., shard=True): ZeRO-2 sharding of gradients and optimizer state."""
 
     sharded = True  # each rank holds a shard of the state (commsched.torch.Checkpointer asks)
-    # False: step() waits for every reduce-scatter before any update (the unpipelined step, kept to
-    # measure the pipelining against and to check both give the same parameters).
+    # False, kept to measure against and to check both give the same parameters: _pipelined, step()
+    # waits for every reduce-scatter before any update; _first_use, parameters used outside their own
+    # module are sent last and settled before the root module (the layout before _shard_order).
     _pipelined = True
+    _first_use = True
 
     def __init__(
         self,
@@ -114,7 +117,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._unused: set[int] = set()
         self._layouts = 0
         self._handles: list[Any] = []
-        self._waits: ModuleWaits | None = None
+        self._waits: ShardWaits | None = None
         self._recorder: ForwardOrder | None = None
         # A checkpoint loaded before the layout exists: (layout, this rank's shard, values, plain form).
         self._deferred: tuple[dict[str, Any], Any, Any, Callable[[], dict[str, Any]]] | None = None
@@ -124,7 +127,7 @@ class ShardedOptimizer(DistributedOptimizer):
             if param.requires_grad:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
         if model is not None:
-            self._recorder = ForwardOrder(model, self._on_forward_order)
+            self._recorder = (FirstUse if self._first_use else ForwardOrder)(model, self._on_forward_order)
         elif not elastic_shard.joining():
             self._build([])
         # else: the others lay theirs out at their first gradient after the state sync, so it does too.
@@ -190,7 +193,8 @@ class ShardedOptimizer(DistributedOptimizer):
             self._cut(full_state)
         self._built = True
         if self._overlap and self._model is not None:
-            self._waits = ModuleWaits(self._model, set(self._where), self._settle)
+            users = getattr(self._recorder, "users", {})
+            self._waits = ShardWaits(self._model, set(self._where), self._settle, users)
             owned = {id(p) for p in self._model.parameters()}
             self._waits.set_reached(order, [p for p in self._parameters() if id(p) not in owned])
 
