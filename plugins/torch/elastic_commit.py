@@ -13,11 +13,13 @@ commit. Changes made outside optimizer.step() (load_state_dict, edits of paramet
 after wait(); TorchState.sync() and restore() wait themselves.
 
 With DistributedOptimizer(shard=True) a rank holds only its shard of the optimizer state, and a
-rank that is lost takes its shard with it: the capture copies this rank's shard, and the background
-thread then gathers every rank's copied shard (a broadcast from each rank, lowest priority), so each
-rank's commit holds the whole optimizer state, as an unsharded optimizer's commit does. A commit
-counts once its gather finished; restore() joins the shards into the plain per-parameter form and
-the optimizer cuts it again at the rank count it re-formed at (elastic_shard).
+rank that is lost takes its shard with it: the capture copies this rank's shard into shared memory
+that every rank on the host maps (elastic_shm), so a commit moves no shard bytes between ranks on one
+host; ranks on several hosts gather every rank's copied shard instead (a broadcast from each rank,
+lowest priority). Either way each rank's commit holds the whole optimizer state, as an unsharded
+optimizer's commit does. A commit counts once every rank finished its capture (the small allreduce,
+or the gather); restore() joins the shards into the plain per-parameter form and the optimizer cuts
+it again at the rank count it re-formed at (elastic_shard).
 
 With a directory (TorchState(..., checkpoint_dir=...)) every commit is also saved to disk by a
 commsched.torch.Checkpointer, loadable with Checkpointer(model, optimizer, directory).load().
@@ -36,7 +38,7 @@ from typing import Any
 
 from commsched.torch import checkpoint_format as fmt
 from commsched.torch import checkpoint_shards as sharded
-from commsched.torch import elastic_shard
+from commsched.torch import elastic_shard, elastic_shm
 from commsched.torch.checkpoint_capture import Capture, Copy, Unit
 from commsched.torch.checkpoint_read import Contents
 from commsched.torch.checkpoint_worker import lower_priority
@@ -46,6 +48,9 @@ import commsched
 import torch
 
 _LAST = 2**31 - 1  # priority of a commit's gather: after every gradient
+# Ranks on one host hand a sharded commit's shards over in shared memory (elastic_shm); False sends
+# them by broadcasts as ranks on several hosts do (benchmarks/elastic_recovery.py --wire measures it).
+SHARED_MEMORY = True
 
 
 def supported(model: Any, optimizer: Any) -> bool:
@@ -63,7 +68,8 @@ class _Version:
     A sharded optimizer's commit holds, in `optimizer`, the per-parameter values (Adam's step) and
     the param_groups in plain form, its layout in `layout`, this rank's shards in one flat host
     tensor per dtype (`flats`, where each (bucket, key) sits is in `places`) and, once gathered,
-    every rank's shards in `shards`.
+    every rank's shards in `received` (by rank and dtype), or in `region`, the shared memory that holds
+    every rank's flat tensors when all ranks share a host.
     """
 
     def __init__(self) -> None:
@@ -74,7 +80,9 @@ class _Version:
         self.layout: dict[str, Any] | None = None
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         self.places: list[tuple[torch.dtype, int, str, int, int]] = []  # dtype, bucket, key, offset, numel
-        self.shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.region: elastic_shm.Region | None = None
+        self.shared = False  # every rank's flats are in `region`, not in `received`
         self.gather_name = ""
 
     def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -99,9 +107,27 @@ class _Version:
             lr_scheduler=None,
             extra={},
             sharded=self.layout,
-            shards=self.shards,
+            shards=self.shards(),
         )
         return joined.plain_state()
+
+    def shards(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        """Every rank's shards by (rank, bucket) and key: views of the gathered or shared flat tensors."""
+        assert self.layout is not None
+        if self.shared and self.region is not None:
+            flats = {
+                (r, dtype): t for r, by in self.region.shards(self.number).items() for dtype, t in by.items()
+            }
+        else:
+            flats = self.received
+        ranks = self.layout["ranks"]
+        found: dict[tuple[int, int], dict[str, torch.Tensor]] = {
+            (r, k): {} for r in range(ranks) for k in range(len(self.layout["buckets"]))
+        }
+        for dtype, k, key, offset, numel in self.places:
+            for r in range(ranks):
+                found[(r, k)][key] = flats[(r, dtype)][offset : offset + numel]
+        return found
 
 
 class BackgroundCommit:
@@ -115,6 +141,7 @@ class BackgroundCommit:
         self._inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         self.sharded = sharded.is_sharded(optimizer)
         self._gathers = 0  # this generation's gathers: their names must be the same on every rank
+        self._region: elastic_shm.Region | None = None  # this layout's shared memory (elastic_shm)
         self._directory = directory
         self._disk: Any = None  # the Checkpointer, built at the first commit with commsched running
         self.commits = 0  # commits started; each version has its number
@@ -227,10 +254,17 @@ class BackgroundCommit:
             offset = totals.get(value.dtype, 0)
             version.places.append((value.dtype, k, key, offset, value.numel()))
             totals[value.dtype] = offset + value.numel()
-        version.flats = {
-            dtype: version.tensor(f"flat.{dtype}", torch.empty(numel, dtype=dtype))
-            for dtype, numel in totals.items()
-        }
+        version.region, version.shared, version.received = None, False, {}
+        if SHARED_MEMORY and totals:
+            if self._region is None or self._region.totals != totals:
+                self._region = elastic_shm.Region(totals)  # the same commit on every rank: same totals
+            version.region = self._region
+            version.flats = self._region.slot(self.commits + 1)
+        else:
+            version.flats = {
+                dtype: version.tensor(f"flat.{dtype}", torch.empty(numel, dtype=dtype))
+                for dtype, numel in totals.items()
+            }
         for (k, key, owner, value), (dtype, _, _, offset, numel) in zip(own, version.places, strict=True):
             destination = version.flats[dtype][offset : offset + numel]
             piece = _copy(f"optimizer.shard.{k}.{key}", lambda v=value: v, destination)
@@ -243,7 +277,6 @@ class BackgroundCommit:
         }
         version.optimizer = {"state": values, "param_groups": copy.deepcopy(self._optimizer.plain_groups())}
         version.layout = layout
-        version.shards = {}
         if version.flats:
             version.gather_name = f"commsched.commit.{self._gathers}"
             self._gathers += 1
@@ -251,10 +284,19 @@ class BackgroundCommit:
     def _gather(self, version: _Version) -> None:
         """A sharded commit: every rank's copied shards, so any ranks left after a failure have them all.
 
-        One broadcast per rank into reused host buffers: on this project's 2-core host that costs
-        less step time than one allgather of the same bytes (benchmarks/elastic_recovery.py --shard).
+        On one host they are in shared memory already: one small allreduce says every rank copied its
+        shard. Across hosts, one broadcast per rank into reused host buffers: on this project's 2-core
+        host that cost less step time than one allgather of the same bytes.
         """
-        if version.layout is None:
+        if version.layout is None or not version.flats:
+            return
+        region = version.region
+        if region is not None and region.share(f"{version.gather_name}.hosts"):
+            region.finished(version.number)
+            done = torch.ones(1, dtype=torch.int32)
+            commsched.allreduce_async(done, name=f"{version.gather_name}.done", priority=_LAST).wait()
+            region.release()  # every rank mapped this file before taking part in that allreduce
+            version.shared = True
             return
         ranks, me = version.layout["ranks"], commsched.rank()
         received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -267,13 +309,7 @@ class BackgroundCommit:
                 handles.append(commsched.broadcast_async(buffer, root=r, name=name, priority=_LAST))
         for handle in handles:
             handle.wait()
-        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {
-            (r, k): {} for r in range(ranks) for k in range(len(version.layout["buckets"]))
-        }
-        for dtype, k, key, offset, numel in version.places:
-            for r in range(ranks):
-                shards[(r, k)][key] = received[(r, dtype)][offset : offset + numel]
-        version.shards = shards
+        version.received = received
 
     def _run(self, capture: Capture, version: _Version) -> None:
         """The background thread: copies what is left, then makes the version the committed one."""
@@ -335,6 +371,8 @@ class BackgroundCommit:
         else:
             discard_in_flight(self._optimizer)
         self._optimizer.load_state_dict(committed.optimizer_state())
+        if committed.region is not None:
+            committed.region.release_all()  # a lost rank's file too: read now, mapped while needed
         return committed.number
 
     def reformed(self) -> None:
@@ -342,6 +380,7 @@ class BackgroundCommit:
         a sharded optimizer takes them too (rebuilt from the commit if no restore() took it apart)."""
         self.close_disk()  # its collectives belong to the ranks that were
         self._gathers = 0
+        self._region = None  # shared by the ranks that were; the commits keep theirs mapped
         if not self.sharded:
             return
         if elastic_shard.built(self._optimizer):  # hosts changed: the state is the commit just taken

@@ -1,0 +1,192 @@
+"""A sharded commit's shards in shared memory, so ranks on one host need not send them to each other.
+
+A rank lost to SIGKILL takes its private memory with it, but not a shared mapping that another
+process holds. So each rank captures its shard of a commit straight into a file in /dev/shm; at the
+first commit of a layout the ranks exchange their host's identity and their file's name (one small
+allgather), and where every rank runs on one host each maps every other rank's file. A commit then
+moves no shard bytes between ranks: one small allreduce says every rank finished its capture, and
+after a failure the survivors read the lost rank's shard from their own mapping. Each rank unlinks its
+file once that first allreduce shows every rank mapped it, so the memory goes with the last process
+that maps it, however the job ends. Ranks on several hosts (or without /dev/shm) send the shards by
+broadcasts instead (elastic_commit).
+
+A file holds three slots, one per commit number modulo 3, each headed by the number of the commit it
+holds and whether its capture finished. A rank writes commit N + 3 over commit N only once every rank
+took part in the allreduce of N + 2, which each gives after its allreduce of N + 1 finished: so no rank
+still counts N as its last complete commit, and a restore never reads a slot being overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+import weakref
+
+import commsched
+import torch
+
+DIRECTORY = "/dev/shm"
+SLOTS = 3
+_HEADER = 64  # bytes: per slot the commit number and 1 once its capture finished (int64 each)
+_ALIGN = 64
+
+
+def host_key() -> int:
+    """An identity shared by the processes that see the same /dev/shm on the same running kernel (0: none)."""
+    try:
+        info = os.stat(DIRECTORY)
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        return 0
+    text = f"{socket.gethostname()} {boot_id} {info.st_dev} {info.st_ino}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little") or 1
+
+
+class Region:
+    """This rank's file of three commit slots, and once shared, every other rank's file mapped."""
+
+    def __init__(self, totals: dict[torch.dtype, int]) -> None:
+        self.totals = dict(totals)
+        self._places: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (byte offset in a slot, numel)
+        size = 0
+        for dtype, numel in self.totals.items():
+            self._places[dtype] = (size, numel)
+            size += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        self.slot_bytes = size
+        self.total_bytes = _HEADER + SLOTS * size
+        self.token = secrets.randbits(62)
+        _remove_stale()
+        self.path: str | None = os.path.join(DIRECTORY, f"commsched-commit-{os.getpid()}-{self.token:x}")
+        self.key = host_key()
+        self.own = self._create() if self.key else None
+        if self.own is None:  # no shared memory here: private slots, sent by broadcasts
+            self.path, self.key = None, 0
+            self.own = torch.zeros(self.total_bytes, dtype=torch.uint8)
+        self._headers = self.own[:_HEADER].view(torch.int64)
+        self.peers: dict[int, torch.Tensor] | None = None  # rank -> its file; None: not shared (yet)
+        self.decided = False
+        self.names: dict[int, str] = {}  # rank -> its file's path, for unlinking a lost rank's
+        self._unlink = weakref.finalize(self, _unlink, self.path) if self.path else None
+
+    def _create(self) -> torch.Tensor | None:
+        assert self.path is not None
+        try:  # O_EXCL: the name is this process's alone; 0600: other users cannot read the state
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(descriptor, self.total_bytes)
+            return torch.from_file(self.path, shared=True, size=self.total_bytes, dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            _unlink(self.path)
+            return None
+        finally:
+            os.close(descriptor)
+
+    def slot(self, number: int) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's flat tensors of commit `number`, one per dtype (marked as being written)."""
+        index = number % SLOTS
+        self._headers[2 * index : 2 * index + 2] = torch.tensor([number, 0])
+        return self._views(self.own, index)
+
+    def finished(self, number: int) -> None:
+        """Marks this rank's capture of commit `number` complete."""
+        self._headers[2 * (number % SLOTS) + 1] = 1
+
+    def _views(self, mapped: torch.Tensor, index: int) -> dict[torch.dtype, torch.Tensor]:
+        start = _HEADER + index * self.slot_bytes
+        return {
+            dtype: mapped[start + offset : start + offset + numel * dtype.itemsize].view(dtype)
+            for dtype, (offset, numel) in self._places.items()
+        }
+
+    def share(self, name: str) -> bool:
+        """Maps every rank's file when all run on one host (a collective, once); True if they do."""
+        if self.decided:
+            return self.peers is not None
+        mine = torch.tensor([self.key, os.getpid(), self.token], dtype=torch.int64)
+        handle = commsched.allgather_async(mine, name=name, priority=2**31 - 1)
+        found = handle.wait()
+        everyone = torch.as_tensor(found).reshape(-1, 3).tolist()
+        self.decided = True
+        if any(key != self.key or key == 0 for key, _, _ in everyone):
+            self.release()  # another host (or no /dev/shm somewhere): nobody maps this file
+            return False
+        me = commsched.rank()
+        self.names = {
+            r: os.path.join(DIRECTORY, f"commsched-commit-{pid}-{token:x}")
+            for r, (_, pid, token) in enumerate(everyone)
+        }
+        self.peers = {r: self.own if r == me else self._map(path) for r, path in self.names.items()}
+        return True
+
+    def _map(self, path: str) -> torch.Tensor:
+        try:
+            size = os.stat(path).st_size
+        except OSError as error:
+            raise RuntimeError(
+                f"commit: another rank's shared-memory file {path} cannot be opened ({error}); "
+                f"check that {DIRECTORY} is shared by every rank on this host"
+            ) from None
+        if size != self.total_bytes:
+            raise RuntimeError(
+                f"commit: the shared-memory file {path} holds {size} bytes, not {self.total_bytes}: "
+                "the ranks disagree on the optimizer's shards"
+            )
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    def release(self) -> None:
+        """Unlinks this rank's file (every rank that needs it has it mapped; the memory stays while mapped)."""
+        if self._unlink is not None:
+            self._unlink()
+
+    def release_all(self) -> None:
+        """Unlinks every rank's file, a lost rank's too (after a restore read them)."""
+        self.release()
+        for path in self.names.values():
+            _unlink(path)
+
+    def shards(self, number: int) -> dict[int, dict[torch.dtype, torch.Tensor]]:
+        """Every rank's flat tensors of commit `number`, as mapped here; raises if a slot holds another."""
+        assert self.peers is not None
+        index = number % SLOTS
+        found = {}
+        for rank, mapped in self.peers.items():
+            held, complete = mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist()
+            if held != number or complete != 1:
+                raise RuntimeError(
+                    f"commit {number}: rank {rank}'s shared-memory slot holds commit {held}"
+                    f"{'' if complete else ' (incomplete)'}; the commit cannot be restored"
+                )
+            found[rank] = self._views(mapped, index)
+        return found
+
+
+def _unlink(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_stale() -> None:
+    """Unlinks the files of processes that ended before unlinking theirs (killed before sharing)."""
+    try:
+        names = os.listdir(DIRECTORY)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["commsched", "commit"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(DIRECTORY, name))
+        except OSError:
+            pass  # alive, under another user
