@@ -123,6 +123,8 @@ def grow_under_torchrun(out: Path, **extra: str) -> tuple[dict[str, Any], dict[s
     assert output.count(" of 3 done") == 3, output[-4000:]
     assert output.count("SIGTERM: the last commit is kept in") == 2, output[-4000:]
     assert "rank 2 of 3 done" in output.partition("--- agent 2\n")[2]  # renumbered after the keepers
+    for log in output.split("--- agent ")[1:]:  # the 3 went on as they resumed, no stall re-formed them
+        assert "re-forming" not in log.partition("resumed at 3 ranks")[2], log[-3000:]
     final = results(out)
     assert final["size"] == 3
     assert_every_sample_once(final)
