@@ -57,12 +57,15 @@ def assert_same(got: Any, expected: Any) -> None:
             assert torch.equal(value, expected[1][index][name]), (index, name)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "broadcasts"])
 def test_sharded_commit_is_captured_in_the_background(
-    one_rank: None, monkeypatch: pytest.MonkeyPatch
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, shared_memory: bool
 ) -> None:
     """commit() returns with the shard still to copy: the steps after it copy it first, on the training
     thread, while the capture waits; restore() gives the committed state, and training from it again
-    repeats the step taken after the commit exactly (the state re-cut into shards)."""
+    repeats the step taken after the commit exactly (the state re-cut into shards). The shard is
+    handed over in shared memory or, as across hosts, by broadcasts."""
+    monkeypatch.setattr(elastic_commit, "SHARED_MEMORY", shared_memory)
     model, optimizer, data = build(shard=True)
     state = TorchState(model, optimizer)
     step(model, optimizer, data)
@@ -78,6 +81,7 @@ def test_sharded_commit_is_captured_in_the_background(
     assert running[0].is_alive() and running[1].inline_copies > 0
     threading.Timer(0.2, release.set).start()
     state.restore()
+    assert state._background._committed.shared is shared_memory
     assert not optimizer._built  # laid out again, at the ranks of the next forward
     assert_same(plain(model, optimizer), committed)
     step(model, optimizer, data)
