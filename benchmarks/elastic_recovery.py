@@ -1,7 +1,8 @@
 """Elastic training: recovery from a SIGKILL against torchrun's restart, and the cost of commit().
 
     python benchmarks/elastic_recovery.py [--trials 5] [--ranks 4] [--transport gloo] [--json F]
-        [--only recovery,torchrun,commit,torchrun-elastic] [--rounds 5] [--steps 60] [--every 10] [--shard]
+        [--only recovery,torchrun,commit,torchrun-elastic] [--rounds 5] [--steps 60] [--every 10]
+        [--shard [--wire]]
 
 recovery: seconds from the SIGKILL of one of 4 ranks to the next completed step at 3 ranks, under
 `commsched-run -n 4 --min-np 3` (the survivors re-form without restarting). Each trial runs
@@ -19,7 +20,8 @@ first step a restarted worker completes (benchmarks/elastic_workers.py).
 
 commit: ms per step of the same 2-rank training without commits and with commit() every 10 steps,
 alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more. --shard: the
-same with DistributedOptimizer(shard=True), whose commits also gather every rank's shard.
+same with DistributedOptimizer(shard=True), whose commits also hand every rank's shard to the others
+(on one host in shared memory); --wire: by one broadcast from each rank, as ranks on several hosts do.
 
 Prints medians with the range and writes every trial to --json.
 """
@@ -144,7 +146,7 @@ def _free_port() -> int:
 
 
 def commit_cost(
-    rounds: int, steps: int, every: int, timeout_s: float, shard: bool = False
+    rounds: int, steps: int, every: int, timeout_s: float, shard: bool = False, wire: bool = False
 ) -> dict[str, object]:
     """ms per step without and with commits at 2 ranks, from one run (elastic_workers.py commit)."""
     with tempfile.TemporaryDirectory(prefix="commit-cost-") as out:
@@ -152,7 +154,14 @@ def commit_cost(
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
         command = [sys.executable, "-m", "commsched.run", "-n", "2", str(WORKERS), "commit", str(result)]
         done = subprocess.run(
-            [*command, str(rounds), str(steps), str(every), *(["shard"] if shard else [])],
+            [
+                *command,
+                str(rounds),
+                str(steps),
+                str(every),
+                *(["shard"] if shard else []),
+                *(["wire"] if wire else []),
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -189,11 +198,18 @@ def main() -> None:
     parser.add_argument(
         "--shard",
         action="store_true",
-        help="commit: DistributedOptimizer(shard=True) (its commits gather shards)",
+        help="commit: DistributedOptimizer(shard=True) (its commits hand every rank's shard over)",
+    )
+    parser.add_argument(
+        "--wire",
+        action="store_true",
+        help="commit --shard: the shards go by broadcasts (as across hosts), not in shared memory",
     )
     parser.add_argument("--json", type=Path, help="write every trial here")
     args = parser.parse_args()
     chosen = set(args.only.split(","))
+    if args.wire and not args.shard:
+        parser.error("--wire applies to sharded commits: add --shard")
     if chosen - {"recovery", "torchrun", "commit", "torchrun-elastic"}:
         parser.error(f"--only {args.only!r}: choose from recovery, torchrun, commit, torchrun-elastic")
     report: dict[str, object] = {"ranks": args.ranks, "transport": args.transport}
@@ -217,12 +233,12 @@ def main() -> None:
         }[name]
         rows.append((what, _summary(seconds), "s"))
     if "commit" in chosen:
-        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4, args.shard)
+        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4, args.shard, args.wire)
         ms = cost["ms_per_step"]  # type: ignore[index]
         none, commit = _summary(ms["none"]), _summary(ms["commit"])
         cost["overhead_percent"] = 100 * (commit["median"] / none["median"] - 1)
         report["commit"] = cost
-        sharded = ", shard=True" if args.shard else ""
+        sharded = (", shard=True" if args.shard else "") + (", broadcasts" if args.wire else "")
         rows.append((f"2 ranks{sharded}, no commits", none, "ms/step"))
         rows.append((f"2 ranks{sharded}, commit() every {args.every} steps", commit, "ms/step"))
     print(f"\n| {'measurement':<56} | median | range | unit |")

@@ -1,12 +1,13 @@
 """The ranks of benchmarks/elastic_recovery.py: the cost of commit() and torchrun's restart from disk.
 
-    commsched-run -n 2 benchmarks/elastic_workers.py commit OUT.json ROUNDS STEPS EVERY [shard]
+    commsched-run -n 2 benchmarks/elastic_workers.py commit OUT.json ROUNDS STEPS EVERY [shard [wire]]
     torchrun --nnodes 1:1 --nproc-per-node 4 --max-restarts 1 ... benchmarks/elastic_workers.py torchrun OUT K
 
 commit: each round trains STEPS steps without commits and STEPS steps with TorchState.commit() every
 EVERY steps (the two alternate, which goes first too, so drift of the host falls on both), a 6 MiB
 MLP over DistributedOptimizer with Adam (`shard`: DistributedOptimizer(shard=True), whose commits
-gather every rank's shard in the background); rank 0 writes the ms per step of every round to OUT.json.
+hand every rank's shard over in the background: in shared memory, or with `wire` by broadcasts, as
+across hosts); rank 0 writes the ms per step of every round to OUT.json.
 
 torchrun: plain DDP over Gloo; rank 0 torch.saves model and optimizer every K steps (under a temporary
 name, then renamed); every rank loads the newest checkpoint at start. In the first attempt the last
@@ -148,7 +149,11 @@ def main() -> None:
     """Dispatches to the measurement named by the first argument."""
     kind, out = sys.argv[1], Path(sys.argv[2])
     if kind == "commit":
-        shard = sys.argv[6:] == ["shard"]
+        shard = "shard" in sys.argv[6:]
+        if "wire" in sys.argv[6:]:
+            from commsched.torch import elastic_commit
+
+            elastic_commit.SHARED_MEMORY = False
         commit_cost(out, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), shard)
     elif kind == "torchrun":
         torchrun_worker(out, int(sys.argv[3]))
