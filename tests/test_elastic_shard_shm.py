@@ -107,11 +107,13 @@ def test_ranks_on_other_hosts_send_by_broadcasts(shm: None, monkeypatch: pytest.
 
 
 def test_files_of_processes_that_ended_are_removed(shm: None) -> None:
-    """A file left by a process that died before unlinking it goes when the next region is made."""
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
-    stale = Path(elastic_shm.DIRECTORY) / f"commsched-commit-{int(ended.stdout)}-abc"
+    """A file left by a process that died before unlinking it (its lock free) goes when the next region
+    is made; a live region's file (locked) stays."""
+    live = elastic_shm.Region({torch.float32: 1})
+    stale = Path(elastic_shm.DIRECTORY) / f"commsched-commit-1-{live.token + 1:x}"
     stale.write_bytes(b"x")
     elastic_shm.Region({torch.float32: 1})
     assert not stale.exists()
+    assert live.path is not None and Path(live.path).exists()
+    live.release()
+    assert not Path(live.path).exists()

@@ -7,7 +7,9 @@ allgather), and where every rank runs on one host each maps every other rank's f
 moves no shard bytes between ranks: one small allreduce says every rank finished its capture, and
 after a failure the survivors read the lost rank's shard from their own mapping. Each rank unlinks its
 file once that first allreduce shows every rank mapped it, so the memory goes with the last process
-that maps it, however the job ends. Ranks on several hosts (or without /dev/shm) send the shards by
+that maps it, however the job ends. Until then the owner holds an flock on it: a file whose lock is
+free belongs to a process that died before unlinking it, and the next rank to make a file removes it
+(a process id would not do: ranks in other PID namespaces may share /dev/shm). Ranks on several hosts (or without /dev/shm) send the shards by
 broadcasts instead (elastic_commit).
 
 A file holds three slots, one per commit number modulo 3, each headed by the number of the commit it
@@ -18,6 +20,7 @@ still counts N as its last complete commit, and a restore never reads a slot bei
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import secrets
@@ -61,6 +64,7 @@ class Region:
         _remove_stale()
         self.path: str | None = os.path.join(DIRECTORY, f"commsched-commit-{os.getpid()}-{self.token:x}")
         self.key = host_key()
+        self._descriptor = -1  # holds the flock while the file has its name
         self.own = self._create() if self.key else None
         if self.own is None:  # no shared memory here: private slots, sent by broadcasts
             self.path, self.key = None, 0
@@ -69,22 +73,27 @@ class Region:
         self.peers: dict[int, torch.Tensor] | None = None  # rank -> its file; None: not shared (yet)
         self.decided = False
         self.names: dict[int, str] = {}  # rank -> its file's path, for unlinking a lost rank's
-        self._unlink = weakref.finalize(self, _unlink, self.path) if self.path else None
+        self._unlink = weakref.finalize(self, _unlink, self.path, self._descriptor) if self.path else None
 
     def _create(self) -> torch.Tensor | None:
         assert self.path is not None
-        try:  # O_EXCL: the name is this process's alone; 0600: other users cannot read the state
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Locked under a name the stale-file sweep skips, then renamed: a named file is always locked
+        # by a live owner. O_EXCL: the name is this process's alone; 0600: no other user reads the state.
+        making = os.path.join(DIRECTORY, "." + os.path.basename(self.path))
+        try:
+            descriptor = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
             return None
         try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(descriptor, self.total_bytes)
-            return torch.from_file(self.path, shared=True, size=self.total_bytes, dtype=torch.uint8)
+            mapped = torch.from_file(making, shared=True, size=self.total_bytes, dtype=torch.uint8)
+            os.rename(making, self.path)
         except (OSError, RuntimeError):
-            _unlink(self.path)
+            _unlink(making, descriptor)
             return None
-        finally:
-            os.close(descriptor)
+        self._descriptor = descriptor
+        return mapped
 
     def slot(self, number: int) -> dict[torch.dtype, torch.Tensor]:
         """This rank's flat tensors of commit `number`, one per dtype (marked as being written)."""
@@ -165,28 +174,32 @@ class Region:
         return found
 
 
-def _unlink(path: str | None) -> None:
-    if path is None:
-        return
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _unlink(path: str | None, descriptor: int = -1) -> None:
+    """Removes the name (the memory stays while mapped), then lets go of its lock."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if descriptor >= 0:
+        os.close(descriptor)
 
 
 def _remove_stale() -> None:
-    """Unlinks the files of processes that ended before unlinking theirs (killed before sharing)."""
+    """Unlinks the files whose owner died before unlinking them (killed before sharing): their lock is free."""
     try:
-        names = os.listdir(DIRECTORY)
+        names = [name for name in os.listdir(DIRECTORY) if name.startswith("commsched-commit-")]
     except OSError:
         return
     for name in names:
-        parts = name.split("-")
-        if len(parts) != 4 or parts[:2] != ["commsched", "commit"] or not parts[2].isdigit():
-            continue
+        path = os.path.join(DIRECTORY, name)
         try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
-            _unlink(os.path.join(DIRECTORY, name))
+            descriptor = os.open(path, os.O_RDONLY)
         except OSError:
-            pass  # alive, under another user
+            continue  # gone already, or another user's
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(descriptor)  # its owner is alive
+            continue
+        _unlink(path, descriptor)
