@@ -111,18 +111,23 @@ def flat_gradient(bucket: ShardBucket, passes_seen: list[bool]) -> torch.Tensor:
     """The bucket's full flat gradient (zeros where a member has none), padded; frees each member's .grad.
 
     Only this rank's shard of the reduced gradient is kept (ZeRO-2), so the full per-parameter
-    gradients are dropped as soon as they are in the bucket.
+    gradients are dropped as soon as they are in the bucket. One pass over the gradients (no zeroed
+    buffer filled afterwards), and none for a bucket of one whole gradient: it is sent as it is.
     """
     first = bucket.members[0].param
-    flat = torch.zeros(bucket.padded, dtype=first.dtype, device=first.device)
+    pieces = []
     for k, member in enumerate(bucket.members):
         grad = member.param.grad
         if grad is not None and passes_seen[k]:
-            if grad.is_sparse:
-                grad = grad.to_dense()
-            flat[member.offset : member.offset + member.numel].copy_(grad.reshape(-1))
+            grad = grad.to_dense() if grad.is_sparse else grad
+            pieces.append(grad.to(dtype=first.dtype).reshape(-1))
+        else:
+            pieces.append(torch.zeros(member.numel, dtype=first.dtype, device=first.device))
         member.param.grad = None
-    return flat
+    padding = bucket.padded - sum(m.numel for m in bucket.members)
+    if padding:
+        pieces.append(torch.zeros(padding, dtype=first.dtype, device=first.device))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def shard_state(
