@@ -198,6 +198,8 @@ class Runtime {
   using Clock = std::chrono::steady_clock;
 
   void loop();
+  // How long shutdown() waits for the other ranks to answer its rounds before stopping without them.
+  Clock::duration shutdown_answer_limit() const;
   // Runs one agreement round and what it admits; false once the runtime has stopped. Once
   // `yield_at` passed with the exchange unfinished it returns true with the round left open
   // (round_open_), for the next driver to go on with.

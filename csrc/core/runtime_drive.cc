@@ -2,6 +2,8 @@
 // agreement rounds and polls collectives in flight.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <string>
 #include <thread>
 
 #include "core/runtime.h"
@@ -23,16 +25,46 @@ constexpr auto kCallerSlice = std::chrono::milliseconds(50);
 // each a burst of up to this many tests.
 constexpr unsigned kPollsPerYield = 16;
 constexpr unsigned kTestsPerBurst = 32;
+// The core's thread leaves a round no peer answers this often, to look for a shutdown()...
+constexpr auto kRoundSlice = std::chrono::milliseconds(100);
+// ...and stops without them after COMMSCHED_STALL_TIMEOUT, at most this long: a running peer's
+// core thread answers every round within a cycle, even while its program computes.
+constexpr double kShutdownAnswerS = 10.0;
+
+std::string seconds_text(std::chrono::steady_clock::duration seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g", std::chrono::duration<double>(seconds).count());
+  return text;
+}
 
 }  // namespace
+
+Runtime::Clock::duration Runtime::shutdown_answer_limit() const {
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::min(kShutdownAnswerS, settings_.stall_timeout_s)));
+}
 
 void Runtime::loop() {
 #ifdef __linux__
   // Short polling sleeps are only cheap if the kernel wakes us on time (default slack: 50us).
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 #endif
+  Clock::time_point shutdown_seen{};
   while (wait_for_news()) {
-    const bool running = run_round();
+    // Rounds run in slices, so a shutdown() that comes while a peer never answers (stopped, frozen)
+    // waits on it for shutdown_answer_limit() rather than COMMSCHED_STALL_SHUTDOWN.
+    bool running = run_round(Clock::now() + kRoundSlice);
+    const bool waiting_at_shutdown = running && round_open_ && shutdown_requested_.load();
+    if (waiting_at_shutdown && shutdown_seen == Clock::time_point{}) shutdown_seen = Clock::now();
+    if (waiting_at_shutdown && Clock::now() - shutdown_seen >= shutdown_answer_limit()) {
+      const std::string why = "commsched.shutdown() on rank " + std::to_string(rank_) +
+                              ": the other ranks did not all answer within " + seconds_text(shutdown_answer_limit()) +
+                              "s (a rank stopped or hung), so this rank stopped without them";
+      logger_.warning(why);
+      transport_->peer_lost(why, -1);  // what waits on the silent ranks gives up instead (MPI: no finalize)
+      stop_everything(why);
+      running = false;
+    }
     {
       std::lock_guard<std::mutex> lock(inbox_mutex_);
       driving_ = false;
