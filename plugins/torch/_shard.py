@@ -193,8 +193,7 @@ class ShardedOptimizer(DistributedOptimizer):
             self._cut(full_state)
         self._built = True
         if self._overlap and self._model is not None:
-            users = getattr(self._recorder, "users", {})
-            self._waits = ShardWaits(self._model, set(self._where), self._settle, users)
+            self._waits = ShardWaits(self._model, set(self._where), self._settle, self._recorder)
             owned = {id(p) for p in self._model.parameters()}
             self._waits.set_reached(order, [p for p in self._parameters() if id(p) not in owned])
 

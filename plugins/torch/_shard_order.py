@@ -102,8 +102,9 @@ def _compiling() -> bool:
 class ShardWaits(ModuleWaits):
     """ModuleWaits that also settles each parameter used outside its own module in the module that used it.
 
-    `users` is FirstUse.users; empty (a plain ForwardOrder recorded the order, as elastic_shard's
-    re-forming does) such parameters are unreached and settled before the root, as ModuleWaits does.
+    `recorder` recorded the order: a FirstUse names the users; a plain ForwardOrder (elastic_shard's
+    re-forming records with one) names none, so such parameters are unreached and settled before the
+    root, as ModuleWaits does.
     """
 
     def __init__(
@@ -111,9 +112,10 @@ class ShardWaits(ModuleWaits):
         model: torch.nn.Module,
         params: set[int],
         settle: Callable[[list[torch.Tensor]], bool | None],
-        users: dict[int, torch.nn.Module],
+        recorder: ForwardOrder | None,
     ) -> None:
         super().__init__(model, params, settle)
+        users: dict[int, torch.nn.Module] = getattr(recorder, "users", {})
         by_module: dict[int, tuple[torch.nn.Module, list[torch.Tensor]]] = {}
         for param in model.parameters():
             user = users.get(id(param))
