@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import copy
 import os
+import queue
 import threading
 import warnings
 import weakref
@@ -130,6 +131,14 @@ class _Version:
         return found
 
 
+class _Pending(threading.Event):
+    """Set once a commit's capture in the background ended; is_alive() until then, as its thread's was."""
+
+    def is_alive(self) -> bool:
+        """True while the capture runs."""
+        return not self.is_set()
+
+
 class BackgroundCommit:
     """Commits, restores and (optionally) saves to disk one model and its optimizer."""
 
@@ -149,7 +158,12 @@ class BackgroundCommit:
         self._committed: _Version | None = None
         self._spare = _Version()  # the buffers the next capture writes into
         self._capture: Capture | None = None
-        self._running: tuple[threading.Thread, Capture] | None = None
+        self._running: tuple[_Pending, Capture] | None = None
+        # One long-lived thread: starting one per commit cost the training thread about 1 ms, the
+        # time the new thread took to be scheduled on a busy host.
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        weakref.finalize(self, self._jobs.put, None)
         self._hooks = self._register_hooks()
         # A capture still running at exit would be stopped inside commsched's wait (a gather) and abort.
         atexit.register(_finish_at_exit, weakref.ref(self))
@@ -213,11 +227,14 @@ class BackgroundCommit:
             self._publish(version)
         else:
             self._capture = capture
-            thread = threading.Thread(
-                target=self._run, args=(capture, version), name="commsched-commit", daemon=True
-            )
-            self._running = (thread, capture)
-            thread.start()
+            done = _Pending()
+            self._running = (done, capture)
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=_serve, args=(self._jobs,), name="commsched-commit", daemon=True
+                )
+                self._worker.start()
+            self._jobs.put(lambda: self._run(capture, version, done))
         self._save_to_disk()
 
     def _plain_state(self, version: _Version, units: dict[int, Unit]) -> None:
@@ -311,19 +328,21 @@ class BackgroundCommit:
             handle.wait()
         version.received = received
 
-    def _run(self, capture: Capture, version: _Version) -> None:
+    def _run(self, capture: Capture, version: _Version, done: _Pending) -> None:
         """The background thread: copies what is left, then makes the version the committed one."""
         try:
-            lower_priority()
-            capture.run()
-            self._gather(version)
-        except BaseException as error:  # noqa: BLE001 - reported by wait(); the last commit stays
-            capture.error = capture.error or error
-            return
+            try:
+                capture.run()
+                self._gather(version)
+            except BaseException as error:  # noqa: BLE001 - reported by wait(); the last commit stays
+                capture.error = capture.error or error
+                return
+            finally:
+                if self._capture is capture:
+                    self._capture = None
+            self._publish(version)
         finally:
-            if self._capture is capture:
-                self._capture = None
-        self._publish(version)
+            done.set()
 
     def _publish(self, version: _Version) -> None:
         with self._lock:
@@ -334,8 +353,8 @@ class BackgroundCommit:
         """Blocks until the last commit is captured; a failed capture is warned of (the one before stays)."""
         if self._running is None:
             return
-        thread, capture = self._running
-        thread.join()
+        done, capture = self._running
+        done.wait()
         self._running = None
         if capture.error is not None:
             warnings.warn(
@@ -409,6 +428,21 @@ class BackgroundCommit:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.stop_worker()
+
+    def stop_worker(self) -> None:
+        """Ends the commit thread (a later commit starts it again); none is left running at exit."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            self._jobs.put(None)
+            worker.join()
+
+
+def _serve(jobs: queue.Queue[Callable[[], None] | None]) -> None:
+    """The commit thread: runs each commit's capture in turn until it gets None."""
+    lower_priority()
+    while (job := jobs.get()) is not None:
+        job()
 
 
 def _finish_at_exit(owner: weakref.ref[BackgroundCommit]) -> None:
@@ -416,6 +450,7 @@ def _finish_at_exit(owner: weakref.ref[BackgroundCommit]) -> None:
     commit = owner()
     if commit is not None:
         commit.wait()
+        commit.stop_worker()  # a thread still waiting for work at exit made C++ teardown abort
 
 
 def _copy(key: str, source: Callable[[], torch.Tensor], destination: torch.Tensor) -> Copy:
