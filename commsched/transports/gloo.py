@@ -256,6 +256,8 @@ class GlooTransport:
         self._callbacks = threading.Condition()
         self._callbacks_running = 0  # completion callbacks registered and not yet finished
         self._callbacks_begun = 0  # of those, the ones Gloo's thread has begun to run
+        self._relays: dict[int, Any] = {}  # the relay futures of callbacks not yet begun, by number
+        self._relay_count = 0
 
     def close(self) -> None:
         """Ends what waits for a lost rank and destroys the groups this transport created."""
@@ -273,6 +275,11 @@ class GlooTransport:
             for group in {id(g): g for g in groups}.values():
                 self._abort(group)
                 keep_forever(group)
+            # A stuck work holds the memory it moves, of which a tensor over the caller's buffer is
+            # freed taking the GIL: on Gloo's thread, once the work fails at the interpreter's exit.
+            for op in stuck:
+                keep_forever(op)
+            self._release_relays()
         self._wait_for_callbacks(only_begun=bool(self.lost or stuck or unfinished))
         # Gloo groups left to the interpreter's exit get torn down while Python finalizes,
         # when their threads can no longer take the GIL.
@@ -289,12 +296,21 @@ class GlooTransport:
 
     def run_on_completion(self, future: Any, callback: Any) -> None:
         """Calls callback() from Gloo's thread when `future` completes, counted so close() can wait for it."""
+        # The callback hangs on a relay that C++ alone completes from `future`, never on `future`
+        # itself, so close() can complete the relay of a stuck collective at once. A Python callback
+        # left on a Gloo future whose collective fails while the interpreter exits (the stopped peer
+        # killed then) makes Gloo's thread take the GIL there: std::terminate, not the chosen status.
+        relay = self._torch.futures.collect_all([future])
         with self._callbacks:
             self._callbacks_running += 1
+            self._relay_count += 1
+            number = self._relay_count
+            self._relays[number] = relay
 
         def fire(_future: Any) -> None:
             with self._callbacks:
                 self._callbacks_begun += 1
+                self._relays.pop(number, None)
             try:
                 callback()
             finally:
@@ -303,7 +319,21 @@ class GlooTransport:
                     self._callbacks_begun -= 1
                     self._callbacks.notify_all()
 
-        future.add_done_callback(fire)
+        relay.add_done_callback(fire)
+
+    def _release_relays(self) -> None:
+        """Completes the relays of collectives still running: their callbacks run now, while Python
+        can run them, and the collective's own failure later finds nothing of Python to call."""
+        with self._callbacks:
+            relays = list(self._relays.values())
+        for relay in relays:
+            # Kept: a completed relay holds a Python value, which its last owner frees taking the GIL,
+            # and that owner would be the collective's callback, on Gloo's thread.
+            keep_forever(relay)
+            try:
+                relay.set_result(None)
+            except RuntimeError:
+                pass  # its collective completed it meanwhile
 
     def _wait_for_callbacks(self, only_begun: bool = False) -> None:
         # A callback still to run when the interpreter finalizes would make Gloo's thread take the
