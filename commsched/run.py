@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
@@ -130,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("-n must be at least 1")
-    if args.grace < 0:
-        parser.error("--grace must be 0 or more seconds")
+    if not 0 <= args.grace < math.inf:  # nan and inf too: the job would wait on a failed rank forever
+        parser.error(f"--grace must be a number of seconds, 0 or more, not {args.grace}; e.g. --grace 5")
+    if not 0 <= args.master_port <= 65535:
+        parser.error(
+            f"--master-port must be a TCP port, 1 to 65535, not {args.master_port}; or leave it out for a free one"
+        )
+    if not args.module and not os.path.isfile(args.program):
+        parser.error(f"{args.program}: no such file; give the script each rank runs (or -m MODULE)")
     _check_elastic(parser, args)
     base = dict(os.environ)
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
@@ -176,8 +183,8 @@ def _check_elastic(parser: Any, args: Any) -> None:
         parser.error(
             f"elastic sizes must satisfy 1 <= --min-np ({low}) <= -n ({args.nproc}) <= --max-np ({high})"
         )
-    if args.elastic_timeout <= 0:
-        parser.error("--elastic-timeout must be more than 0 seconds")
+    if not 0 < args.elastic_timeout < math.inf:
+        parser.error(f"--elastic-timeout must be more than 0 seconds, not {args.elastic_timeout}; e.g. 30")
     if args.host_discovery_script is not None:
         from commsched.elastic import discovery
 
