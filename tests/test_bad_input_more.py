@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,3 +72,46 @@ def test_gloo_relay_runs_the_callback_once_whether_released_or_completed() -> No
     stuck.set_exception(RuntimeError("the peer is gone"))  # as Gloo fails it later
     assert calls == ["finished", "stuck"]
     assert transport._callbacks_running == 0
+
+
+def _model(width: int) -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+def test_checkpoint_of_another_model_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
+    """A version saved from a wider model names the parameter and both shapes, and leaves the optimizer
+    as it was (it used to take the other model's state before the model's own load refused it)."""
+    import commsched.torch as ct
+    import torch
+
+    saved, optimizer = _model(8)
+    saved(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    checkpointer = ct.Checkpointer(saved, optimizer, tmp_path)
+    checkpointer.save(0)
+    checkpointer.close()
+    other, other_optimizer = _model(16)
+    loader = ct.Checkpointer(other, other_optimizer, tmp_path)
+    with pytest.raises(
+        ValueError, match=r"saved from another model \('0\.weight' is \[8, 4\] there, \[16, 4\] here"
+    ):
+        loader.load()
+    loader.close()
+    assert other_optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+def test_checkpoint_directory_that_is_a_file_is_named(tmp_path: Path) -> None:
+    """A directory path that names a file is refused naming the path and where to set another."""
+    import commsched.torch as ct
+
+    taken = tmp_path / "checkpoints"
+    taken.write_text("not a directory")
+    model, optimizer = _model(8)
+    with pytest.raises(OSError, match=rf"cannot use {taken} as its directory .*COMMSCHED_CHECKPOINT_DIR"):
+        ct.Checkpointer(model, optimizer, taken)

@@ -112,7 +112,14 @@ class Checkpointer:
         self._inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         self._scheduler = lr_scheduler
         self._run = self._agreed_run_id(next(_instances))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file of that name, no permission, a read-only file system
+            raise OSError(
+                error.errno,
+                f"Checkpointer cannot use {self.directory} as its directory ({error.strerror}); give a "
+                "directory every rank can write to (directory=... or COMMSCHED_CHECKPOINT_DIR)",
+            ) from None
         # save(), wait(), load() and close() run one at a time: saves from several threads are
         # serialized, so no version is overwritten, lost or blamed on another save's caller.
         self._lock = threading.RLock()
@@ -504,6 +511,9 @@ class Checkpointer:
         return None
 
     def _restore(self, version: fmt.Version, contents: Contents) -> Restored:
+        # Checked before anything is restored: the optimizer would otherwise take another model's state
+        # before the model's own load_state_dict() refused it.
+        _check_same_model(self._model, contents.model, version.path)
         sharded.restore(self._optimizer, contents, self._rank)
         self._model.load_state_dict(contents.model)
         if self._scheduler is not None and contents.lr_scheduler is not None:
@@ -540,6 +550,29 @@ class Checkpointer:
             for handle in self._hooks:
                 handle.remove()
             self._hooks = []
+
+
+def _check_same_model(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Raises naming the first difference if `saved` is not a state of `model`'s parameters and buffers."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    differs = ""
+    if missing or unexpected:
+        differs = (f"{missing[0]!r} is missing there" if missing else "") + (
+            f"{'; ' if missing else ''}it has {unexpected[0]!r}, which the model has not"
+            if unexpected
+            else ""
+        )
+    else:
+        for key, value in own.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(saved[key].shape):
+                differs = f"{key!r} is {list(saved[key].shape)} there, {list(value.shape)} here"
+                break
+    if differs:
+        raise ValueError(
+            f"checkpoint {path} was saved from another model ({differs}); load it into the model it was "
+            "saved from, or give this model a directory of its own"
+        )
 
 
 def _ranks() -> tuple[int, int]:
