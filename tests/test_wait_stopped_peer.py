@@ -43,6 +43,9 @@ def test_timed_waits_return_on_time_and_the_round_resumes(transport: str) -> Non
     for timeout, took in waits:
         assert float(took) < float(timeout) + 0.5, output
     assert "rank 0: sum 3" in output and "rank 1: sum 3" in output, output
+    assert re.search(
+        r"an agreement round has waited [\d.]+s, past COMMSCHED_STALL_TIMEOUT, for rank 1 ", output
+    ), output
     assert done.returncode == 0, output
 
 

@@ -31,6 +31,9 @@ class ControlPath {
   bool exchange_until(const std::string& mine, double timeout_s, bool critical,
                       std::chrono::steady_clock::time_point yield_at, std::vector<std::string>& reports);
 
+  // The ranks whose report the round left open still lacks (empty: none open, or not known).
+  std::vector<int> silent_ranks() const { return channel_ ? channel_->silent_ranks() : transport_.silent_ranks(); }
+
   // True when reports travel over the TCP control channel.
   bool over_channel() const { return channel_ != nullptr; }
   // True when critical rounds spin before sleeping: the channel on one network stack, with no more

@@ -206,6 +206,8 @@ class Runtime {
   bool run_round(Clock::time_point yield_at = Clock::time_point::max());
   // Takes what waits in the inbox into a new round's report (open_report_).
   void open_round();
+  // Once per round open past COMMSCHED_STALL_TIMEOUT, warns naming the ranks that did not answer.
+  void warn_of_silent_ranks();
   // Background thread: returns holding the driver role once a round is due, false once stopped.
   bool wait_for_news();
   // A waiting caller's turn at the core, driver role held: a round if one is due, else a poll.
@@ -333,6 +335,8 @@ class Runtime {
   bool open_had_news_ = false;
   bool open_critical_ = false;
   uint64_t open_exchange_start_us_ = 0;
+  Clock::time_point round_opened_at_;
+  bool round_silence_warned_ = false;
   std::vector<std::string> round_reports_;  // kept for its capacity
   std::unordered_map<uint64_t, LocalTensor> tensors_;
   std::map<int32_t, Scheduler> set_schedulers_;  // process sets other than 0

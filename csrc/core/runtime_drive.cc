@@ -31,9 +31,9 @@ constexpr auto kRoundSlice = std::chrono::milliseconds(100);
 // core thread answers every round within a cycle, even while its program computes.
 constexpr double kShutdownAnswerS = 10.0;
 
-std::string seconds_text(std::chrono::steady_clock::duration seconds) {
+std::string seconds_text(std::chrono::steady_clock::duration duration) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%.3g", std::chrono::duration<double>(seconds).count());
+  std::snprintf(text, sizeof(text), "%.3g", std::chrono::duration<double>(duration).count());
   return text;
 }
 
@@ -54,6 +54,7 @@ void Runtime::loop() {
     // Rounds run in slices, so a shutdown() that comes while a peer never answers (stopped, frozen)
     // waits on it for shutdown_answer_limit() rather than COMMSCHED_STALL_SHUTDOWN.
     bool running = run_round(Clock::now() + kRoundSlice);
+    if (running && round_open_) warn_of_silent_ranks();
     const bool waiting_at_shutdown = running && round_open_ && shutdown_requested_.load();
     if (waiting_at_shutdown && shutdown_seen == Clock::time_point{}) shutdown_seen = Clock::now();
     if (waiting_at_shutdown && Clock::now() - shutdown_seen >= shutdown_answer_limit()) {
@@ -234,7 +235,7 @@ Runtime::Clock::time_point Runtime::drive_for_caller(bool due, Clock::time_point
     for (unsigned tests = 1; tests < kTestsPerBurst && !due && !in_flight_.empty(); ++tests) due = poll_for_news();
   }
   if (due) {
-    run_round(give_up);
+    if (run_round(give_up) && round_open_) warn_of_silent_ranks();
     return Clock::time_point::min();  // look again at once
   }
   if (!in_flight_.empty()) return Clock::now() + poll_interval_;
@@ -264,6 +265,21 @@ void Runtime::open_round() {
   open_critical_ = open_had_news_ && in_flight_.empty();
   open_report_ = agreement_.build_report(status);
   round_open_ = true;
+  round_opened_at_ = Clock::now();
+  round_silence_warned_ = false;
+}
+
+void Runtime::warn_of_silent_ranks() {
+  const Clock::duration open_for = Clock::now() - round_opened_at_;
+  if (round_silence_warned_ || open_for < std::chrono::duration<double>(settings_.stall_timeout_s)) return;
+  round_silence_warned_ = true;
+  const std::vector<int> silent = control_.silent_ranks();
+  std::string who = silent.empty() ? "another rank" : silent.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < silent.size(); ++i) who += (i ? "," : "") + std::to_string(silent[i]);
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(exchange_timeout_s_));
+  logger_.warning("an agreement round has waited " + seconds_text(open_for) + "s, past COMMSCHED_STALL_TIMEOUT, for " +
+                  who + " to answer (a running rank's core thread answers within a cycle: stopped, frozen or hung?); " +
+                  "the job stops at COMMSCHED_STALL_SHUTDOWN=" + seconds_text(limit) + "s");
 }
 
 bool Runtime::run_round(Clock::time_point yield_at) {

@@ -142,6 +142,9 @@ class Transport {
     reports = exchange(mine, timeout_s);
     return true;
   }
+  // The ranks whose report an exchange left open by exchange_until() still lacks; empty when
+  // none is open or the transport cannot tell.
+  virtual std::vector<int> silent_ranks() const { return {}; }
 
   // Starts a collective (allreduce and broadcast in place on `op.data`). Every rank starts
   // collectives in the same order (the agreement guarantees it). Only what unsupported() accepts

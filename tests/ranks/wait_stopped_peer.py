@@ -57,9 +57,10 @@ def main() -> None:
     parser.add_argument("--shutdown", action="store_true")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    # Stall limits far past the waits: only the waits' own timeouts may end them.
+    # A stall limit far past the waits: only the waits' own timeouts may end them. The round left
+    # open is named in a warning after COMMSCHED_STALL_TIMEOUT, shorter than the waits.
     commsched.init(
-        transport=args.transport, stall_timeout=STALL_S if args.shutdown else 20.0, stall_shutdown=40.0
+        transport=args.transport, stall_timeout=STALL_S if args.shutdown else 1.0, stall_shutdown=40.0
     )
     rank = commsched.rank()
     pids = commsched.allgather(np.array([[os.getpid()]], np.int64), name="pids")

@@ -353,4 +353,15 @@ bool TcpControlChannel::exchange_until(const std::string& mine, double timeout_s
   return true;
 }
 
+std::vector<int> TcpControlChannel::silent_ranks() const {
+  std::vector<int> silent;
+  if (!round_open_) return silent;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const PeerState& state = states_[peer];
+    if (!state.body_known || state.body_got < reports_[peer].size()) silent.push_back(peer);
+  }
+  return silent;
+}
+
 }  // namespace commsched::control

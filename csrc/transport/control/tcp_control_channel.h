@@ -41,6 +41,8 @@ class TcpControlChannel {
   // once the round is complete.
   bool exchange_until(const std::string& mine, double timeout_s, std::chrono::microseconds spin,
                       Clock::time_point yield_at, std::vector<std::string>& reports);
+  // The ranks whose report the open round still lacks (empty: none is open).
+  std::vector<int> silent_ranks() const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }

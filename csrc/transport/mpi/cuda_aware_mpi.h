@@ -29,6 +29,7 @@ class CudaAwareMpiTransport : public Transport {
                       std::vector<std::string>& reports) override {
     return mpi_->exchange_until(mine, timeout_s, yield_at, reports);
   }
+  std::vector<int> silent_ranks() const override { return mpi_->silent_ranks(); }
   // MPI reads the bytes as soon as the collective starts: the producer must have finished by then.
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return mpi_->any_thread(); }

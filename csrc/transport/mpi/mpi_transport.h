@@ -30,6 +30,9 @@ class MpiTransport : public Transport {
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   bool exchange_until(const std::string& mine, double timeout_s, std::chrono::steady_clock::time_point yield_at,
                       std::vector<std::string>& reports) override;
+  std::vector<int> silent_ranks() const override {
+    return exchange_open_ && size_ <= kDirectExchangeMaxRanks ? silent_peers() : std::vector<int>{};
+  }
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   bool any_thread() const override { return true; }
   // MPI's exchange between ranks of one host runs over its shared memory.

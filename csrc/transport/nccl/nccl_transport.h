@@ -26,6 +26,7 @@ class NcclTransport : public Transport {
   std::vector<std::string> exchange(const std::string& mine, double timeout_s) override;
   bool exchange_until(const std::string& mine, double timeout_s, std::chrono::steady_clock::time_point yield_at,
                       std::vector<std::string>& reports) override;
+  std::vector<int> silent_ranks() const override { return control_->silent_ranks(); }
   std::unique_ptr<PendingOp> start(const WireOp& op) override;
   // One cudaEventQuery per poll: cheap, and the GPU does the work meanwhile.
   std::chrono::microseconds poll_interval() const override { return std::chrono::microseconds(20); }
