@@ -99,37 +99,105 @@ def replay(
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 
+def shard_buckets(layers: list[TimedLayer], limit: int) -> list[list[int]]:
+    """Parameter positions cut into buckets as `shard=True` cuts them (plugins/torch/_shard_layout.plan).
+
+    Consecutive parameters in forward order, at most `limit` float32 bytes each; a parameter bigger
+    than `limit` gets a bucket of its own; `limit` 0 means one bucket, below 0 one per parameter.
+    """
+    counts = [count for layer in layers for _, count in layer.params]
+    buckets: list[list[int]] = []
+    held = 0
+    for position, count in enumerate(counts):
+        nbytes = 4 * count
+        if not buckets or limit < 0 or (limit > 0 and held + nbytes > limit):
+            buckets.append([])
+            held = 0
+        buckets[-1].append(position)
+        held += nbytes
+    return buckets
+
+
+def bucket_limit(settings: dict[str, Any], ranks: int) -> int:
+    """Training's bucket limit (plugins/torch/_reducer.bucket_limit) for these settings, as shard_buckets takes it."""
+    given = settings.get("bucket_bytes")
+    if given is not None:
+        return int(given) if given > 0 else -1  # COMMSCHED_BUCKET_BYTES=0: buckets off
+    partition = int(settings.get("partition_bytes") or 0)
+    return partition if ranks > 1 and partition > 0 else 0
+
+
+def shard_sim_layers(
+    layers: list[TimedLayer], limit: int, ranks: int
+) -> list[tuple[str, float, float, list[int]]]:
+    """The simulator's view of the bucketed split: each bucket's padded bytes in its first parameter's layer.
+
+    A bucket's first parameter is the last of its gradients the backward makes and the first the
+    forward uses, so that layer is where it is reduce-scattered and where the forward waits for it.
+    """
+    counts = [count for layer in layers for _, count in layer.params]
+    layer_of = [j for j, layer in enumerate(layers) for _ in layer.params]
+    sizes: list[list[int]] = [[] for _ in layers]
+    for members in shard_buckets(layers, limit):
+        total = sum(counts[p] for p in members)
+        sizes[layer_of[members[0]]].append(4 * (total + -total % ranks))
+    return [(l.name, l.forward_s, l.backward_s, held) for l, held in zip(layers, sizes)]
+
+
 def replay_shard(
     layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int
 ) -> list[float]:
-    """The training loop of ZeRO-2's split on this rank; returns each measured period.
+    """The training loop of ZeRO-2's split on this rank, bucketed as `shard=True`; returns each period.
 
-    Backward reduce-scatters each gradient with its forward position as priority. overlap: after
-    the backward, each parameter is stepped and its shard all-gathered once its own reduce-scatter
-    is done (checked at every layer boundary), and each layer's forward waits for its own gathers
-    only; barrier: the step waits for every reduce-scatter, then the gathers go in forward order and
-    the first layer waits for all of them (ZeRO and Megatron without overlap).
+    Gradients go in the flat buckets training lays out (forward order, at most the bucket limit,
+    padded to a multiple of the ranks); backward reduce-scatters a bucket once its last gradient is
+    ready, with its first parameter's forward position as priority. overlap: after the backward,
+    each bucket is stepped and its shard all-gathered once its own reduce-scatter is done (checked at
+    every layer boundary), and each layer's forward waits for its own buckets' gathers only;
+    barrier: the step waits for every reduce-scatter, then the gathers go in forward order and the
+    first layer waits for all of them (ZeRO and Megatron without overlap).
     """
+    import numpy as np
+
     import commsched
 
-    index_of = {}
-    for layer in layers:
-        for name, _ in layer.params:
-            index_of[name] = len(index_of)
+    ranks = commsched.size()
+    buckets = shard_buckets(layers, bucket_limit(commsched.config(), ranks))
     layer_of = [j for j, layer in enumerate(layers) for _ in layer.params]
     names = [name for layer in layers for name, _ in layer.params]
-    gathers: list[list[Any]] = [[] for _ in layers]
+    bucket_of = [0] * len(layer_of)
+    for b, members in enumerate(buckets):
+        for position in members:
+            bucket_of[position] = b
+    flats = []
+    for members in buckets:
+        flat = np.concatenate([grads[p] for p in members])
+        flats.append(np.pad(flat, (0, -len(flat) % ranks)))
+    own_positions: list[list[int]] = [[] for _ in layers]
+    for position, j in enumerate(layer_of):
+        own_positions[j].append(position)
+    needs = [sorted({bucket_of[p] for p in positions}) for positions in own_positions]
+    gathers: dict[int, Any] = {}
     scatters: dict[int, Any] = {}
 
-    def step(position: int) -> None:
-        shard = scatters.pop(position).wait()
-        gathers[layer_of[position]].append(
-            commsched.allgather_async(shard, name=f"{names[position]}.param", priority=position)
+    def step(b: int) -> None:
+        shard = scatters.pop(b).wait()
+        gathers[b] = commsched.allgather_async(
+            shard, name=f"{names[buckets[b][0]]}.param", priority=buckets[b][0]
         )
 
     def step_done() -> None:
-        for position in sorted(p for p, handle in scatters.items() if handle.done()):
-            step(position)
+        for b in sorted(b for b, handle in scatters.items() if handle.done()):
+            step(b)
+
+    def wait_gathers(wanted: list[int]) -> bool:
+        waited = False
+        for b in wanted:
+            handle = gathers.pop(b, None)
+            if handle is not None:
+                waited = waited or not handle.done()
+                handle.wait()
+        return waited
 
     starts: list[float] = []
     _tighten_timer_slack()
@@ -138,12 +206,12 @@ def replay_shard(
         for j, layer in enumerate(layers):
             if mode == "overlap" or j == 0:
                 step_done()
-                # This layer's parameters not yet stepped wait for their reduce-scatter now.
-                own = [p for p in sorted(scatters) if layer_of[p] == j] if mode == "overlap" else []
-                waited = any(not scatters[p].done() for p in own)
-                for position in own:
-                    step(position)
-                waited = _wait_all(gathers if mode == "barrier" else [gathers[j]]) or waited
+                # This layer's buckets not yet stepped wait for their reduce-scatter now.
+                own = [b for b in needs[j] if b in scatters] if mode == "overlap" else []
+                waited = any(not scatters[b].done() for b in own)
+                for b in own:
+                    step(b)
+                waited = wait_gathers(sorted(gathers) if mode == "barrier" else needs[j]) or waited
                 if waited:
                     clock = max(clock, time.perf_counter())
             if j == 0:
@@ -153,23 +221,26 @@ def replay_shard(
             clock += layer.forward_s
             _sleep_until(clock)
         else:
-            for back in reversed(layers):
+            missing = [len(members) for members in buckets]
+            for back, positions in zip(reversed(layers), reversed(own_positions)):
                 clock += back.backward_s
                 _sleep_until(clock)
-                for name, _ in reversed(back.params):
-                    position = index_of[name]
-                    scatters[position] = commsched.reducescatter_async(
-                        grads[position], name=f"{name}.grad", priority=position
-                    )
+                for position in reversed(positions):
+                    b = bucket_of[position]
+                    missing[b] -= 1
+                    if missing[b] == 0:
+                        scatters[b] = commsched.reducescatter_async(
+                            flats[b], name=f"{names[buckets[b][0]]}.grad", priority=buckets[b][0]
+                        )
             if mode == "barrier":
                 waited = not all(handle.done() for handle in scatters.values())
-                for position in sorted(scatters):
-                    step(position)
+                for b in sorted(scatters):
+                    step(b)
                 if waited:
                     clock = max(clock, time.perf_counter())
-    for position in sorted(scatters):  # the last iteration ends at its first layer: finish its step
-        step(position)
-    _wait_all(gathers)
+    for b in sorted(scatters):  # the last iteration ends at its first layer: finish its step
+        step(b)
+    wait_gathers(sorted(gathers))
     return [later - earlier for earlier, later in zip(starts[warmup:], starts[warmup + 1 :])]
 
 

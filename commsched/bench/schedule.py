@@ -20,7 +20,15 @@ from typing import Any, TextIO
 
 from commsched.bench import calibration, report
 from commsched.bench.overhead import measure_collective_overhead, measure_message_cost
-from commsched.bench.replay import TimedLayer, replay, replay_shard, round_share, warm_up
+from commsched.bench.replay import (
+    TimedLayer,
+    bucket_limit,
+    replay,
+    replay_shard,
+    round_share,
+    shard_sim_layers,
+    warm_up,
+)
 from commsched.config import parse_size, resolve
 from commsched.link_defaults import MessageCost, default_inline_bytes, default_sizes
 
@@ -301,21 +309,29 @@ def run(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     spec = sim_layers(layers)
-    predicted = [
-        sim_cli.predict(
-            spec,
+
+    def simulated(layout: list[tuple[str, float, float, list[int]]], s: dict[str, Any], mode: str) -> Any:
+        return sim_cli.predict(
+            layout,
             ranks,
             bandwidth,
             latency,
             s,
             [s["policy"]],
-            [row["mode"]],
+            [mode],
             size_costs=size_costs,
             shard=args.shard,
         )[0]
+
+    # The split replays training's buckets, and the simulator follows them; best for the split
+    # stays per tensor (each gradient reduce-scattered the moment it is ready), the lower bound.
+    predicted = [
+        simulated(
+            shard_sim_layers(layers, bucket_limit(s, ranks), ranks) if args.shard else spec, s, row["mode"]
+        )
         for s, row in zip(used, rows)
     ]
-    best_s = predicted[0]["best_s"]
+    best_s = simulated(spec, used[0], rows[0]["mode"])["best_s"] if args.shard else predicted[0]["best_s"]
     compute = compute_s(layers)
     # m of the columns, as in commsched-sim: every gradient byte at the best cost per byte the link
     # showed (the size costs), one reduction's latency: no schedule communicates in less, so
