@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ CORE = [
 TESTS = sorted((ROOT / "tests" / "cpp").glob("*.cc"))
 FLAGS = [
     "-std=c++17",
-    "-O1",
+    # -Og, not -O1: the sanitizers check the same at either, and -Og keeps the flow analysis that
+    # -Wmaybe-uninitialized needs, while compiling in about half the time (28 s against 51 s, serial).
+    "-Og",
     "-g",
     "-Wall",
     "-Wextra",
@@ -38,14 +41,19 @@ def test_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed to build the C++ tests")
     build = tmp_path_factory.mktemp("cpp")
-    objects, jobs = [], []
-    for source in CORE + TESTS:
-        obj = build / f"{source.parent.name}_{source.stem}.o"
-        objects.append(obj)
-        jobs.append(subprocess.Popen(["g++", *FLAGS, "-c", str(source), "-o", str(obj)]))
-        if len(jobs) >= (os.cpu_count() or 2):
-            assert jobs.pop(0).wait() == 0, "compilation failed"
-    assert all(job.wait() == 0 for job in jobs), "compilation failed"
+    objects = [build / f"{source.parent.name}_{source.stem}.o" for source in CORE + TESTS]
+
+    def compile_one(source: Path, obj: Path) -> subprocess.CompletedProcess[str]:
+        command = ["g++", *FLAGS, "-c", str(source), "-o", str(obj)]
+        return subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+
+    # The biggest sources first, and each worker takes the next file as soon as it is free, so no CPU
+    # idles while one long file finishes last.
+    order = sorted(zip(CORE + TESTS, objects), key=lambda pair: -pair[0].stat().st_size)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = list(pool.map(lambda pair: compile_one(*pair), order))
+    failed = [f"{r.args[-3]}:\n{r.stderr}" for r in done if r.returncode != 0]
+    assert not failed, "compilation failed: " + "\n".join(failed)
     binary = build / "core_tests"
     subprocess.run(["g++", *FLAGS, *map(str, objects), "-o", str(binary)], check=True)
     return binary
