@@ -137,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--master-port must be a TCP port, 1 to 65535, not {args.master_port}; or leave it out for a free one"
         )
+    _check_elastic(parser, args)
+    # After the flags: a flag's error says more than a missing script that the flags would not run.
     if not args.module and not os.path.isfile(args.program):
         parser.error(f"{args.program}: no such file; give the script each rank runs (or -m MODULE)")
-    _check_elastic(parser, args)
     base = dict(os.environ)
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
     base.update(
