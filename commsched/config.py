@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -66,6 +67,8 @@ def parse_duration(text: str | float) -> float:
     if isinstance(text, bool):
         raise TypeError("a duration, not a boolean")
     if isinstance(text, (int, float)):
+        if not math.isfinite(text):
+            raise ValueError("not a finite number")  # nan compares false to every limit it is checked against
         if text < 0:
             raise ValueError("negative")
         return float(text)

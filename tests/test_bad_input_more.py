@@ -115,3 +115,13 @@ def test_checkpoint_directory_that_is_a_file_is_named(tmp_path: Path) -> None:
     model, optimizer = _model(8)
     with pytest.raises(OSError, match=rf"cannot use {taken} as its directory .*COMMSCHED_CHECKPOINT_DIR"):
         ct.Checkpointer(model, optimizer, taken)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_init_refuses_a_duration_that_is_not_finite(value: float) -> None:
+    """init(stall_timeout=nan) would disable every stall limit it is compared against: refused by name."""
+    import commsched
+
+    with pytest.raises(commsched.SettingError, match=r"stall_timeout.*not a finite number.*e\.g\. 60"):
+        commsched.init(stall_timeout=value)
+    assert not commsched.is_initialized()
