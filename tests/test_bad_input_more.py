@@ -121,7 +121,8 @@ def test_checkpoint_directory_that_is_a_file_is_named(tmp_path: Path) -> None:
 def test_init_refuses_a_duration_that_is_not_finite(value: float) -> None:
     """init(stall_timeout=nan) would disable every stall limit it is compared against: refused by name."""
     import commsched
+    from commsched.config import SettingError
 
-    with pytest.raises(commsched.SettingError, match=r"stall_timeout.*not a finite number.*e\.g\. 60"):
+    with pytest.raises(SettingError, match=r"stall_timeout.*not a finite number.*e\.g\. 60"):
         commsched.init(stall_timeout=value)
     assert not commsched.is_initialized()
