@@ -7,7 +7,7 @@ import torch
 from commsched.torch import _shard_layout
 
 from commsched.bench import models
-from commsched.bench.replay import TimedLayer, shard_buckets
+from commsched.bench.replay import TimedLayer, cut_params, shard_buckets
 from commsched.bench.schedule import timed_layers
 
 
@@ -33,3 +33,14 @@ def test_buckets_off_sends_each_parameter_alone():
     layers = [TimedLayer("a", 0.0, 0.0, [("w", 100), ("b", 10)]), TimedLayer("c", 0.0, 0.0, [("w", 1000)])]
     assert shard_buckets(layers, -1) == [[0], [1], [2]]
     assert shard_buckets(layers, 500) == [[0, 1], [2]]
+
+
+def test_cut_params_replays_big_parameters_as_partition_pieces():
+    layers = timed_layers(models.get_profile("vgg16"), 100.0, 16.0)
+    cut = cut_params(layers, 64 << 10)
+    for whole, pieces in zip(layers, cut):
+        assert sum(count for _, count in pieces.params) == sum(count for _, count in whole.params)
+        assert all(count <= (64 << 10) // 4 for _, count in pieces.params)
+    biggest = max(count for layer in layers for _, count in layer.params)
+    assert len(shard_buckets(cut, 64 << 10)) >= biggest // ((64 << 10) // 4)
+    assert cut_params(layers, 0) == layers

@@ -118,6 +118,30 @@ def shard_buckets(layers: list[TimedLayer], limit: int) -> list[list[int]]:
     return buckets
 
 
+def cut_params(layers: list[TimedLayer], limit_bytes: int) -> list[TimedLayer]:
+    """The layers with each parameter over `limit_bytes` replayed as pieces of at most that many bytes.
+
+    What a core that partitions reduce-scatters and all-gathers would send (it cuts only
+    allreduces): each piece is a bucket of its own, so an urgent collective waits for one piece.
+    """
+    step = max(1, limit_bytes // 4)
+    return [
+        TimedLayer(
+            l.name,
+            l.forward_s,
+            l.backward_s,
+            [
+                (f"{name}.{k // step}", min(step, count - k))
+                for name, count in l.params
+                for k in range(0, count, step)
+            ]
+            if limit_bytes > 0
+            else l.params,
+        )
+        for l in layers
+    ]
+
+
 def bucket_limit(settings: dict[str, Any], ranks: int) -> int:
     """Training's bucket limit (plugins/torch/_reducer.bucket_limit) for these settings, as shard_buckets takes it."""
     given = settings.get("bucket_bytes")

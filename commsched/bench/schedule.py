@@ -23,6 +23,7 @@ from commsched.bench.overhead import measure_collective_overhead, measure_messag
 from commsched.bench.replay import (
     TimedLayer,
     bucket_limit,
+    cut_params,
     replay,
     replay_shard,
     round_share,
@@ -239,8 +240,13 @@ def run(args: argparse.Namespace) -> int:
         if args.size_costs
         else []
     )
+    replayed = layers
+    if args.shard and args.cut_at_partition:
+        replayed = cut_params(
+            layers, resolve({k: v for k, v in sizes.items() if v is not None}).partition_bytes
+        )
     grads = [
-        np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
+        np.random.default_rng(rank).random(count, dtype=np.float32) for l in replayed for _, count in l.params
     ]
     # --autotune adds one run per mode that starts from the defaults and tunes during the
     # warm-up; the fixed policies still run, for the baseline the speedup is measured against.
@@ -261,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         for name in _SCALED_SETTINGS
         if name in autotune.FIELDS and getattr(args, name) is None and sizes[name] is not None
     ]
-    warm_up(layers, grads, bandwidth, latency, sizes, args)
+    warm_up(replayed, grads, bandwidth, latency, sizes, args)
     # Rounds interleave the policies, so a host that speeds up or slows down during the run
     # (other jobs, frequency) weighs on each alike; a tuned run keeps its iterations together.
     for round_index in range(args.rounds):
@@ -286,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 comm.Barrier()
                 loop = replay_shard if args.shard else replay
-                periods.setdefault((policy, mode), []).extend(loop(layers, grads, mode, count, args.warmup))
+                periods.setdefault((policy, mode), []).extend(loop(replayed, grads, mode, count, args.warmup))
                 used_by[(policy, mode)] = commsched.config()  # what the tuner chose, for the simulator
                 progress.step(f"{policy}/{mode}")
             commsched.shutdown()
@@ -327,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     # stays per tensor (each gradient reduce-scattered the moment it is ready), the lower bound.
     predicted = [
         simulated(
-            shard_sim_layers(layers, bucket_limit(s, ranks), ranks) if args.shard else spec, s, row["mode"]
+            shard_sim_layers(replayed, bucket_limit(s, ranks), ranks) if args.shard else spec, s, row["mode"]
         )
         for s, row in zip(used, rows)
     ]
@@ -361,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
         "model": profile.name,
         "ranks": ranks,
         "shard": args.shard,
+        "cut_at_partition": bool(args.shard and args.cut_at_partition),
         "scale": args.scale,
         "device_tflops": args.device_tflops,
         "time_scale": time_scale,
@@ -522,6 +529,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ZeRO-2's split: reduce-scatter each gradient in backward, all-gather each parameter after "
         "the step (overlap: each layer's forward waits for its own; barrier: for all); best is the split's",
+    )
+    parser.add_argument(
+        "--cut-at-partition",
+        action="store_true",
+        help="with --shard: replay each parameter over the partition as partition-sized pieces, as a core "
+        "that partitions reduce-scatters and all-gathers would send them (training sends them whole)",
     )
     parser.add_argument(
         "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
