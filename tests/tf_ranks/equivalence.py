@@ -5,7 +5,9 @@ Run as `mpiexec -n N python -m mpi4py equivalence.py`; prints `PASS <config>` or
 wrapped optimizer (ranks other than 0 start from other weights, which the broadcast
 callback must undo), a custom tf.function loop with the wrapped optimizer, and custom
 loops with the wrapped tape on an embedding model (IndexedSlices gradients) in float32,
-float64 and float16; each under the priority and the fifo policy.
+float64 and float16; each under the priority and the fifo policy. `--policy priority,fifo` runs
+them under each policy in turn in the same processes (init, the configurations, shutdown), so one
+launch pays TensorFlow's start once for both.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def tape_loop(policy: str, rank: int, size: int, dtype: str) -> None:
     check(f"tape/{dtype}/{policy}", model, reference, dtype)
 
 
-def collectives(rank: int, size: int) -> None:
+def collectives(policy: str, rank: int, size: int) -> None:
     """allreduce and broadcast of every dtype, eagerly and in tf.function, against numpy."""
     failures = []
     base = np.arange(1, 7).reshape(2, 3)
@@ -129,30 +131,38 @@ def collectives(rank: int, size: int) -> None:
         if not np.array_equal(variable.numpy(), want):
             failures.append(f"broadcast {variable.dtype.name}: {variable.numpy()} != {want}")
     verdict = "FAIL" if failures else "PASS"
-    print(f"{verdict} collectives rank={rank} {'; '.join(failures)}", flush=True)
+    print(f"{verdict} collectives/{policy} rank={rank} {'; '.join(failures)}", flush=True)
 
 
 def main() -> None:
-    """Runs every configuration under each policy."""
+    """Runs every configuration under each policy named."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--policy", choices=["priority", "fifo"], required=True)
+    parser.add_argument("--policy", required=True, help="priority, fifo, or both comma-separated")
     parser.add_argument("--configs", default="collectives,fit,optimizer-loop,tape")
     parser.add_argument("--dtypes", default="float32,float64,float16")
     args = parser.parse_args()
     configs = args.configs.split(",")
-    commsched.init(policy=args.policy)
-    if commsched.config()["policy"] != args.policy:
-        print(f"FAIL policy is {commsched.config()['policy']}, not {args.policy}", flush=True)
+    for policy in args.policy.split(","):
+        if policy not in ("priority", "fifo"):
+            parser.error(f"--policy {policy!r}: choose priority or fifo")
+        run_policy(policy, configs, args.dtypes.split(","))
+
+
+def run_policy(policy: str, configs: list[str], dtypes: list[str]) -> None:
+    """The configurations under one policy, between an init() and a shutdown()."""
+    commsched.init(policy=policy)
+    if commsched.config()["policy"] != policy:
+        print(f"FAIL policy/{policy} is {commsched.config()['policy']}", flush=True)
     rank, size = commsched.rank(), commsched.size()
     if "collectives" in configs:
-        collectives(rank, size)
+        collectives(policy, rank, size)
     if "fit" in configs:
-        keras_fit(args.policy, rank, size)
+        keras_fit(policy, rank, size)
     if "optimizer-loop" in configs:
-        optimizer_loop(args.policy, rank, size)
+        optimizer_loop(policy, rank, size)
     if "tape" in configs:
-        for dtype in args.dtypes.split(","):
-            tape_loop(args.policy, rank, size, dtype)
+        for dtype in dtypes:
+            tape_loop(policy, rank, size, dtype)
     commsched.shutdown()
 
 
