@@ -64,7 +64,7 @@ built_ok() {
 if built_ok; then
   step "commsched's C++ extensions up to date (sources unchanged since the last build)"
 else
-  step "building commsched's C++ extensions (about 2.5 minutes; log in .venv/build.log)"
+  step "building commsched's C++ extensions (about 1.5 minutes on 2 CPUs; log in .venv/build.log)"
   rm -f "$build_stamp"
   # The build's own chatter goes to a log; it is shown only when the build fails.
   if ! pip install -q -e . --no-build-isolation > .venv/build.log 2>&1; then
