@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_bench_schedule import DRIVER  # tests/ is on sys.path (conftest.py)
 
@@ -164,7 +165,8 @@ class _Handle:
 
 
 @pytest.mark.parametrize("mode", ["overlap", "barrier"])
-def test_the_split_replay_leaves_nothing_in_flight(monkeypatch, mode):
+@pytest.mark.parametrize("bucket_bytes", [0, None])
+def test_the_split_replay_leaves_nothing_in_flight(monkeypatch, mode, bucket_bytes):
     # Every rank must submit the same collectives: each reduce-scatter is stepped and gathered
     # before the replay returns, the last iteration's included, whatever was done by then.
     import commsched
@@ -183,12 +185,20 @@ def test_the_split_replay_leaves_nothing_in_flight(monkeypatch, mode):
 
     monkeypatch.setattr(commsched, "reducescatter_async", start("scatter"), raising=False)
     monkeypatch.setattr(commsched, "allgather_async", start("gather"), raising=False)
+    monkeypatch.setattr(commsched, "size", lambda: 2)
+    # Buckets off (0) sends each tensor alone; by default a bucket holds up to a partition (24 B:
+    # one layer's 4 + 2 float32 elements).
+    monkeypatch.setattr(commsched, "config", lambda: {"bucket_bytes": bucket_bytes, "partition_bytes": 24})
     layers = [TimedLayer(f"l{i}", 1e-4, 1e-4, [(f"l{i}.w", 4), (f"l{i}.b", 2)]) for i in range(3)]
-    periods = replay_shard(layers, list(range(6)), mode, iterations=2, warmup=1)
+    grads = [np.ones(count, dtype=np.float32) for layer in layers for _, count in layer.params]
+    periods = replay_shard(layers, grads, mode, iterations=2, warmup=1)
     assert len(periods) == 2 and all(handle.finished for handle in handles)
     scatters = [line for line in log if line.startswith("scatter")]
     gathers = [line for line in log if line.startswith("gather")]
-    assert len(scatters) == len(gathers) == 3 * 6
+    per_iteration = 6 if bucket_bytes == 0 else 3
+    assert len(scatters) == len(gathers) == 3 * per_iteration
     # Backward order: the last layer's gradients first; every gather carries its forward position.
-    assert scatters[:2] == ["scatter l2.b.grad 5", "scatter l2.w.grad 4"]
-    assert sorted({line.split()[2] for line in gathers}) == [str(p) for p in range(6)]
+    first = ["scatter l2.b.grad 5", "scatter l2.w.grad 4"] if bucket_bytes == 0 else ["scatter l2.w.grad 4"]
+    assert scatters[: len(first)] == first
+    positions = range(6) if bucket_bytes == 0 else (0, 2, 4)
+    assert sorted({line.split()[2] for line in gathers}) == [str(p) for p in positions]
