@@ -36,12 +36,10 @@ if [ -f "$deps_stamp" ] && [ "$(cat "$deps_stamp")" = "$deps_hash" ]; then
   step "pip packages up to date (requirements-dev.txt and pyproject.toml unchanged)"
 else
   step "installing pip, the CPU build of $torch_pin, then requirements-dev.txt (several minutes the first time)"
-  # --no-compile: pip would byte-compile all 13,000 modules (about 27 s on one CPU); Python
-  # compiles the few thousand that are imported on first import, once, into the same __pycache__.
-  pip install -q --no-compile --upgrade pip
+  pip install -q --upgrade pip
   # The CPU build of torch first, so nothing later pulls a multi-GB CUDA build for a `torch>=` range.
-  pip install -q --no-compile "$torch_pin"
-  pip install -q --no-compile -r requirements-dev.txt
+  pip install -q "$torch_pin"
+  pip install -q -r requirements-dev.txt
   echo "$deps_hash" > "$deps_stamp"
 fi
 
