@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +277,8 @@ def child_env() -> dict[str, str]:
 
 def _spawn(args: argparse.Namespace, env: dict[str, str], folder: Path, *extra: str) -> dict[str, Any]:
     """Runs this script with --worker and `extra`; its row, or what went wrong."""
-    result = folder / f"row{len(list(folder.iterdir()))}.json"
+    result = Path(tempfile.mkstemp(prefix="row.", suffix=".json", dir=folder)[1])
+    result.unlink()  # the worker writes it; one that is there afterwards is this worker's
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result)]
     command += ["--device", args.device, "--compile-backend", args.compile_backend, *extra]
     command += ["--windows", str(args.windows), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -324,6 +326,37 @@ def _git_commit() -> str | None:
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
+def _compile_row(args: argparse.Namespace, env: dict[str, str], folder: Path, mode: str) -> Row:
+    """One torch.compile row: its worker, retried with aot_eager where the backend itself broke."""
+    row = {"mode": mode, **_spawn(args, env, folder, "--variant", f"compile-{mode}")}
+    if row.get("error", "").startswith(BACKEND_FAILURES) and args.compile_backend != "aot_eager":
+        # The backend itself (a compiler, Triton) is broken here: say so, and still find out
+        # whether commsched trains a compiled model, with the backend that needs neither.
+        problem = f"{args.compile_backend} failed: {row['error'][:300]}"
+        retry = ("--variant", f"compile-{mode}", "--compile-backend", "aot_eager")  # the last wins
+        row = {"mode": mode, **_spawn(args, env, folder, *retry), "backend_problem": problem}
+    row["tolerance"] = COMPILE_TOLERANCE[args.device]
+    # Barrier mode is judged; overlap mode is reported (see the module docstring).
+    row["judged"] = mode == "barrier"
+    difference = row.get("max_loss_difference")
+    row["passed"] = "error" not in row and difference is not None and difference <= row["tolerance"]
+    return row
+
+
+def _variant_row(
+    args: argparse.Namespace, env: dict[str, str], folder: Path, model: str, variant: str
+) -> Row:
+    """One (model, variant) row from its worker, its progress line on stderr."""
+    row = {
+        "model": model,
+        "variant": variant,
+        **_spawn(args, env, folder, "--model", model, "--variant", variant),
+    }
+    if not row.get("skipped"):
+        _report_progress(row)
+    return row
+
+
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every requested model x variant and the torch.compile rows, each in its own process."""
     env = child_env()
@@ -333,6 +366,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "windows": args.windows,
         "steps": args.steps,
         "warmup": args.warmup,
+        "jobs": args.jobs,
         "environment": {
             "date": time.strftime("%Y-%m-%d"),
             "commit": _git_commit(),
@@ -342,45 +376,27 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
         "compile": [],
     }
+    models = [m for m in args.models if not missing(m)]
+    cells = [(m, v) for m in models for v in args.variants]
+    modes = [] if args.skip_compile else list(COMPILE_MODES)
     with tempfile.TemporaryDirectory(prefix="gpu_step_time.") as scratch:
         folder = Path(scratch)
-        for model in args.models:
-            reason = missing(model)
-            if reason:
-                result["rows"].append({"model": model, "variant": None, "skipped": reason})
-                continue
-            rows = []
-            for variant in args.variants:
-                row = _spawn(args, env, folder, "--model", model, "--variant", variant)
-                if row.get("skipped"):  # found out in the worker: the other variants would find the same
-                    rows = [{"model": model, "variant": None, "skipped": row["skipped"]}]
-                    break
-                rows.append({"model": model, "variant": variant, **row})
-                _report_progress(rows[-1])
-            _summarise(rows)
-            result["rows"] += rows
-        if not args.skip_compile:
-            for mode in COMPILE_MODES:
-                row = {"mode": mode, **_spawn(args, env, folder, "--variant", f"compile-{mode}")}
-                if row.get("error", "").startswith(BACKEND_FAILURES) and args.compile_backend != "aot_eager":
-                    # The backend itself (a compiler, Triton) is broken here: say so, and still find out
-                    # whether commsched trains a compiled model, with the backend that needs neither.
-                    problem = f"{args.compile_backend} failed: {row['error'][:300]}"
-                    retry = (
-                        "--variant",
-                        f"compile-{mode}",
-                        "--compile-backend",
-                        "aot_eager",
-                    )  # the last wins
-                    row = {"mode": mode, **_spawn(args, env, folder, *retry), "backend_problem": problem}
-                row["tolerance"] = COMPILE_TOLERANCE[args.device]
-                # Barrier mode is judged; overlap mode is reported (see the module docstring).
-                row["judged"] = mode == "barrier"
-                difference = row.get("max_loss_difference")
-                row["passed"] = (
-                    "error" not in row and difference is not None and difference <= row["tolerance"]
-                )
-                result["compile"].append(row)
+        # --jobs > 1 (CPU dry runs only) runs workers side by side: their times then share the cores.
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            variant_rows = [pool.submit(_variant_row, args, env, folder, m, v) for m, v in cells]
+            compile_rows = [pool.submit(_compile_row, args, env, folder, mode) for mode in modes]
+            done = dict(zip(cells, (f.result() for f in variant_rows)))
+            result["compile"] = [f.result() for f in compile_rows]
+    for model in args.models:
+        reason = missing(model)
+        rows = [done[(model, v)] for v in args.variants] if not reason else []
+        # Found out in a worker: the model cannot be built here, so its row says why, once.
+        reason = reason or next((r["skipped"] for r in rows if r.get("skipped")), None)
+        if reason:
+            result["rows"].append({"model": model, "variant": None, "skipped": reason})
+            continue
+        _summarise(rows)
+        result["rows"] += rows
     names = [r.get("device_name") for r in result["rows"] + result["compile"] if r.get("device_name")]
     result["environment"]["device_name"] = names[0] if names else args.device
     broken = [r for r in result["rows"] if not r.get("skipped") and "error" in r]
@@ -403,9 +419,11 @@ def table_lines(result: dict[str, Any]) -> list[str]:
     mark = {True: "met", False: "MISSED", None: "-"}
     env = result["environment"]
     quick = " (--quick: tiny models)" if result["quick"] else ""
+    jobs = result.get("jobs", 1)
+    side_by_side = f", {jobs} at a time" if jobs > 1 else ""
     heading = (
         f"one rank on {env['device_name']}{quick}, median of {result['windows']} windows x {result['steps']} "
-        f"steps after {result['warmup']} warmup steps, each variant in its own process; "
+        f"steps after {result['warmup']} warmup steps, each variant in its own process{side_by_side}; "
         f"commit {env['commit']}, {env['date']}"
     )
     columns = (
@@ -490,6 +508,12 @@ def main() -> int:
         help="torch.compile backend of the compile rows (default inductor; aot_eager on the CPU, where "
         "inductor spends half a minute in the C++ compiler on a model that only checks the plumbing)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="workers at once (default 1); more only with --device cpu, a dry run whose times are not judged",
+    )
     parser.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile rows")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -505,6 +529,11 @@ def main() -> int:
         return worker_main(args)
     args.models = [m for m in args.models.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.jobs < 1 or (args.jobs > 1 and args.device != "cpu"):
+        parser.error(
+            f"--jobs {args.jobs}: give 1, or more only with --device cpu (workers side by side share "
+            "the device, so their times would not be the variants' own)"
+        )
     unknown = sorted(set(args.models) - set(MODELS)) + sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown model or variant: {', '.join(unknown)}")

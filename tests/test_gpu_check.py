@@ -86,7 +86,9 @@ def test_step_time_dry_run_on_the_cpu(tmp_path: Path) -> None:
     import gpu_step_time
 
     out = tmp_path / "gpu_step_time.json"
-    result, printed = gpu_check.step_time(clean_rank_env(ROOT), out, "--device", "cpu", "--quick")
+    result, printed = gpu_check.step_time(
+        clean_rank_env(ROOT), out, "--device", "cpu", "--quick", "--jobs", "2"
+    )
     assert result["passed"], printed + json.dumps(result, indent=1)[-3000:]
     assert json.loads(out.read_text())["rows"] == result["rows"]
     rows = {(r["model"], r["variant"]): r for r in result["rows"]}
@@ -135,3 +137,15 @@ def test_replicas_have_torchvisions_parameter_tensors() -> None:
     for model, tensors, elements in ((resnet, 161, 25_557_032), (vit, 152, 86_567_656)):
         assert step_time_models.parameter_tensors(model) == tensors
         assert sum(p.numel() for p in model.parameters()) == elements
+
+
+def test_step_time_refuses_workers_side_by_side_on_a_gpu() -> None:
+    """Timings on one GPU are judged, so --jobs above 1 is a CPU dry run's option only, and says so."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_step_time.py"), "--device", "cuda", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "--jobs 2" in done.stderr and "--device cpu" in done.stderr, done.stderr
