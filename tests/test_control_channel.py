@@ -168,15 +168,29 @@ _RIG_OK, _RIG_WHY = _netrig().available()
 needs_rig = pytest.mark.skipif(not _RIG_OK, reason=f"needs the shaped-network rig: {_RIG_WHY}")
 
 
-def _on_rig(expect: str, env: dict[str, str]) -> str:
-    """Runs the rank program on 2 ranks in network namespaces of their own; returns its output."""
+def _start_on_rig(expect: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Starts the rank program on 2 ranks in network namespaces of their own (a rig per call)."""
     argv = [sys.executable, str(NETRIG), "--ranks", "2", "--rate", "1gbit", "--queue", "priority", "--"]
     argv += [sys.executable, "-m", "mpi4py", str(PROGRAM), "--expect", expect]
-    result = subprocess.run(
-        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=240, check=False
+    return subprocess.Popen(
+        argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+
+
+def _output_of(job: subprocess.Popen[str]) -> str:
+    """Waits for a job of _start_on_rig; its output, once it exited 0."""
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        stdout, stderr = job.communicate()
+    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout + stderr
+
+
+def _on_rig(expect: str, env: dict[str, str]) -> str:
+    """Runs the rank program on 2 ranks in network namespaces of their own; returns its output."""
+    return _output_of(_start_on_rig(expect, env))
 
 
 @needs_mpi
@@ -191,16 +205,29 @@ def test_auto_across_network_stacks_takes_the_channel() -> None:
 def test_a_channel_that_cannot_connect_falls_back_under_auto_and_fails_under_tcp() -> None:
     """Each rank advertising 127.0.0.1 from its own namespace: no peer reaches it. auto warns and keeps
     the rounds on MPI on both ranks; tcp fails init() on both ranks, saying why."""
-    # The connect wait is the stall shutdown clamped to [10, 30] s: its floor keeps the test short.
+    # The connect wait is the stall shutdown clamped to [10, 30] s: its floor keeps the test short,
+    # and the two jobs wait side by side, each on a rig of its own.
     unreachable = {
         **SIZES,
         "COMMSCHED_CONTROL_ADDRESS": "127.0.0.1",
         "COMMSCHED_STALL_TIMEOUT": "5",
         "COMMSCHED_STALL_SHUTDOWN": "10",
     }
-    output = _on_rig("transport", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "auto"})
-    _ok_lines(output, 2, "transport")
-    assert output.count("the TCP control channel could not connect") >= 2, output
-    output = unglue(_on_rig("init-error", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "tcp"}), "rank ")
+    under_auto = _start_on_rig("transport", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "auto"})
+    under_tcp = _start_on_rig("init-error", {**unreachable, "COMMSCHED_CONTROL_CHANNEL": "tcp"})
+    try:
+        output = _output_of(under_auto)
+        _ok_lines(output, 2, "transport")
+        assert output.count("the TCP control channel could not connect") >= 2, output
+        output = unglue(_output_of(under_tcp), "rank ")
+    finally:
+        for job in (under_auto, under_tcp):
+            if job.poll() is None:  # a failed check above: the rig takes its namespaces down on SIGTERM
+                job.terminate()
+                try:
+                    job.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    job.communicate()
     assert output.count("init failed: ") == 2, output
     assert "COMMSCHED_CONTROL_CHANNEL=tcp: the TCP control channel could not connect" in output, output
