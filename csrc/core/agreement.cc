@@ -5,20 +5,9 @@
 #include <algorithm>
 #include <functional>
 
+#include "text.h"
+
 namespace commsched {
-
-namespace {
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i) text += ",";
-    text += std::to_string(ranks[i]);
-  }
-  return text;
-}
-
-}  // namespace
 
 Agreement::Agreement(int rank, int size, size_t max_cached_names)
     : rank_(rank),

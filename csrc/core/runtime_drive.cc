@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/runtime.h"
+#include "core/text.h"
 
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -30,12 +31,6 @@ constexpr auto kRoundSlice = std::chrono::milliseconds(100);
 // ...and stops without them after COMMSCHED_STALL_TIMEOUT, at most this long: a running peer's
 // core thread answers every round within a cycle, even while its program computes.
 constexpr double kShutdownAnswerS = 10.0;
-
-std::string seconds_text(std::chrono::steady_clock::duration duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3g", std::chrono::duration<double>(duration).count());
-  return text;
-}
 
 }  // namespace
 

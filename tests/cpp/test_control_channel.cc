@@ -257,5 +257,5 @@ TEST_CASE(control_channel_ignores_a_dialler_without_the_job_s_token) {
   }
   accepting.join();
   EXPECT(!acked);
-  EXPECT(error.find("ranks 1 did not connect to rank 0") != std::string::npos);
+  EXPECT(error.find("rank 1 did not connect to rank 0") != std::string::npos);
 }

@@ -1,5 +1,6 @@
 // The TCP control channel: bootstrap of the mesh and the per-round exchange of reports.
 #include "transport/control/tcp_control_channel.h"
+#include "core/text.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -30,18 +31,6 @@ constexpr auto kRedialPause = std::chrono::milliseconds(50);
 uint64_t random_token() {
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
-  return text;
-}
-
-std::string seconds_text(double seconds) {
-  std::ostringstream out;
-  out << seconds;
-  return out.str();
 }
 
 }  // namespace
@@ -161,7 +150,7 @@ void TcpControlChannel::accept_peers(Clock::time_point deadline, const std::atom
     for (int peer = rank_ + 1; peer < size_; ++peer) {
       if (!peers_[peer].valid()) missing.push_back(peer);
     }
-    error = "ranks " + rank_list(missing) + " did not connect to rank " + std::to_string(rank_);
+    error = rank_list(missing) + " did not connect to rank " + std::to_string(rank_);
   }
 }
 
@@ -322,7 +311,7 @@ bool TcpControlChannel::exchange_until(const std::string& mine, double timeout_s
         silent.push_back(peer);
       }
       if (silent.empty()) silent = polled_peers;  // only our sends are stuck: they stopped reading
-      fail("control channel: no report from rank" + std::string(silent.size() == 1 ? " " : "s ") + rank_list(silent) +
+      fail("control channel: no report from " + rank_list(silent) +
                " within " + seconds_text(round_timeout_s) + "s: " + (silent.size() == 1 ? "it" : "they") +
                " stopped taking part (crashed, hung, stopped, or never called commsched.init())",
            silent.front());

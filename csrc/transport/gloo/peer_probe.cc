@@ -1,4 +1,5 @@
 #include "transport/gloo/peer_probe.h"
+#include "core/text.h"
 
 #include <ATen/ATen.h>
 
@@ -16,12 +17,6 @@ std::string first_line(const std::string& text) {
   if (start == std::string::npos) return "unknown error";
   const size_t end = text.find('\n', start);
   return text.substr(start, end == std::string::npos ? std::string::npos : end - start);
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
-  return text;
 }
 
 bool says_timed_out(const std::exception& error) {

@@ -1,4 +1,5 @@
 #include "transport/mpi/mpi_transport.h"
+#include "core/text.h"
 
 #include <chrono>
 #include <algorithm>
@@ -120,18 +121,6 @@ bool wait_polling(MPI_Request* requests, int count, double timeout_s, const char
   auto started = std::chrono::steady_clock::time_point::min();
   return poll_requests(requests, count, timeout_s, started, std::chrono::steady_clock::time_point::max(), what) ==
          Polled::kDone;
-}
-
-std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3g", seconds);
-  return text;
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
-  return text;
 }
 
 // MPI_Finalize deletes MPI_COMM_SELF's attributes before anything else (MPI-2.2, 8.7.1): this
