@@ -22,6 +22,7 @@ import commsched as _api
 from commsched import _core
 from commsched import process_sets as _process_sets
 from commsched import submission as _submission
+from commsched.handles import deadline_of
 
 # commsched dtype -> numpy dtype of the result (bfloat16 as its raw 16 bits, which torch views back).
 _NUMPY_DTYPES = {
@@ -107,7 +108,7 @@ class GroupHandle:
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Waits for every member; returns their arrays in the order given."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout, f"a group of {len(self._handles)}")
         results = []
         for handle in self._handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until done and returns the array; raises TimeoutError or a CommschedError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout, self.name)
         while True:
             # Wait in slices so Ctrl-C and other signals are handled while a collective hangs.
             left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
@@ -49,7 +50,7 @@ class Handle:
         The host waits only until the collective is launched on commsched's stream; work queued on
         `stream` afterwards sees the result. On host transports this is wait().
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout, self.name)
         while True:
             left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
             if self._core_handle.wait_stream(stream, max(left, 0.0)):
@@ -57,6 +58,17 @@ class Handle:
             if deadline is not None and time.monotonic() >= deadline:
                 break
         raise _timed_out(self.name, timeout)
+
+
+def deadline_of(timeout: float | None, name: str) -> float | None:
+    """The monotonic deadline of a wait of `timeout` seconds (None: none); nan is refused, not waited forever."""
+    if timeout is None:
+        return None
+    if math.isnan(timeout):
+        raise ValueError(
+            f"wait for '{name}': timeout is nan; pass seconds (0 only checks, math.inf or None waits until done)"
+        )
+    return time.monotonic() + timeout
 
 
 def _timed_out(name: str, timeout: float | None) -> TimeoutError:

@@ -126,3 +126,23 @@ def test_init_refuses_a_duration_that_is_not_finite(value: float) -> None:
     with pytest.raises(SettingError, match=r"stall_timeout.*not a finite number.*e\.g\. 60"):
         commsched.init(stall_timeout=value)
     assert not commsched.is_initialized()
+
+
+def test_a_wait_of_nan_seconds_is_refused_not_endless() -> None:
+    """A handle's or a group's wait(nan) compared false against every clock reading and never ended."""
+    import numpy as np
+
+    import commsched
+
+    commsched.init()
+    try:
+        handle = commsched.allreduce_async(np.ones(4, np.float32), name="nan.wait")
+        with pytest.raises(ValueError, match=r"'nan.wait': timeout is nan; pass seconds"):
+            handle.wait(float("nan"))
+        assert handle.wait(5.0).tolist() == [1.0] * 4
+        group = commsched.grouped_allreduce_async([np.ones(2, np.float32)], name="nan.group")
+        with pytest.raises(ValueError, match=r"a group of 1.*timeout is nan"):
+            group.wait(float("nan"))
+        assert group.wait(5.0)[0].tolist() == [1.0, 1.0]
+    finally:
+        commsched.shutdown()
