@@ -7,7 +7,9 @@ parameter's own `step`, as a plain torch Adam does, before the save and after ea
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -42,17 +44,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_each_rank_writes_its_own_shard_and_the_manifest_records_the_layout(saved: Path) -> None:
     """Each rank's file holds only its own shard of the optimizer state (nothing gathered); the
-    manifest names the rank count, every bucket's members and each rank's flat pieces."""
+    manifest names the rank count, every bucket's members (a weight over the bucket limit as pieces
+    that cover it once) and each rank's flat pieces."""
     (version,) = [p for p in (saved / "versions").iterdir()]
     manifest = json.loads((version / "manifest.json").read_text())
     layout = manifest["sharded"]
     assert layout["ranks"] == 2 and manifest["ranks"] == 2
     members = [m for bucket in layout["buckets"] for m in bucket["members"]]
-    assert len({m["index"] for m in members}) == len(members) > 0
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for m in members:
+        covered.setdefault(m["index"], []).append((m["start"], m["numel"]))
+    for index, spans in covered.items():  # each parameter whole, or in pieces that cover it once
+        shape = next(m["shape"] for m in members if m["index"] == index)
+        assert [start for start, _ in spans] == list(itertools.accumulate([0] + [n for _, n in spans[:-1]]))
+        assert sum(n for _, n in spans) == math.prod(shape), (index, spans)
+    assert max(len(spans) for spans in covered.values()) == 4, covered  # skip.weight: 4 pieces
     assert not all(m["state"] for m in members), "the never-used layer has no state"
     shard_keys = [k for k in manifest["tensors"] if k.startswith("optimizer.shard.")]
     assert shard_keys and {k.split(".")[3] for k in shard_keys} == {
-        str(k) for k in range(len(layout["buckets"]))
+        str(k) for k, bucket in enumerate(layout["buckets"]) if any(m["state"] for m in bucket["members"])
     }
     for key in shard_keys:
         rank = int(key.split(".")[2])
@@ -88,7 +98,8 @@ def test_a_damaged_optimizer_shard_or_layout_is_not_trusted(saved: Path, tmp_pat
     (original,) = [p for p in (saved / "versions").iterdir()]
     contents = read_version(fmt.Version(4, original))
     assert contents.sharded is not None and contents.shards is not None
-    assert set(contents.shards) == {(r, k) for r in (0, 1) for k in range(len(contents.sharded["buckets"]))}
+    held = [k for k, b in enumerate(contents.sharded["buckets"]) if any(m["state"] for m in b["members"])]
+    assert set(contents.shards) == {(r, k) for r in (0, 1) for k in held}  # the never-used layer's: none
     copy = tmp_path / original.name
     shutil.copytree(original, copy)
     data = bytearray((copy / "shard-00001-of-00002.safetensors").read_bytes())

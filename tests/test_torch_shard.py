@@ -46,9 +46,11 @@ def _check(result: object, ranks: int, cases: tuple[str, ...], transport: str = 
 @needs_mpi
 def test_mpiexec_two_ranks_every_case() -> None:
     """MPI, 2 ranks: SGD/AdamW in both modes, exact integer data, mixed dtypes, clipping, a process set,
-    memory, state."""
+    memory, state; small, exact and state with parameters cut into pieces across buckets."""
     text = _check(launch("mpiexec", 2, "shard_cases.py", timeout=90), 2, ALL)
     assert "grad_ratio=1.0" in text
+    for case in ("small", "exact", "state"):  # parameters cut into pieces across buckets
+        assert re.search(rf"PASS {case}/overlap .* cut=[1-9]", text), text[-4000:]
 
 
 @needs_mpi
@@ -307,13 +309,14 @@ def _train_one_rank(
         )
         optimizer._pipelined = pipelined
         plain = torch.optim.AdamW(plain_model.parameters(), lr=0.05)
-        names = {id(p): n for n, p in model.named_parameters()}
+        update = optimizer._update
 
-        def before(_: Any, params: list[torch.Tensor]) -> None:
-            labels = {names[id(p)] for p in params}
-            events.extend(("update", str(k)) for k, b in enumerate(optimizer.buckets()) if labels & set(b))
+        def seen_update(buckets: list[Any], unused: set[int]) -> None:
+            # By bucket, not by parameter: the first layer's weight is cut across buckets 0 and 1.
+            events.extend(("update", bucket.name) for bucket in buckets)
+            update(buckets, unused)
 
-        optimizer.register_param_update_pre_hook(before)
+        monkeypatch.setattr(optimizer, "_update", seen_update)
         generator = torch.Generator().manual_seed(1)
         for _ in range(3):
             x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 4, generator=generator)
@@ -359,8 +362,12 @@ def test_step_updates_each_bucket_as_its_reduce_scatter_lands(
 ) -> None:
     """step() updates each bucket right after its reduce-scatter lands, before the next one lands, gathers it
     once no more urgent reduce-scatter is pending, and ends at a plain torch AdamW's parameters; the
-    unpipelined step lands every bucket first (the order check tells the two apart), to the same end."""
-    events, _, model, initial, plain_model = _train_one_rank(True, False, overlap, monkeypatch, landing_order)
+    unpipelined step lands every bucket first (the order check tells the two apart), to the same end.
+    The first layer's weight is over the bucket limit: its two pieces go in buckets 0 and 1."""
+    events, buckets, model, initial, plain_model = _train_one_rank(
+        True, False, overlap, monkeypatch, landing_order
+    )
+    assert buckets[:2] == [["0.weight"], ["0.weight", "0.bias"]], buckets  # 384 bytes cut at 256
     assert _story(events) == PIPELINED[landing_order]
     assert _difference(model, plain_model) <= 1e-6 and _difference(model, initial) > 1e-2
     events, _, unpipelined, _, _ = _train_one_rank(False, False, overlap, monkeypatch, landing_order)

@@ -108,7 +108,7 @@ class ShardedOptimizer(DistributedOptimizer):
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._original_groups = [list(group["params"]) for group in optimizer.param_groups]
         self._buckets: list[layout.ShardBucket] = []
-        self._where: dict[int, tuple[layout.ShardBucket, int]] = {}
+        self._where: dict[int, list[layout.ShardBucket]] = {}  # by parameter id: the buckets holding it
         self._built = False
         self._seen = [0] * len(labelled)
         self._open = False  # a gradient arrived since the last close
@@ -170,14 +170,13 @@ class ShardedOptimizer(DistributedOptimizer):
             if priorities[i] != unranked
         ]
         entries.sort(key=lambda e: (priorities[e[2]], e[2]))
-        plans = layout.plan(entries, priorities, limit)
+        # A parameter over the limit is cut into pieces across buckets; buckets off (1) cut nothing.
+        plans = layout.plan(entries, priorities, limit, self._ranks if limit > 1 else 0)
         self._buckets = [
             layout.build(chosen, f"{k}", priorities[chosen[0][2]], self._ranks, self._position)
             for k, chosen in enumerate(plans)
         ]
-        self._where = {
-            id(m.param): (bucket, k) for bucket in self._buckets for k, m in enumerate(bucket.members)
-        }
+        self._where = layout.link_pieces(self._buckets)
         deferred, self._deferred = self._deferred, None
         now = _state.layout_key(_state.layout_json(self._buckets, self._inner, self._ranks))
         direct = deferred is not None and now == _state.layout_key(deferred[0])
@@ -236,13 +235,11 @@ class ShardedOptimizer(DistributedOptimizer):
             )
         if self._seen[index] < self._passes:
             return
-        found = self._where.get(id(param))
-        if found is None:
-            return  # trainable only since the layout was built: refused at close
-        bucket = found[0]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.members) and bucket.scatter is None:
-            self._scatter(bucket)
+        # Not found: trainable only since the layout was built, refused at close.
+        for bucket in self._where.get(id(param), ()):
+            bucket.ready += 1  # every bucket holding a piece of it
+            if bucket.ready == len(bucket.members) and bucket.scatter is None:
+                self._scatter(bucket)
 
     def _scatter(self, bucket: layout.ShardBucket) -> None:
         seen = [self._seen[m.index] > 0 for m in bucket.members]
@@ -310,6 +307,7 @@ class ShardedOptimizer(DistributedOptimizer):
         once no reduce-scatter more urgent than it is still pending."""
         self._close()
         pending = list(self._buckets)
+        position = {id(b): k for k, b in enumerate(pending)}  # priority order; pieces tie on priority
         updated: list[layout.ShardBucket] = []
         while pending:
             bucket = _shard_step.next_landed(pending, self._timeout)
@@ -321,10 +319,8 @@ class ShardedOptimizer(DistributedOptimizer):
             updated.append(bucket)
             # A gather passes pending reduce-scatters in the core's queue, and step() (so the next
             # forward) waits for those: only one the forward needs before all of them goes now.
-            urgent = min((b.priority for b in pending), default=None)
-            ready = sorted(
-                (b for b in updated if urgent is None or b.priority < urgent), key=lambda b: b.priority
-            )
+            urgent = min((position[id(b)] for b in pending), default=len(position))
+            ready = sorted((b for b in updated if position[id(b)] < urgent), key=lambda b: position[id(b)])
             updated = [b for b in updated if b not in ready]
             self._gather(ready)
         self._take_counts()
@@ -349,9 +345,9 @@ class ShardedOptimizer(DistributedOptimizer):
     def _settle(self, params: list[torch.Tensor]) -> None:
         """Waits for the gathers of these parameters' buckets (a module's pre-forward hook)."""
         for param in params:
-            found = self._where.get(id(param))
-            if found is not None and found[0].gather is not None:
-                self._land(found[0])
+            for bucket in self._where.get(id(param), ()):
+                if bucket.gather is not None:
+                    self._land(bucket)
 
     def _settle_all(self) -> None:
         for bucket in self._buckets:
@@ -438,7 +434,8 @@ class ShardedOptimizer(DistributedOptimizer):
 
     def pending_updates(self) -> list[torch.Tensor]:
         """Overlap mode: parameters whose gathered values are not written back yet."""
-        return [m.param for b in self._buckets if b.gather is not None for m in b.members]
+        pending = {id(m.param): m.param for b in self._buckets if b.gather is not None for m in b.members}
+        return list(pending.values())
 
     def apply_pending_updates(self) -> None:
         """Overlap mode: writes back now every gather that waits for the next forward."""
@@ -532,7 +529,7 @@ class ShardedOptimizer(DistributedOptimizer):
             shard_state = self._inner.state.get(bucket.shard, {})
             for k, member in enumerate(bucket.members):
                 record = _state.record_of(bucket, shard_state, k)
-                if record is not None:
+                if record is not None and member.index not in state:  # a piece's: its parameter's
                     state[member.index] = dict(_state.copy_record(record) or {})
             for key in sorted(shard_state):
                 value = shard_state[key]
@@ -548,8 +545,9 @@ class ShardedOptimizer(DistributedOptimizer):
                 full = (full if isinstance(full, torch.Tensor) else torch.as_tensor(full)).reshape(-1)
                 for m in bucket.members:
                     if m.index in state:
-                        piece = full[m.offset : m.offset + m.numel].view_as(m.param).to(value.device).clone()
-                        state[m.index][key] = piece
+                        layout.place(
+                            state[m.index], key, m, full[m.offset : m.offset + m.numel].to(value.device)
+                        )
         return {"state": state, "param_groups": self.plain_groups()}
 
     # -- checkpoints (commsched.torch.Checkpointer) ------------------------------------------

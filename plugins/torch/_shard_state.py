@@ -90,7 +90,8 @@ def cut(
     wholes: list[dict[str, torch.Tensor]] = []
     records: list[Record] = []
     for member, state in zip(bucket.members, states):
-        whole = {k: v for k, v in state.items() if _tensor(v) and v.dim() > 0 and v.numel() == member.numel}
+        size = member.param.numel()  # a piece's state is cut from its whole parameter's
+        whole = {k: v for k, v in state.items() if _tensor(v) and v.dim() > 0 and v.numel() == size}
         wholes.append(whole)
         records.append({k: v for k, v in state.items() if k not in whole} if state else None)
     for key in sorted({key for whole in wholes for key in whole}):
@@ -220,7 +221,7 @@ def _take_back(inner: torch.optim.Optimizer, bucket: ShardBucket, runs: list[_Ru
 
 # -- checkpoints: the layout as JSON, this rank's tensors, and loading them back ----------------
 def layout_json(buckets: list[ShardBucket], inner: torch.optim.Optimizer, ranks: int) -> dict[str, Any]:
-    """The buckets' members (index, offset, size, shape, whether they have state) and the rank count."""
+    """The buckets' members (index, offset, size, start in the parameter, shape, has state) and the rank count."""
     result = []
     for bucket in buckets:
         state = inner.state.get(bucket.shard, {})
@@ -229,6 +230,7 @@ def layout_json(buckets: list[ShardBucket], inner: torch.optim.Optimizer, ranks:
                 "index": m.index,
                 "offset": m.offset,
                 "numel": m.numel,
+                "start": m.start,
                 "shape": list(m.param.shape),
                 "state": record_of(bucket, state, k) is not None,
             }
@@ -243,7 +245,11 @@ def layout_key(layout: dict[str, Any]) -> Any:
     return (
         layout["ranks"],
         [
-            (b["group"], b["padded"], [(m["index"], m["offset"], m["numel"]) for m in b["members"]])
+            (
+                b["group"],
+                b["padded"],
+                [(m["index"], m["offset"], m["numel"], m.get("start", 0)) for m in b["members"]],
+            )
             for b in layout["buckets"]
         ],
     )
@@ -284,8 +290,9 @@ def install(
     ):
         return False
     for bucket, saved, spec in zip(buckets, tensors, layout["buckets"]):
+        # Copies: the pieces of one parameter in other buckets must not step the same `step` tensor.
         records: list[Record] = [
-            dict(values.get(m["index"], {})) if m["state"] else None for m in spec["members"]
+            copy_record(values.get(m["index"], {})) if m["state"] else None for m in spec["members"]
         ]
         first = next((r for r in records if r is not None), None)
         state: dict[str, Any] = {k: t.to(bucket.shard.device).clone() for k, t in saved.items()}

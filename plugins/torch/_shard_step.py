@@ -99,7 +99,7 @@ def update(
     for bucket in buckets:
         layout.refresh(bucket)  # the parameters may have been changed since the last gather
         chosen.setdefault(bucket.group, []).append(bucket.shard)
-    params = [m.param for bucket in buckets for m in bucket.members]
+    params = list({id(m.param): m.param for bucket in buckets for m in bucket.members}.values())
     updating(
         params, lambda: step_on(inner, chosen, lambda: _state.update(inner, buckets, unused, inner.step))
     )

@@ -461,6 +461,7 @@ def _check_layout(layout: Any, ranks: int) -> None:
             _need(member["offset"] + member["numel"] <= padded, f"{where} ends past the bucket: {member!r}")
             shape = member.get("shape")
             _need(isinstance(shape, list) and all(map(_count, shape)), f"{where} has shape {shape!r}")
+            _need(_count(member.get("start", 0)), f"{where} has start {member.get('start')!r}")
             _need(isinstance(member.get("state"), bool), f"{where} has state {member.get('state')!r}")
 
 

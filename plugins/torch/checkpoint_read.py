@@ -72,10 +72,21 @@ class Contents:
                     flat = torch.cat([self.shards[(r, k)][key] for r in range(ranks)])
                     for member in bucket["members"]:
                         if member["state"]:
-                            start, numel = member["offset"], member["numel"]
-                            piece = flat[start : start + numel].reshape(member["shape"]).clone()
-                            state.setdefault(member["index"], {})[key] = piece
+                            _place(state.setdefault(member["index"], {}), key, member, flat)
         return {"state": state, "param_groups": self.param_groups}
+
+
+def _place(into: dict[str, Any], key: str, member: dict[str, Any], flat: torch.Tensor) -> None:
+    """Puts a member's elements of a joined flat state into its parameter's tensor (a piece: its part)."""
+    values = flat[member["offset"] : member["offset"] + member["numel"]]
+    start, shape = member.get("start", 0), member["shape"]
+    if start == 0 and member["numel"] == math.prod(shape):
+        into[key] = values.reshape(shape).clone()
+        return
+    whole = into.get(key)
+    if whole is None:
+        whole = into[key] = values.new_zeros(shape)
+    whole.view(-1)[start : start + member["numel"]].copy_(values)
 
 
 def read_version(version: fmt.Version) -> Contents:
@@ -152,7 +163,8 @@ def _check_shards(layout: dict[str, Any], shards: dict[tuple[int, int], dict[str
                         f"[{bucket['padded'] // ranks}]"
                     )
         for member in bucket["members"]:
-            if math.prod(member["shape"]) != member["numel"]:
+            # A piece of a parameter cut across buckets ("start"; whole when absent, as before pieces).
+            if member.get("start", 0) + member["numel"] > math.prod(member["shape"]):
                 raise fmt.DamagedVersion(f"parameter {member['index']} has shape {member['shape']}")
     if any(r >= ranks or k >= len(layout["buckets"]) for r, k in shards):
         raise fmt.DamagedVersion("it holds a shard of a rank or bucket its layout does not have")

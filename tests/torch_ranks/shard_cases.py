@@ -5,15 +5,18 @@ through the unsharded optimizer and one sharded, and compares their parameters a
 
   sgd      Net (frozen, unused and rank-skipped layers), SGD with nesterov momentum and weight decay,
            after broadcast_parameters and broadcast_optimizer_state from rank 0
-  small    sgd with COMMSCHED_BUCKET_BYTES=256: many buckets, cut inside and across parameters
+  small    sgd with COMMSCHED_BUCKET_BYTES=256: many buckets, parameters over it cut into pieces across
+           buckets (skip.weight: 4), smaller ones bucketed together
   adamw    Net with every layer used, AdamW
-  exact    float64 linear model, integer-valued data, SGD momentum, 2 backward passes per step: equal bits
+  exact    float64 linear model, integer-valued data, SGD momentum, 2 backward passes per step, buckets
+           of 256 bytes (its weights cut into pieces): equal bits
   mixed    a float32 layer and a float64 layer (one bucket per dtype), SGD momentum
   clip     SGD with global-norm clipping: clip_grad_norm_ on the shards vs torch's on the full gradients
   pset     sgd over a process set of all ranks but the last (that one keeps a plain optimizer)
   memory   optimizer state and reduced gradient bytes per rank within 5% of 1/N of the unsharded ones
-  state    full_state_dict() equals the unsharded state; loaded into a new sharded optimizer, training
-           goes on to the same parameters
+  state    Net with the skipped layer, AdamW, buckets of 256 bytes (weights cut into pieces, Adam's
+           `step` differing between parameters): full_state_dict() equals the unsharded state; loaded
+           into a new sharded optimizer, training goes on to the same parameters
 
 With --recut FILE, the first run (2 ranks) saves full_state_dict() and the model to FILE; the second
 (another rank count) loads it into a sharded optimizer whose shards are laid out already: gathering
@@ -74,7 +77,7 @@ def _loss(case: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, s
         return model(inputs).sum() * 0.25
     if case == "memory":
         return F.cross_entropy(model(shard(x[step], rank)), shard(y[step], rank))
-    skip = skips(rank, step) if case in ("sgd", "small", "clip", "pset") else False
+    skip = skips(rank, step) if case in ("sgd", "small", "clip", "pset", "state") else False
     return F.cross_entropy(model(shard(x[step], rank), skip), shard(y[step], rank))
 
 
@@ -226,7 +229,12 @@ def run(case: str, overlap: bool, process_set: Any = None) -> tuple[bool, str]:
     moved = _difference(initial, sharded_model)  # equal because nothing trained would prove nothing
     tolerance = {"exact": 0.0, "adamw": 1e-4, "state": 1e-4}.get(case, 2e-5)
     ok = difference <= tolerance and moved > 1e-3
-    return ok, f"difference={difference:.3g} moved={moved:.3g} buckets={len(sharded.buckets())}{extra}"
+    labels = [label for bucket in sharded.buckets() for label in bucket]
+    cut = len({label for label in labels if labels.count(label) > 1})  # parameters cut across buckets
+    return (
+        ok,
+        f"difference={difference:.3g} moved={moved:.3g} buckets={len(sharded.buckets())} cut={cut}{extra}",
+    )
 
 
 def recut(path: str) -> bool:
@@ -301,7 +309,9 @@ def main() -> int:
         return 0 if ok else 1
     failed = 0
     for case in args.cases.split(","):
-        commsched.init(stall_timeout=10, bucket_bytes=256 if case == "small" else None, **where)
+        # Buckets of 256 bytes cut most weights into pieces across buckets.
+        cut = case in ("small", "exact", "state")
+        commsched.init(stall_timeout=10, bucket_bytes=256 if cut else None, **where)
         modes = ["barrier"] if case in ("memory", "clip") else args.modes.split(",")
         # All ranks but the last: that one keeps a plain optimizer on its own gradients.
         process_set = (

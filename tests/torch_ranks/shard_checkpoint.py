@@ -12,7 +12,8 @@
                at another rank count the shards are cut again and the sharded model must match the
                unsharded one, with equal per-parameter `step`
 
-Prints "PASS <phase> ..." or "FAIL <phase> ..." per rank.
+Both phases cut buckets at 512 bytes, so the weights over it are saved and loaded as pieces across
+buckets. Prints "PASS <phase> ..." or "FAIL <phase> ..." per rank.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def load(directory: Path) -> bool:
 
 def main() -> int:
     phase, directory = sys.argv[1], Path(sys.argv[2])
-    commsched.init(stall_timeout=10)
+    # Buckets of 512 bytes: skip.weight (2 KiB in float64) is cut into pieces across 4 buckets.
+    commsched.init(stall_timeout=10, bucket_bytes=512)
     ok = save(directory) if phase == "save" else load(directory)
     commsched.shutdown()
     return 0 if ok else 1
