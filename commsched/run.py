@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 from typing import Any
 
 _LOWEST_PORT = 10000  # below this, ports of well-known services cluster
@@ -67,7 +68,14 @@ def _parser(prog: str) -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
-    parser.add_argument("-n", "--nproc", type=int, required=True, help="ranks to start on this host")
+    parser.add_argument(
+        "-n",
+        "-np",
+        "--nproc",
+        type=int,
+        required=True,
+        help="ranks to start on this host (-np as horovodrun)",
+    )
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument(
         "-m", dest="module", action="store_true", help="run PROGRAM as a module (python -m PROGRAM)"
@@ -114,13 +122,17 @@ def _parser(prog: str) -> Any:
         "once a second; new slots on this host (up to --max-np) start ranks that join at the next commit, "
         "slots gone stop ranks. Only this machine's names (localhost, 127.0.0.1, its hostname) are accepted",
     )
-    parser.add_argument("program", help="the script each rank runs with this Python (a module with -m)")
+    parser.add_argument(
+        "program",
+        help="the script each rank runs with this Python (a module with -m), or a command to run as it is "
+        "(an executable, e.g. `python train.py` as horovodrun takes it)",
+    )
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="arguments passed on to PROGRAM")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`commsched-run -n N script.py ...` (or `python -m commsched.run`): N local ranks, torchrun-style
+    """`commsched-run -n N script.py ...` (or `-np N python script.py ...`, or `python -m commsched.run`): N local ranks, torchrun-style
     variables and a fresh COMMSCHED_JOB_TOKEN (unless one is set), so gRPC peers accept only this job.
     When a rank fails, the others are ended (SIGTERM, then SIGKILL), as torchrun does."""
     import secrets
@@ -139,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     _check_elastic(parser, args)
     # After the flags: a flag's error says more than a missing script that the flags would not run.
-    if not args.module and not os.path.isfile(args.program):
-        parser.error(f"{args.program}: no such file; give the script each rank runs (or -m MODULE)")
+    executable = None if args.module else _as_command(args.program)
+    if not args.module and executable is None and not os.path.isfile(args.program):
+        parser.error(
+            f"{args.program}: no such file or command; give the script each rank runs (or -m MODULE, or a "
+            "command such as `python train.py`)"
+        )
     base = dict(os.environ)
     base.setdefault("COMMSCHED_JOB_TOKEN", secrets.token_hex(16))
     base.update(
@@ -148,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         MASTER_PORT=str(args.master_port or free_port()),
         WORLD_SIZE=str(args.nproc),
     )
-    command = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.arguments
+    if executable is not None:
+        command = [executable, *args.arguments]
+    else:
+        command = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.arguments
     cpus = None
     if args.bind_to == "core":
         if not hasattr(os, "sched_getaffinity"):
@@ -174,6 +193,24 @@ def main(argv: list[str] | None = None) -> int:
             join_window_s=args.elastic_timeout,
             discovery_script=args.host_discovery_script,
         ).run()
+
+
+def _as_command(program: str) -> str | None:
+    """The executable to start as it is, where `program` is a command rather than a Python script.
+
+    horovodrun and mpiexec take a command (`python train.py`); torchrun a script. A .py file, or a file
+    that cannot run by itself, is a script for this Python; an executable file with a #! line or of
+    machine code (an interpreter), or a name on PATH that is not a file here, is a command.
+    """
+    if program.endswith(".py"):
+        return None
+    if os.path.isfile(program):
+        if not os.access(program, os.X_OK):
+            return None
+        with open(program, "rb") as head:
+            start = head.read(4)
+        return os.path.abspath(program) if start.startswith(b"#!") or start == b"\x7fELF" else None
+    return shutil.which(program)
 
 
 def _check_elastic(parser: Any, args: Any) -> None:

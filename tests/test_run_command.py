@@ -1,0 +1,47 @@
+"""commsched-run takes a command as horovodrun does (`-np 2 python train.py`), besides a script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+PROGRAM = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "commsched.run", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_command_runs_as_it_is_on_every_rank(tmp_path: Path) -> None:
+    """`-np 2 <python> prog.py a b` starts the interpreter itself on both ranks, with the arguments; before,
+    the interpreter's binary was read as a Python script and both ranks failed with a SyntaxError."""
+    program = tmp_path / "prog.py"
+    program.write_text(PROGRAM)
+    done = _launch("-np", "2", sys.executable, str(program), "a", "b")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 ['a', 'b']" in done.stdout, done.stdout
+
+
+def test_an_executable_script_with_a_shebang_runs_itself(tmp_path: Path) -> None:
+    """A file with a #! line and the executable bit is a command; without .py it is not this Python's."""
+    program = tmp_path / "job"
+    program.write_text('#!/bin/sh\necho "shell rank $RANK $1"\n')
+    program.chmod(0o755)
+    done = _launch("-n", "2", str(program), "x")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "shell rank 0 x" in done.stdout and "shell rank 1 x" in done.stdout, done.stdout
+
+
+def test_a_name_that_is_neither_file_nor_command_is_named() -> None:
+    """A missing command is named once, before any rank starts, with the forms the launcher takes."""
+    done = _launch("-n", "2", "no-such-command-here")
+    assert done.returncode == 2
+    assert "no-such-command-here: no such file or command" in done.stderr, done.stderr
