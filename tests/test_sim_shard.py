@@ -202,3 +202,34 @@ def test_the_split_replay_leaves_nothing_in_flight(monkeypatch, mode, bucket_byt
     assert scatters[: len(first)] == first
     positions = range(6) if bucket_bytes == 0 else (0, 2, 4)
     assert sorted({line.split()[2] for line in gathers}) == [str(p) for p in positions]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_split_replay_cuts_big_parameters_as_training_does(monkeypatch, whole):
+    # A 10-element weight over the 24-byte bucket limit goes as pieces of 6 and 4 elements (a multiple
+    # of the 2 ranks), the second bucketed with the bias; --whole-params sends it whole, as before.
+    import commsched
+    from commsched.bench.replay import TimedLayer, replay_shard
+
+    sizes: list[int] = []
+    handles: list[_Handle] = []
+
+    def submit(array, name, priority):
+        sizes.append(len(array))
+        handles.append(_Handle([], name))
+        return handles[-1]
+
+    monkeypatch.setattr(commsched, "reducescatter_async", submit, raising=False)
+    monkeypatch.setattr(commsched, "allgather_async", lambda *a, **k: _Handle([], "g"), raising=False)
+    monkeypatch.setattr(commsched, "size", lambda: 2)
+    monkeypatch.setattr(commsched, "config", lambda: {"bucket_bytes": None, "partition_bytes": 24})
+    layers = [TimedLayer("l0", 1e-4, 1e-4, [("l0.w", 10), ("l0.b", 2)])]
+    grads = [np.arange(10, dtype=np.float32), np.arange(2, dtype=np.float32)]
+    replay_shard(layers, grads, "overlap", iterations=1, warmup=0, whole=whole)
+    assert sorted(sizes[:2]) == ([2, 10] if whole else [6, 6])
+
+
+def test_schedule_refuses_cut_at_partition_naming_whole_params(capsys):
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["schedule", "--model", "vgg16", "--shard", "--cut-at-partition"])
+    assert "--whole-params replays them whole" in capsys.readouterr().err

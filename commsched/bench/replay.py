@@ -118,27 +118,40 @@ def shard_buckets(layers: list[TimedLayer], limit: int) -> list[list[int]]:
     return buckets
 
 
-def cut_params(layers: list[TimedLayer], limit_bytes: int) -> list[TimedLayer]:
-    """The layers with each parameter over `limit_bytes` replayed as pieces of at most that many bytes.
+def cut_params(layers: list[TimedLayer], limit_bytes: int, ranks: int = 1) -> list[TimedLayer]:
+    """The layers with each parameter over `limit_bytes` as the pieces `shard=True` cuts it into.
 
-    What a core that partitions reduce-scatters and all-gathers would send (it cuts only
-    allreduces): each piece is a bucket of its own, so an urgent collective waits for one piece.
+    As plugins/torch/_shard_layout.pieces: float32 pieces of at most `limit_bytes`, each a multiple
+    of `ranks` elements (the last one the rest); `limit_bytes` 0 or below cuts nothing.
     """
-    step = max(1, limit_bytes // 4)
+    if limit_bytes <= 0:
+        return layers
+    step = max(ranks, limit_bytes // 4 // ranks * ranks)
     return [
         TimedLayer(
             l.name,
             l.forward_s,
             l.backward_s,
             [
-                (f"{name}.{k // step}", min(step, count - k))
+                (f"{name}.{k // step}" if 4 * count > limit_bytes else name, min(step, count - k))
                 for name, count in l.params
-                for k in range(0, count, step)
-            ]
-            if limit_bytes > 0
-            else l.params,
+                for k in (range(0, count, step) if 4 * count > limit_bytes else (0,))
+            ],
         )
         for l in layers
+    ]
+
+
+def cut_grads(layers: list[TimedLayer], grads: list[Any], limit_bytes: int, ranks: int) -> list[Any]:
+    """`grads` (one array per parameter of `layers`) cut as cut_params cuts the parameters: views of them."""
+    if limit_bytes <= 0:
+        return grads
+    step = max(ranks, limit_bytes // 4 // ranks * ranks)
+    counts = [count for layer in layers for _, count in layer.params]
+    return [
+        grad[k : k + step] if 4 * count > limit_bytes else grad
+        for count, grad in zip(counts, grads)
+        for k in (range(0, count, step) if 4 * count > limit_bytes else (0,))
     ]
 
 
@@ -152,13 +165,15 @@ def bucket_limit(settings: dict[str, Any], ranks: int) -> int:
 
 
 def shard_sim_layers(
-    layers: list[TimedLayer], limit: int, ranks: int
+    layers: list[TimedLayer], limit: int, ranks: int, whole: bool = False
 ) -> list[tuple[str, float, float, list[int]]]:
     """The simulator's view of the bucketed split: each bucket's padded bytes in its first parameter's layer.
 
     A bucket's first parameter is the last of its gradients the backward makes and the first the
     forward uses, so that layer is where it is reduce-scattered and where the forward waits for it.
+    Parameters over the limit are cut into pieces as training cuts them, unless `whole`.
     """
+    layers = layers if whole else cut_params(layers, limit, ranks)
     counts = [count for layer in layers for _, count in layer.params]
     layer_of = [j for j, layer in enumerate(layers) for _ in layer.params]
     sizes: list[list[int]] = [[] for _ in layers]
@@ -169,12 +184,13 @@ def shard_sim_layers(
 
 
 def replay_shard(
-    layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int
+    layers: list[TimedLayer], grads: list[Any], mode: str, iterations: int, warmup: int, whole: bool = False
 ) -> list[float]:
     """The training loop of ZeRO-2's split on this rank, bucketed as `shard=True`; returns each period.
 
-    Gradients go in the flat buckets training lays out (forward order, at most the bucket limit,
-    padded to a multiple of the ranks); backward reduce-scatters a bucket once its last gradient is
+    Gradients go in the flat buckets training lays out (forward order, at most the bucket limit, a
+    parameter over it cut into pieces across buckets unless `whole`, padded to a multiple of the
+    ranks); backward reduce-scatters a bucket once its last gradient is
     ready, with its first parameter's forward position as priority. overlap: after the backward,
     each bucket is stepped and its shard all-gathered once its own reduce-scatter is done (checked at
     every layer boundary), and each layer's forward waits for its own buckets' gathers only;
@@ -186,7 +202,11 @@ def replay_shard(
     import commsched
 
     ranks = commsched.size()
-    buckets = shard_buckets(layers, bucket_limit(commsched.config(), ranks))
+    limit = bucket_limit(commsched.config(), ranks)
+    if not whole:
+        grads = cut_grads(layers, grads, limit, ranks)
+        layers = cut_params(layers, limit, ranks)
+    buckets = shard_buckets(layers, limit)
     layer_of = [j for j, layer in enumerate(layers) for _ in layer.params]
     names = [name for layer in layers for name, _ in layer.params]
     bucket_of = [0] * len(layer_of)

@@ -23,7 +23,6 @@ from commsched.bench.overhead import measure_collective_overhead, measure_messag
 from commsched.bench.replay import (
     TimedLayer,
     bucket_limit,
-    cut_params,
     replay,
     replay_shard,
     round_share,
@@ -63,6 +62,20 @@ class _Renamed(argparse.Action):
         parser.error(
             f"{option_string} was renamed {self.replacement} ({self.meaning}); "
             f"e.g. {self.replacement} {values if values is not None else 1}"
+        )
+
+
+class _Gone(argparse.Action):
+    """--cut-at-partition: what --shard does now; refused naming the flag that does the opposite."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.replacement = replacement
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        parser.error(
+            f"{option_string} is gone: --shard cuts parameters over the bucket limit into pieces as "
+            f"training does; {self.replacement} replays them whole"
         )
 
 
@@ -240,13 +253,9 @@ def run(args: argparse.Namespace) -> int:
         if args.size_costs
         else []
     )
-    replayed = layers
-    if args.shard and args.cut_at_partition:
-        replayed = cut_params(
-            layers, resolve({k: v for k, v in sizes.items() if v is not None}).partition_bytes
-        )
+    whole = bool(args.shard and args.whole_params)
     grads = [
-        np.random.default_rng(rank).random(count, dtype=np.float32) for l in replayed for _, count in l.params
+        np.random.default_rng(rank).random(count, dtype=np.float32) for l in layers for _, count in l.params
     ]
     # --autotune adds one run per mode that starts from the defaults and tunes during the
     # warm-up; the fixed policies still run, for the baseline the speedup is measured against.
@@ -267,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         for name in _SCALED_SETTINGS
         if name in autotune.FIELDS and getattr(args, name) is None and sizes[name] is not None
     ]
-    warm_up(replayed, grads, bandwidth, latency, sizes, args)
+    warm_up(layers, grads, bandwidth, latency, sizes, args)
     # Rounds interleave the policies, so a host that speeds up or slows down during the run
     # (other jobs, frequency) weighs on each alike; a tuned run keeps its iterations together.
     for round_index in range(args.rounds):
@@ -291,8 +300,11 @@ def run(args: argparse.Namespace) -> int:
             settings = settings or commsched.config()  # the header shows the first run's settings
             for mode in modes:
                 comm.Barrier()
-                loop = replay_shard if args.shard else replay
-                periods.setdefault((policy, mode), []).extend(loop(replayed, grads, mode, count, args.warmup))
+                if args.shard:  # cut into training's pieces and buckets at the settings init() took
+                    measured = replay_shard(layers, grads, mode, count, args.warmup, whole)
+                else:
+                    measured = replay(layers, grads, mode, count, args.warmup)
+                periods.setdefault((policy, mode), []).extend(measured)
                 used_by[(policy, mode)] = commsched.config()  # what the tuner chose, for the simulator
                 progress.step(f"{policy}/{mode}")
             commsched.shutdown()
@@ -333,7 +345,9 @@ def run(args: argparse.Namespace) -> int:
     # stays per tensor (each gradient reduce-scattered the moment it is ready), the lower bound.
     predicted = [
         simulated(
-            shard_sim_layers(replayed, bucket_limit(s, ranks), ranks) if args.shard else spec, s, row["mode"]
+            shard_sim_layers(layers, bucket_limit(s, ranks), ranks, whole) if args.shard else spec,
+            s,
+            row["mode"],
         )
         for s, row in zip(used, rows)
     ]
@@ -367,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         "model": profile.name,
         "ranks": ranks,
         "shard": args.shard,
-        "cut_at_partition": bool(args.shard and args.cut_at_partition),
+        "whole_params": whole,
         "scale": args.scale,
         "device_tflops": args.device_tflops,
         "time_scale": time_scale,
@@ -421,6 +435,8 @@ def print_schedule(header: dict[str, Any], rows: list[dict[str, Any]], out: Text
     split = (
         ", reduce-scatter in backward and all-gather after the step (ZeRO-2)" if header.get("shard") else ""
     )
+    if header.get("whole_params"):
+        split += ", each parameter whole"
     say(
         f"# model {header['model']} on {header['ranks']} ranks{split}, sizes and compute scaled down by {header['scale']:g}"
         f" ({report.human_size(header['gradient_bytes'])} of gradients per iteration)"
@@ -531,11 +547,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the step (overlap: each layer's forward waits for its own; barrier: for all); best is the split's",
     )
     parser.add_argument(
-        "--cut-at-partition",
+        "--whole-params",
         action="store_true",
-        help="with --shard: replay each parameter over the partition as partition-sized pieces, as a core "
-        "that partitions reduce-scatters and all-gathers would send them (training sends them whole)",
+        help="with --shard: send each parameter whole, however big (the layout before shard=True cut "
+        "parameters over the bucket limit into pieces), to compare with",
     )
+    parser.add_argument("--cut-at-partition", action=_Gone, replacement="--whole-params")
     parser.add_argument(
         "--json", metavar="PATH", help="write results as JSON ('-': to stdout, and the table to stderr)"
     )
