@@ -273,6 +273,9 @@ class _Landing:
         return Held()
 
 
+SENT_AS_VIEW: dict[str, bool] = {}  # by bucket, in the last _train_one_rank
+
+
 def _train_one_rank(
     pipelined: bool, clip: bool, overlap: bool, monkeypatch: pytest.MonkeyPatch, landing_order: str = "3210"
 ) -> tuple:
@@ -293,6 +296,8 @@ def _train_one_rank(
     scatter, gather = commsched.reducescatter_async, commsched.allgather_async
 
     def held_scatter(array: Any, *args: Any, name: str = "", **kwargs: Any) -> Any:
+        # A view of a bigger gradient: the piece went without a copy.
+        SENT_AS_VIEW[name.rsplit(".", 1)[-1]] = array.untyped_storage().nbytes() > array.nbytes
         return landing.wrap(scatter(array, *args, name=name, **kwargs), name.rsplit(".", 1)[-1])
 
     def seen_gather(array: Any, *args: Any, name: str = "", **kwargs: Any) -> Any:
@@ -368,6 +373,7 @@ def test_step_updates_each_bucket_as_its_reduce_scatter_lands(
         True, False, overlap, monkeypatch, landing_order
     )
     assert buckets[:2] == [["0.weight"], ["0.weight", "0.bias"]], buckets  # 384 bytes cut at 256
+    assert SENT_AS_VIEW == {"0": True, "1": False, "2": False, "3": False}
     assert _story(events) == PIPELINED[landing_order]
     assert _difference(model, plain_model) <= 1e-6 and _difference(model, initial) > 1e-2
     events, _, unpipelined, _, _ = _train_one_rank(False, False, overlap, monkeypatch, landing_order)
