@@ -18,6 +18,8 @@ from commsched.torch import checkpoint_capture, elastic_commit
 from commsched.torch.elastic import TorchState
 from test_elastic import SAMPLES, assert_every_sample_once, launch, results
 
+import commsched
+
 
 def build(shard: bool) -> tuple[Any, Any, Any]:
     """Two layers, Adam (per-element moments, a per-parameter step) and one input."""
@@ -57,14 +59,28 @@ def assert_same(got: Any, expected: Any) -> None:
             assert torch.equal(value, expected[1][index][name]), (index, name)
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "broadcasts"])
+@pytest.mark.parametrize(
+    ("shared_memory", "bucket_bytes"),
+    [(True, None), (True, 256), (False, None)],
+    ids=["shared-memory", "shared-memory-small-buckets", "broadcasts"],
+)
 def test_sharded_commit_is_captured_in_the_background(
-    one_rank: None, monkeypatch: pytest.MonkeyPatch, shared_memory: bool
+    monkeypatch: pytest.MonkeyPatch, shared_memory: bool, bucket_bytes: int | None
 ) -> None:
     """commit() returns with the shard still to copy: the steps after it copy it first, on the training
     thread, while the capture waits; restore() gives the committed state, and training from it again
     repeats the step taken after the commit exactly (the state re-cut into shards). The shard is
-    handed over in shared memory or, as across hosts, by broadcasts."""
+    handed over in shared memory or, as across hosts, by broadcasts. In shared memory the parameters
+    are committed only as each rank's shard of them and rebuilt from those, also where buckets of
+    256 bytes hold a 2 KiB weight in pieces."""
+    commsched.init(transport="loopback", **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+    try:
+        _captured_in_the_background(monkeypatch, shared_memory)
+    finally:
+        commsched.shutdown()
+
+
+def _captured_in_the_background(monkeypatch: pytest.MonkeyPatch, shared_memory: bool) -> None:
     monkeypatch.setattr(elastic_commit, "SHARED_MEMORY", shared_memory)
     model, optimizer, data = build(shard=True)
     state = TorchState(model, optimizer)
@@ -81,7 +97,11 @@ def test_sharded_commit_is_captured_in_the_background(
     assert running[0].is_alive() and running[1].inline_copies > 0
     threading.Timer(0.2, release.set).start()
     state.restore()
-    assert state._background._committed.shared is shared_memory
+    version = state._background._committed
+    assert version.shared is shared_memory
+    # Shared memory: no parameter has a copy of its own; each is rebuilt from the shards.
+    assert sorted(version.covered) == (sorted(dict(model.named_parameters())) if shared_memory else [])
+    assert not shared_memory or not any(name in version.model for name in version.covered)
     assert not optimizer._built  # laid out again, at the ranks of the next forward
     assert_same(plain(model, optimizer), committed)
     step(model, optimizer, data)
@@ -125,7 +145,7 @@ def test_sigkill_with_shard_equals_a_run_started_from_the_commit(tmp_path: Path)
     """3 ranks over Gloo with shard=True; the rank launched as 1 (holding a shard of real elements)
     SIGKILLs itself after step() of step 3. The survivors rebuild its shard from the gathered commit,
     re-cut the state for 2 ranks and end with the parameters of a 2-rank run from that commit; the
-    restored momentum is the sum of the committed samples' gradients, computed here."""
+    restored momentum and parameters follow from the committed samples' gradients, computed here."""
     out = tmp_path / "elastic"
     shard = {"ELASTIC_SHARD": "1", "COMMSCHED_TRANSPORT": "gloo"}
     done = launch(out, "-n", "3", "--min-np", "2", ELASTIC_KILL="1:0:3", **shard)
@@ -148,6 +168,13 @@ def test_sigkill_with_shard_equals_a_run_started_from_the_commit(tmp_path: Path)
     momentum = restored["optimizer"]["state"][0]["momentum_buffer"]
     assert torch.count_nonzero(momentum[0, 2:4]) == 2  # the lost rank's shard held real values
     assert torch.equal(momentum, expected_momentum)
+    # The parameters come back from each rank's shard of them in shared memory, the lost rank's
+    # included (its elements 2-3): w = -lr * (3 g0 + 2 g1 + g2) after three steps with momentum 1.
+    steps = [committed[first : first + 6] for first in range(0, 18, 6)]
+    gradients = [(target[batch, None] * data[batch]).sum(0, keepdim=True) for batch in steps]
+    expected_weight = -0.125 * sum((3 - j) * gradient for j, gradient in enumerate(gradients))
+    assert torch.count_nonzero(expected_weight[0, 2:4]) == 2
+    assert torch.equal(restored["model"]["weight"], expected_weight)
     reference = launch(tmp_path / "reference", "-n", "2", ELASTIC_START=str(out / "restored.pt"), **shard)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = results(tmp_path / "reference")

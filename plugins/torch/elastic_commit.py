@@ -15,8 +15,11 @@ after wait(); TorchState.sync() and restore() wait themselves.
 With DistributedOptimizer(shard=True) a rank holds only its shard of the optimizer state, and a
 rank that is lost takes its shard with it: the capture copies this rank's shard into shared memory
 that every rank on the host maps (elastic_shm), so a commit moves no shard bytes between ranks on one
-host; ranks on several hosts gather every rank's copied shard instead (a broadcast from each rank,
-lowest priority). Either way each rank's commit holds the whole optimizer state, as an unsharded
+host. There each rank also copies only its shard of the parameters, not all of them: after a step's
+all-gather every rank holds the same parameters, so restore() rebuilds them from all ranks' shards
+(a lost rank's too), and a commit copies 1/N of the parameters where it copied all of them. Ranks on
+several hosts gather every rank's copied shard of the optimizer state instead (a broadcast from each
+rank, lowest priority) and copy the parameters whole, which costs no traffic. Either way each rank's commit holds the whole optimizer state, as an unsharded
 optimizer's commit does. A commit counts once every rank finished its capture (the small allreduce,
 or the gather); restore() joins the shards into the plain per-parameter form and the optimizer cuts
 it again at the rank count it re-formed at (elastic_shard).
@@ -85,6 +88,10 @@ class _Version:
         self.region: elastic_shm.Region | None = None
         self.shared = False  # every rank's flats are in `region`, not in `received`
         self.gather_name = ""
+        # Shared memory only: each rank's shard of the parameters, per bucket (dtype, bucket, offset,
+        # length) in the flat tensors, and the model's entries rebuilt from them (name -> parameter index).
+        self.params: list[tuple[torch.dtype, int, int, int]] = []
+        self.covered: dict[str, int] = {}
 
     def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The reused host tensor for `key`, reallocated only when its dtype or shape changed."""
@@ -93,6 +100,23 @@ class _Version:
             pin = like.is_cuda and torch.cuda.is_available()
             held = self.tensors[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
         return held
+
+    def model_state(self) -> dict[str, Any]:
+        """The model's state_dict: its parameters cut into shards joined again from every rank's shard."""
+        if not self.covered:
+            return self.model
+        joined = self.parameters()
+        return {**self.model, **{name: joined[index] for name, index in self.covered.items()}}
+
+    def parameters(self) -> dict[int, torch.Tensor]:
+        """The committed parameters rebuilt from every rank's shard of them, by parameter index."""
+        assert self.layout is not None
+        flats, ranks = self._flats(), self.layout["ranks"]
+        whole = {
+            k: torch.cat([flats[(r, dtype)][offset : offset + numel] for r in range(ranks)])
+            for dtype, k, offset, numel in self.params
+        }
+        return elastic_shard.join_parameters(self.layout, whole, set(self.covered.values()))
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict in plain per-parameter form (a sharded one's shards joined), a copy."""
@@ -115,13 +139,7 @@ class _Version:
     def shards(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """Every rank's shards by (rank, bucket) and key: views of the gathered or shared flat tensors."""
         assert self.layout is not None
-        if self.shared and self.region is not None:
-            flats = {
-                (r, dtype): t for r, by in self.region.shards(self.number).items() for dtype, t in by.items()
-            }
-        else:
-            flats = self.received
-        ranks = self.layout["ranks"]
+        flats, ranks = self._flats(), self.layout["ranks"]
         found: dict[tuple[int, int], dict[str, torch.Tensor]] = {
             (r, k): {} for r in range(ranks) for k in range(len(self.layout["buckets"]))
         }
@@ -129,6 +147,12 @@ class _Version:
             for r in range(ranks):
                 found[(r, k)][key] = flats[(r, dtype)][offset : offset + numel]
         return found
+
+    def _flats(self) -> dict[tuple[int, torch.dtype], torch.Tensor]:
+        """Every rank's flat tensors by (rank, dtype): mapped shared memory, or the gathered copies."""
+        if self.shared and self.region is not None:
+            return {(r, d): t for r, by in self.region.shards(self.number).items() for d, t in by.items()}
+        return self.received
 
 
 class _Pending(threading.Event):
@@ -151,6 +175,7 @@ class BackgroundCommit:
         self.sharded = sharded.is_sharded(optimizer)
         self._gathers = 0  # this generation's gathers: their names must be the same on every rank
         self._region: elastic_shm.Region | None = None  # this layout's shared memory (elastic_shm)
+        self._hosts: dict[torch.dtype, int] | None = None  # the totals self._region was decided for
         self._directory = directory
         self._disk: Any = None  # the Checkpointer, built at the first commit with commsched running
         self.commits = 0  # commits started; each version has its number
@@ -199,11 +224,16 @@ class BackgroundCommit:
             # Overlap mode: the last step's updates wait for the next forward; the commit holds them.
             self._optimizer.apply_pending_updates()
         version = self._spare
+        version.model, version.covered = {}, {}
         units: dict[int, Unit] = {}
         loose: list[Unit] = []
+        sliced = {} if layout is None else self._shard_state(version, layout, units)
         for name, tensor in self._model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 version.model[name] = copy.deepcopy(tensor)
+                continue
+            if id(tensor) in sliced:  # its shards are in shared memory: rebuilt from them at restore()
+                version.covered[name] = sliced[id(tensor)]
                 continue
             key = f"model.{name}"
             version.model[name] = destination = version.tensor(key, tensor)
@@ -214,8 +244,6 @@ class BackgroundCommit:
                 loose.append(Unit(None, [piece]))
         if layout is None:
             self._plain_state(version, units)
-        else:
-            self._shard_state(version, layout, units)
         capture = Capture(loose + list(units.values()))
         for unit in loose:
             capture.copy_now(unit)
@@ -261,9 +289,15 @@ class BackgroundCommit:
         version.optimizer = {"state": state, "param_groups": groups}
         version.layout = None
 
-    def _shard_state(self, version: _Version, layout: dict[str, Any], units: dict[int, Unit]) -> None:
+    def _shard_state(
+        self, version: _Version, layout: dict[str, Any], units: dict[int, Unit]
+    ) -> dict[int, int]:
         """Adds this rank's shards (copied before their bucket's next update, into one flat host tensor
-        per dtype, which the background thread gathers) and the per-parameter values (copied now)."""
+        per dtype, which the background thread gathers) and the per-parameter values (copied now).
+
+        Ranks that share a host's memory also put their shard of the parameters there: the ranks hold
+        the same parameters, so every rank's 1/N rebuilds them all. Returns the parameters so covered
+        (id -> index), which then need no copy of their own."""
         own = sharded.own_shards(self._optimizer, layout)
         totals: dict[torch.dtype, int] = {}
         version.places = []
@@ -271,16 +305,34 @@ class BackgroundCommit:
             offset = totals.get(value.dtype, 0)
             version.places.append((value.dtype, k, key, offset, value.numel()))
             totals[value.dtype] = offset + value.numel()
-        version.region, version.shared, version.received = None, False, {}
-        if SHARED_MEMORY and totals:
-            if self._region is None or self._region.totals != totals:
-                self._region = elastic_shm.Region(totals)  # the same commit on every rank: same totals
-            version.region = self._region
-            version.flats = self._region.slot(self.commits + 1)
-        else:
+        state_totals = dict(totals)
+        slices = elastic_shard.parameter_slices(self._optimizer, layout)
+        version.params = []
+        for k, (param, length, _) in enumerate(slices):
+            offset = totals.get(param.dtype, 0)
+            version.params.append((param.dtype, k, offset, length))
+            totals[param.dtype] = offset + length
+        version.gather_name = f"commsched.commit.{self._gathers}"
+        self._gathers += 1
+        shm = SHARED_MEMORY and bool(totals)
+        version.region = self._shared_region(totals, version.gather_name) if shm else None
+        version.shared, version.received = version.region is not None, {}
+        covered: dict[int, int] = {}
+        if version.region is not None:
+            version.flats = version.region.slot(self.commits + 1)
+            for (dtype, _, offset, _), (owner, _, parts) in zip(version.params, slices, strict=True):
+                flat = version.flats[dtype]
+                for param, at, frm, length in parts:
+                    source = lambda p=param, f=frm, n=length: p.detach().reshape(-1)[f : f + n]
+                    piece = _copy("param.shard", source, flat[offset + at : offset + at + length])
+                    units.setdefault(id(owner), Unit(owner)).copies.append(piece)
+            params = self._optimizer.plain_parameters()
+            covered = {id(params[i]): i for i in elastic_shard.covered(layout)}
+        else:  # the flats are sent to every rank: the parameters, the same everywhere, stay out
+            version.params = []
             version.flats = {
                 dtype: version.tensor(f"flat.{dtype}", torch.empty(numel, dtype=dtype))
-                for dtype, numel in totals.items()
+                for dtype, numel in state_totals.items()
             }
         for (k, key, owner, value), (dtype, _, _, offset, numel) in zip(own, version.places, strict=True):
             destination = version.flats[dtype][offset : offset + numel]
@@ -294,9 +346,16 @@ class BackgroundCommit:
         }
         version.optimizer = {"state": values, "param_groups": copy.deepcopy(self._optimizer.plain_groups())}
         version.layout = layout
-        if version.flats:
-            version.gather_name = f"commsched.commit.{self._gathers}"
-            self._gathers += 1
+        return covered
+
+    def _shared_region(self, totals: dict[torch.dtype, int], name: str) -> elastic_shm.Region | None:
+        """This layout's shared memory when every rank runs on this host (decided once per layout, by a
+        small allgather); None: the shards go by broadcasts."""
+        if self._hosts is None or self._hosts != totals:
+            self._hosts = dict(totals)  # the same commit on every rank: the same totals
+            region = elastic_shm.Region(totals)
+            self._region = region if region.share(f"{name}.hosts") else None
+        return self._region
 
     def _gather(self, version: _Version) -> None:
         """A sharded commit: every rank's copied shards, so any ranks left after a failure have them all.
@@ -308,12 +367,11 @@ class BackgroundCommit:
         if version.layout is None or not version.flats:
             return
         region = version.region
-        if region is not None and region.share(f"{version.gather_name}.hosts"):
+        if region is not None:
             region.finished(version.number)
             done = torch.ones(1, dtype=torch.int32)
             commsched.allreduce_async(done, name=f"{version.gather_name}.done", priority=_LAST).wait()
             region.release()  # every rank mapped this file before taking part in that allreduce
-            version.shared = True
             return
         ranks, me = version.layout["ranks"], commsched.rank()
         received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -384,7 +442,7 @@ class BackgroundCommit:
         committed = self._committed
         if committed is None:
             raise RuntimeError("TorchState.restore(): nothing was committed yet; call commit() first")
-        self._model.load_state_dict(committed.model)
+        self._model.load_state_dict(committed.model_state())
         if self.sharded:
             elastic_shard.unbuild(self._optimizer)
         else:
@@ -399,7 +457,7 @@ class BackgroundCommit:
         a sharded optimizer takes them too (rebuilt from the commit if no restore() took it apart)."""
         self.close_disk()  # its collectives belong to the ranks that were
         self._gathers = 0
-        self._region = None  # shared by the ranks that were; the commits keep theirs mapped
+        self._region = self._hosts = None  # shared by the ranks that were; the commits keep theirs mapped
         if not self.sharded:
             return
         if elastic_shard.built(self._optimizer):  # hosts changed: the state is the commit just taken

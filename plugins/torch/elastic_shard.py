@@ -15,6 +15,7 @@ wait for the others while they wait for it in the state sync.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from typing import Any
@@ -22,8 +23,13 @@ from typing import Any
 from commsched.torch._order import ForwardOrder
 
 import commsched
+import torch
 from commsched import _horovod
 from commsched.elastic.membership import GENERATION_VARIABLE
+
+# A parameter's part of a shard: the parameter, the offset in the shard, the offset in the
+# parameter (flattened) and the length.
+Slice = tuple[torch.Tensor, int, int, int]
 
 
 def usable(optimizer: Any) -> bool:
@@ -78,3 +84,51 @@ def adopt_ranks(optimizer: Any) -> None:
     optimizer._ranks = int(how.ranks or commsched.size())
     optimizer._member = True
     optimizer._position = commsched.rank()
+
+
+def parameter_slices(optimizer: Any, layout: dict[str, Any]) -> list[tuple[torch.Tensor, int, list[Slice]]]:
+    """Per bucket: its first member's parameter, the length of this rank's shard and where each part of
+    that shard comes from, for the parameters `covered` finds in `layout`.
+
+    After an update's all-gather every rank holds the same parameters, so each rank's shard of them
+    is enough to rebuild every parameter from all ranks' shards.
+    """
+    wanted = covered(layout)
+    found = []
+    for bucket in optimizer._buckets:
+        parts = []
+        for member in bucket.members:
+            where = bucket.overlaps(member)
+            if member.index in wanted and where is not None:
+                parts.append((member.param, *where))
+        found.append((bucket.members[0].param, bucket.shard.numel(), parts))
+    return found
+
+
+def covered(layout: dict[str, Any]) -> set[int]:
+    """The indices of the parameters whose elements the buckets of `layout` hold, every one of them."""
+    held: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for bucket in layout["buckets"]:
+        for member in bucket["members"]:
+            held[member["index"]] = held.get(member["index"], 0) + member["numel"]
+            size[member["index"]] = math.prod(member["shape"])
+    return {index for index, count in held.items() if count == size[index]}
+
+
+def join_parameters(
+    layout: dict[str, Any], whole: dict[int, torch.Tensor], wanted: set[int]
+) -> dict[int, torch.Tensor]:
+    """The parameters in `wanted` (by index) from each bucket's whole flat vector (`whole`, by bucket)."""
+    found: dict[int, torch.Tensor] = {}
+    for k, flat in whole.items():
+        for member in layout["buckets"][k]["members"]:
+            index = member["index"]
+            if index not in wanted:
+                continue
+            joined = found.get(index)
+            if joined is None:
+                joined = found[index] = flat.new_empty(member["shape"])
+            start, offset, numel = member.get("start", 0), member["offset"], member["numel"]
+            joined.view(-1)[start : start + numel].copy_(flat[offset : offset + numel])
+    return found
