@@ -11,7 +11,8 @@ Variants: PyTorch DDP; `ZeroRedundancyOptimizer` over DDP; FSDP2 `fully_shard` p
 unsharded `overlap_forward`; commsched `shard=True` with `overlap_forward` (and, with --variants
 shard_wait, the same with step() waiting for every reduce-scatter before any update; shard_gloo, the
 same over Gloo's own alltoall and allgather instead of the native transport's ring; shard_root, the
-same with parameters used outside their own module settled at the root). ZeRO's
+same with parameters used outside their own module settled at the root; shard_whole, the same with
+each parameter whole in its bucket however big, the layout before parameters were cut). ZeRO's
 `overlap_with_ddp` is left out: torch refuses it on Gloo ("Gloo backend using Overlapping DDP with
 ZeRO may meet hangs", torch 2.13), and the rig carries Gloo only. The rounds take turns, so a host
 that speeds up or slows down weighs on each alike. Bytes are what rank 0 holds: gradients after a
@@ -45,12 +46,14 @@ VARIANTS = {
     "shard_wait": "commsched shard=True, unpipelined step",
     "shard_gloo": "commsched shard=True, Gloo's own RS/AG",
     "shard_root": "commsched shard=True, out_proj at the root",
+    "shard_whole": "commsched shard=True, parameters whole",
 }
 # shard_wait is step() before it was pipelined per bucket, shard_gloo shard=True over Gloo's own
 # alltoall and allgather instead of commsched's ring (COMMSCHED_GLOO_RING=0): asked for by name, to
 # measure the pipelining and the ring; shard_root, parameters used outside their own module
 # (MultiheadAttention's out_proj) sent last and settled before the root module, the layout before
-# plugins/torch/_shard_order.py.
+# plugins/torch/_shard_order.py; shard_whole, a parameter over the bucket limit in a bucket of its own
+# (one reduce-scatter and one all-gather), not cut into pieces across buckets.
 DEFAULT_VARIANTS = ("ddp", "zero", "fsdp2", "overlap", "shard")
 MODELS = ("vgg", "transformer")
 _VOCAB, _WIDTH, _SEQUENCE = 4096, 256, 64
@@ -171,6 +174,11 @@ def _setup(variant: str, net: torch.nn.Module) -> tuple[Any, Any, Any, Any, int]
         from commsched.torch._shard import ShardedOptimizer
 
         ShardedOptimizer._first_use = False
+    if variant == "shard_whole":
+        from commsched.torch import _shard_layout
+
+        cut = _shard_layout.plan
+        _shard_layout.plan = lambda entries, priorities, limit, ranks=0: cut(entries, priorities, limit, 0)
     optimizer = ct.DistributedOptimizer(
         adam(net.parameters(), lr=1e-3), model=net, overlap_forward=True, shard=variant.startswith("shard")
     )
