@@ -56,10 +56,11 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
     target = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(1))
 
     in_commit: list[float] = []  # ms inside commit() on the training thread, per commit
+    cpu: dict[str, list[float]] = {"none": [], "commit": []}  # this process's CPU ms per step (all threads)
 
     def train(count: int, commit_every: int) -> float:
         hvd.barrier()
-        start = time.perf_counter()
+        start, used = time.perf_counter(), time.process_time()
         for step in range(count):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(data), target).backward()
@@ -69,11 +70,14 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
                 state.commit()
                 in_commit.append((time.perf_counter() - called) * 1000)
         state.wait()  # a capture still running counts against the commits
+        cpu["commit" if commit_every else "none"].append((time.process_time() - used) * 1000 / count)
         hvd.barrier()
         return (time.perf_counter() - start) * 1000 / count
 
     train(steps // 2, every)  # warm-up of both paths, not measured
     in_commit.clear()
+    cpu["none"].clear()
+    cpu["commit"].clear()
     results: dict[str, list[float]] = {"none": [], "commit": []}
     for number in range(rounds):
         order = ("none", "commit") if number % 2 == 0 else ("commit", "none")
@@ -84,6 +88,7 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
         report = {
             "ms_per_step": results,
             "ms_in_commit": in_commit,
+            "cpu_ms_per_step": cpu,
             "parameter_bytes": size,
             "ranks": hvd.size(),
             "shard": shard,
