@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "core/polling.h"
+#include "core/text.h"
 
 namespace commsched {
 
@@ -484,11 +485,11 @@ void Runtime::check_stalls(double now) {
   }
   if (!lines.empty()) {
     logger_.warning("tensors are waiting for other ranks longer than COMMSCHED_STALL_TIMEOUT=" +
-                    std::to_string(settings_.stall_timeout_s) +
+                    seconds_text(settings_.stall_timeout_s) +
                     "s; a rank may have stopped submitting or uses other names:" + lines);
   }
   if (!worst.empty() && abort_message_.empty()) {
-    abort_message_ = "stalled past COMMSCHED_STALL_SHUTDOWN=" + std::to_string(settings_.stall_shutdown_s) +
+    abort_message_ = "stalled past COMMSCHED_STALL_SHUTDOWN=" + seconds_text(settings_.stall_shutdown_s) +
                      "s: tensor " + worst;
   }
 }
@@ -505,7 +506,7 @@ void Runtime::drain_in_flight(double timeout_s) {
   }
   if (!in_flight_.empty()) {
     logger_.log(LogLevel::kError, std::to_string(in_flight_.size()) + " collectives did not finish within " +
-                                      std::to_string(timeout_s) + "s while stopping");
+                                      seconds_text(timeout_s) + "s while stopping");
   }
 }
 

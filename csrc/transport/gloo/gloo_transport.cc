@@ -1,5 +1,7 @@
 #include "transport/gloo/gloo_transport.h"
 
+#include "core/text.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -98,7 +100,7 @@ std::string wait_for(c10::ivalue::Future& future, double timeout_s) {
     if (timeout_s < 0) {
       completion->cv.wait(lock, finished);
     } else if (!completion->cv.wait_for(lock, std::chrono::duration<double>(timeout_s), finished)) {
-      return "did not complete within " + std::to_string(timeout_s) + "s";
+      return "did not complete within " + seconds_text(timeout_s) + "s";
     }
   }
   return future.hasError() ? future.tryRetrieveErrorMessage() : "";
