@@ -21,7 +21,9 @@ first step a restarted worker completes (benchmarks/elastic_workers.py).
 commit: ms per step of the same 2-rank training without commits and with commit() every 10 steps,
 alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more. Also printed:
 the median and range of each round's own ratio (its two variants ran back to back, so a host that
-other jobs load unevenly moves both alike) and rank 0's CPU time per step (all its threads). --shard: the
+other jobs load unevenly moves both alike), rank 0's CPU time per step (all its threads) and the
+cost read from steps of the same rounds: the steps from the one ending in commit() to two after it
+against the median of the later steps of the interval. --shard: the
 same with DistributedOptimizer(shard=True), whose commits also hand every rank's shard to the others
 (on one host in shared memory); --wire: by one broadcast from each rank, as ranks on several hosts do.
 
@@ -175,6 +177,16 @@ def commit_cost(
         return json.loads(result.read_text())
 
 
+def _by_position(times: list[list[float]], every: int) -> dict[str, float]:
+    """The cost of a commit from steps of the same rounds: the first steps from the one that ends in
+    commit() (where its capture runs) against the median step of the rest of the interval."""
+    near = min(3, every - 1)
+    medians = [statistics.median(t) if t else 0.0 for t in times]
+    far = statistics.median([t for p in range(near, every) for t in times[p]])
+    extra = sum(medians[p] - far for p in range(near))
+    return {"near": near, "far_ms": far, "extra_ms": extra, "percent": 100 * extra / (every * far)}
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -245,6 +257,7 @@ def main() -> None:
         used = cost["cpu_ms_per_step"]  # type: ignore[index]
         cpu_none, cpu_commit = statistics.median(used["none"]), statistics.median(used["commit"])
         cost["cpu_overhead_percent"] = 100 * (cpu_commit / cpu_none - 1)
+        cost["by_position"] = _by_position(cost["ms_by_position"], args.every)  # type: ignore[index]
         report["commit"] = cost
         sharded = (", shard=True" if args.shard else "") + (", broadcasts" if args.wire else "")
         rows.append((f"2 ranks{sharded}, no commits", none, "ms/step"))
@@ -256,11 +269,17 @@ def main() -> None:
     if "commit" in report:
         inside = statistics.median(cost["ms_in_commit"])  # type: ignore[index]
         pair = cost["paired_percent"]  # type: ignore[index]
+        near = cost["by_position"]  # type: ignore[index]
         print(
             f"commit() every {args.every} steps: {cost['overhead_percent']:+.2f}% per step "  # type: ignore[index]
             f"(per round {pair['median']:+.2f}%, {pair['min']:+.2f}% to {pair['max']:+.2f}%), "
             f"{inside:.2f} ms inside each commit() call (median), "
             f"{cost['cpu_overhead_percent']:+.2f}% CPU time of rank 0's process per step"  # type: ignore[index]
+        )
+        print(
+            f"by position after commit(): the {near['near']} steps from the one ending in commit() take "
+            f"{near['extra_ms']:+.2f} ms more than the median of the later ones ({near['far_ms']:.2f} ms): "
+            f"{near['percent']:+.2f}% per step"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -57,11 +57,15 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
 
     in_commit: list[float] = []  # ms inside commit() on the training thread, per commit
     cpu: dict[str, list[float]] = {"none": [], "commit": []}  # this process's CPU ms per step (all threads)
+    # With commits: ms of each step by its position after the last commit (0: the step that ends in
+    # commit(), 1: the next); steps before a round's first commit are left out.
+    by_position: list[list[float]] = [[] for _ in range(every)]
 
     def train(count: int, commit_every: int) -> float:
         hvd.barrier()
         start, used = time.perf_counter(), time.process_time()
         for step in range(count):
+            began = time.perf_counter()
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(data), target).backward()
             optimizer.step()
@@ -69,6 +73,8 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
                 called = time.perf_counter()
                 state.commit()
                 in_commit.append((time.perf_counter() - called) * 1000)
+            if commit_every and step + 1 >= commit_every:
+                by_position[(step + 1) % commit_every].append((time.perf_counter() - began) * 1000)
         state.wait()  # a capture still running counts against the commits
         cpu["commit" if commit_every else "none"].append((time.process_time() - used) * 1000 / count)
         hvd.barrier()
@@ -76,6 +82,8 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
 
     train(steps // 2, every)  # warm-up of both paths, not measured
     in_commit.clear()
+    for times in by_position:
+        times.clear()
     cpu["none"].clear()
     cpu["commit"].clear()
     results: dict[str, list[float]] = {"none": [], "commit": []}
@@ -89,6 +97,7 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
             "ms_per_step": results,
             "ms_in_commit": in_commit,
             "cpu_ms_per_step": cpu,
+            "ms_by_position": by_position,
             "parameter_bytes": size,
             "ranks": hvd.size(),
             "shard": shard,
