@@ -81,7 +81,8 @@ def test_torchrun_gloo_two_ranks() -> None:
 # between the two launches while keeping each launch short.
 TRANSPORT_CASES = {2: ("sgd", "adamw", "exact", "state"), 3: ("small", "exact", "mixed")}
 # broadcast_parameters (the sgd case) asks torch for a CUDA device, which the fake GPU cannot give.
-FAKE_GPU_CASES = {2: ("adamw", "exact", "state"), 3: ("small", "exact", "mixed")}
+# exact runs on the fake GPU at 2 ranks; at 3 it runs over MPI, gRPC and Gloo (TRANSPORT_CASES).
+FAKE_GPU_CASES = {2: ("adamw", "exact", "state"), 3: ("small", "mixed")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="needs grpcio")
@@ -127,7 +128,8 @@ def test_nccl_on_the_fake_gpu_matches_the_unsharded_optimizer(
         timeout=90,
     )
     text = _check(result, ranks, cases, "nccl")
-    assert "exact/overlap difference=0 " in text
+    if "exact" in cases:
+        assert "exact/overlap difference=0 " in text
 
 
 def test_python_gloo_two_ranks(tmp_path: Path) -> None:
