@@ -33,9 +33,10 @@ def test_every_variant_at_two_ranks(tmp_path: Path) -> None:
         "--ranks",
         "2",
     ]
+    # One of each kind of row (the floors run the same launch as the plug-in's rows, without it).
     variants = ["plain", "ddp", "floor", "barrier", "overlap"]
     if mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None:
-        variants += ["mpi_floor", "mpi_barrier", "mpi_overlap"]
+        variants += ["mpi_barrier"]
     argv += ["--repeats", "1", "--json", str(out), "--variants", ",".join(variants)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -47,5 +48,5 @@ def test_every_variant_at_two_ranks(tmp_path: Path) -> None:
         if row["variant"] == "plain":
             assert row["us_per_parameter"] == 0.0
     assert "PyTorch DDP (Gloo)" in result.stdout and "overlap_forward" in result.stdout
-    if "mpi_floor" in variants:
+    if "mpi_barrier" in variants:
         assert "commsched over MPI, barrier" in result.stdout

@@ -8,8 +8,8 @@ from mpirun import run_ranks
 pytest.importorskip("mpi4py")
 
 
-# 2 (a power of two), 3 and 9 (odd, and more ranks than cores); 4 added no path the others miss.
-@pytest.mark.parametrize("ranks", [2, 3, 9])
+# 2 (a power of two) and 9 (odd, and more ranks than cores); 3 and 4 added no path these miss.
+@pytest.mark.parametrize("ranks", [2, 9])
 def test_random_collectives_match_numpy(ranks: int) -> None:
     """Thousands of random tensors per policy/setting, each rank in its own order, equal the numpy reference."""
     # Fewer on more ranks: this machine may have 2 cores. 9 ranks take the MPI exchange's
