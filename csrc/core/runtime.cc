@@ -19,12 +19,6 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kPollInterval = std::chrono::microseconds(10);
 constexpr double kStallCheckPeriodS = 1.0;
 
-std::string join_ranks(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
-  return text;
-}
-
 }  // namespace
 
 Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> transport)

@@ -269,8 +269,7 @@ void Runtime::warn_of_silent_ranks() {
   if (round_silence_warned_ || open_for < std::chrono::duration<double>(settings_.stall_timeout_s)) return;
   round_silence_warned_ = true;
   const std::vector<int> silent = control_.silent_ranks();
-  std::string who = silent.empty() ? "another rank" : silent.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < silent.size(); ++i) who += (i ? "," : "") + std::to_string(silent[i]);
+  const std::string who = silent.empty() ? "another rank" : rank_list(silent);
   const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(exchange_timeout_s_));
   logger_.warning("an agreement round has waited " + seconds_text(open_for) + "s, past COMMSCHED_STALL_TIMEOUT, for " +
                   who + " to answer (a running rank's core thread answers within a cycle: stopped, frozen or hung?); " +

@@ -9,11 +9,16 @@
 
 namespace commsched {
 
-// "rank 3" or "ranks 1,2".
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+// "1,2": the ranks alone, for messages that word the noun themselves.
+inline std::string join_ranks(const std::vector<int>& ranks) {
+  std::string text;
   for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
   return text;
+}
+
+// "rank 3" or "ranks 1,2".
+inline std::string rank_list(const std::vector<int>& ranks) {
+  return (ranks.size() == 1 ? "rank " : "ranks ") + join_ranks(ranks);
 }
 
 // Three significant digits: "0.5", "10", "1.23e+03"; callers append the unit.
