@@ -60,6 +60,9 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
     # With commits: ms of each step by its position after the last commit (0: the step that ends in
     # commit(), 1: the next); steps before a round's first commit are left out.
     by_position: list[list[float]] = [[] for _ in range(every)]
+    # Commits fall mid-interval (steps 5, 15, ... of a round of 60): each capture then runs beside
+    # measured steps, as in a long job, instead of the round's last one running alone in its end.
+    phase = every // 2
 
     def train(count: int, commit_every: int) -> float:
         hvd.barrier()
@@ -69,12 +72,13 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(data), target).backward()
             optimizer.step()
-            if commit_every and (step + 1) % commit_every == 0:
+            position = (step + 1 + phase) % commit_every if commit_every else -1
+            if position == 0:
                 called = time.perf_counter()
                 state.commit()
                 in_commit.append((time.perf_counter() - called) * 1000)
-            if commit_every and step + 1 >= commit_every:
-                by_position[(step + 1) % commit_every].append((time.perf_counter() - began) * 1000)
+            if commit_every and step + 1 + phase >= commit_every:
+                by_position[position].append((time.perf_counter() - began) * 1000)
         state.wait()  # a capture still running counts against the commits
         cpu["commit" if commit_every else "none"].append((time.process_time() - used) * 1000 / count)
         hvd.barrier()
