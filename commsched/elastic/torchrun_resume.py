@@ -190,7 +190,9 @@ def _apply(state: Any, snapshot: dict[str, Any]) -> None:
             tracked[name].load_state_dict(saved)
     if snapshot["plain"]:
         state.load_committed_objects(snapshot["plain"])
-    state.save()
+    # Only the workers that kept the commit save it (the others are in the state sync meanwhile).
+    save_local = getattr(state, "save_local", None)
+    (save_local if callable(save_local) else state.save)()
 
 
 def _lay_out_afresh(state: Any) -> None:

@@ -66,6 +66,8 @@ class Capture:
         self._left = sum(1 for u in units if u.state != DONE)
         self.inline_copies = 0  # units the training thread had to copy itself (diagnostics)
         self.error: BaseException | None = None
+        # Called once by whichever thread copies the last unit, before it goes on (e.g. to the update).
+        self.on_done: Callable[[], None] | None = None
         self._streams: dict[torch.device, Any] = {}
         for unit in units:
             if unit.state == READY:
@@ -156,8 +158,7 @@ class Capture:
             raise
         with self._cond:
             unit.state = DONE
-            self._left -= 1
-            self._cond.notify_all()
+            self._copied(1)
 
     def _copy_together(self, units: list[Unit]) -> None:
         """Copies host units together: one lock and wake-up per batch, not per unit."""
@@ -189,7 +190,13 @@ class Capture:
         """Marks copied units done (the condition's lock held)."""
         for unit in units:
             unit.state = DONE
-        self._left -= len(units)
+        self._copied(len(units))
+
+    def _copied(self, count: int) -> None:
+        """Counts units copied (the condition's lock held); the last one calls on_done."""
+        self._left -= count
+        if not self._left and self.error is None and self.on_done is not None:
+            self.on_done()
         self._cond.notify_all()
 
     def _copy_here(self, unit: Unit) -> None:

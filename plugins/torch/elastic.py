@@ -268,10 +268,18 @@ class TorchState(ObjectState):
 
     def save(self) -> None:
         """Copies every tracked object's state into memory (model and optimizer in the background)."""
+        self._save(background=True)
+
+    def save_local(self) -> None:
+        """save() on this rank alone, with no collective: for a commit the other ranks do not make."""
+        self._save(background=False)
+
+    def _save(self, background: bool) -> None:
         for handler in self._own().values():
             handler.save()
         if self._background is not None:
-            self._background.commit()
+            # In the background, ranks on one host may each copy a part (a collective); here all of it.
+            self._background.commit(background=background)
         super().save()
         if self._background is not None:
             own = {name: handler.saved for name, handler in self._own().items()}

@@ -42,10 +42,10 @@ from typing import Any
 
 from commsched.torch import checkpoint_format as fmt
 from commsched.torch import checkpoint_shards as sharded
-from commsched.torch import elastic_shard, elastic_shm
+from commsched.torch import elastic_shard, elastic_shm, elastic_split
 from commsched.torch.checkpoint_capture import Capture, Copy, Unit
-from commsched.torch.checkpoint_read import Contents
 from commsched.torch.checkpoint_worker import lower_priority
+from commsched.torch.elastic_version import Version, complete_everywhere
 from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
@@ -64,95 +64,6 @@ def supported(model: Any, optimizer: Any) -> bool:
         and isinstance(optimizer, torch.optim.Optimizer)
         and (not sharded.is_sharded(optimizer) or elastic_shard.usable(optimizer))
     )
-
-
-class _Version:
-    """One commit: host tensors by key, the optimizer's non-tensor state and its param_groups.
-
-    A sharded optimizer's commit holds, in `optimizer`, the per-parameter values (Adam's step) and
-    the param_groups in plain form, its layout in `layout`, this rank's shards in one flat host
-    tensor per dtype (`flats`, where each (bucket, key) sits is in `places`) and, once gathered,
-    every rank's shards in `received` (by rank and dtype), or in `region`, the shared memory that holds
-    every rank's flat tensors when all ranks share a host.
-    """
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.model: dict[str, Any] = {}
-        self.optimizer: dict[str, Any] = {}
-        self.number = 0
-        self.layout: dict[str, Any] | None = None
-        self.flats: dict[torch.dtype, torch.Tensor] = {}
-        self.places: list[tuple[torch.dtype, int, str, int, int]] = []  # dtype, bucket, key, offset, numel
-        self.received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self.region: elastic_shm.Region | None = None
-        self.shared = False  # every rank's flats are in `region`, not in `received`
-        self.gather_name = ""
-        # Shared memory only: each rank's shard of the parameters, per bucket (dtype, bucket, offset,
-        # length) in the flat tensors, and the model's entries rebuilt from them (name -> parameter index).
-        self.params: list[tuple[torch.dtype, int, int, int]] = []
-        self.covered: dict[str, int] = {}
-
-    def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        """The reused host tensor for `key`, reallocated only when its dtype or shape changed."""
-        held = self.tensors.get(key)
-        if held is None or held.dtype != like.dtype or held.shape != like.shape:
-            pin = like.is_cuda and torch.cuda.is_available()
-            held = self.tensors[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-        return held
-
-    def model_state(self) -> dict[str, Any]:
-        """The model's state_dict: its parameters cut into shards joined again from every rank's shard."""
-        if not self.covered:
-            return self.model
-        joined = self.parameters()
-        return {**self.model, **{name: joined[index] for name, index in self.covered.items()}}
-
-    def parameters(self) -> dict[int, torch.Tensor]:
-        """The committed parameters rebuilt from every rank's shard of them, by parameter index."""
-        assert self.layout is not None
-        flats, ranks = self._flats(), self.layout["ranks"]
-        whole = {
-            k: torch.cat([flats[(r, dtype)][offset : offset + numel] for r in range(ranks)])
-            for dtype, k, offset, numel in self.params
-        }
-        return elastic_shard.join_parameters(self.layout, whole, set(self.covered.values()))
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's state_dict in plain per-parameter form (a sharded one's shards joined), a copy."""
-        if self.layout is None:
-            # A copy: load_state_dict keeps CPU tensors as given, and the next commits reuse these buffers.
-            return copy.deepcopy(self.optimizer)
-        joined = Contents(
-            step=self.number,
-            verified=True,
-            model={},
-            optimizer_state=copy.deepcopy(self.optimizer["state"]),
-            param_groups=copy.deepcopy(self.optimizer["param_groups"]),
-            lr_scheduler=None,
-            extra={},
-            sharded=self.layout,
-            shards=self.shards(),
-        )
-        return joined.plain_state()
-
-    def shards(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-        """Every rank's shards by (rank, bucket) and key: views of the gathered or shared flat tensors."""
-        assert self.layout is not None
-        flats, ranks = self._flats(), self.layout["ranks"]
-        found: dict[tuple[int, int], dict[str, torch.Tensor]] = {
-            (r, k): {} for r in range(ranks) for k in range(len(self.layout["buckets"]))
-        }
-        for dtype, k, key, offset, numel in self.places:
-            for r in range(ranks):
-                found[(r, k)][key] = flats[(r, dtype)][offset : offset + numel]
-        return found
-
-    def _flats(self) -> dict[tuple[int, torch.dtype], torch.Tensor]:
-        """Every rank's flat tensors by (rank, dtype): mapped shared memory, or the gathered copies."""
-        if self.shared and self.region is not None:
-            return {(r, d): t for r, by in self.region.shards(self.number).items() for d, t in by.items()}
-        return self.received
 
 
 class _Pending(threading.Event):
@@ -180,8 +91,8 @@ class BackgroundCommit:
         self._disk: Any = None  # the Checkpointer, built at the first commit with commsched running
         self.commits = 0  # commits started; each version has its number
         self._lock = threading.Lock()
-        self._committed: _Version | None = None
-        self._spare = _Version()  # the buffers the next capture writes into
+        self._committed: Version | None = None
+        self._spare = Version()  # the buffers the next capture writes into
         self._capture: Capture | None = None
         self._running: tuple[_Pending, Capture] | None = None
         # One long-lived thread: starting one per commit cost the training thread about 1 ms, the
@@ -224,16 +135,24 @@ class BackgroundCommit:
             # Overlap mode: the last step's updates wait for the next forward; the commit holds them.
             self._optimizer.apply_pending_updates()
         version = self._spare
-        version.model, version.covered = {}, {}
+        version.model, version.covered, version.aliases, version.splits = {}, {}, {}, []
         units: dict[int, Unit] = {}
         loose: list[Unit] = []
         sliced = {} if layout is None else self._shard_state(version, layout, units)
+        cut: dict[int, str] = {}  # unsharded, cut over the ranks: parameter id -> its name
+        if layout is None and not self.sharded:
+            version.flats, version.region, version.shared, version.params = {}, None, False, []
+            # Not in the first, blocking commit: a worker that joins makes it while the others train.
+            cut = self._split_state(version, units) if background else {}
         for name, tensor in self._model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 version.model[name] = copy.deepcopy(tensor)
                 continue
             if id(tensor) in sliced:  # its shards are in shared memory: rebuilt from them at restore()
                 version.covered[name] = sliced[id(tensor)]
+                continue
+            if id(tensor) in cut:  # each rank copies its part into shared memory: joined at restore()
+                version.aliases[name] = cut[id(tensor)]
                 continue
             key = f"model.{name}"
             version.model[name] = destination = version.tensor(key, tensor)
@@ -245,10 +164,14 @@ class BackgroundCommit:
         if layout is None:
             self._plain_state(version, units)
         capture = Capture(loose + list(units.values()))
-        for unit in loose:
-            capture.copy_now(unit)
         self.commits += 1
         version.number = self.commits
+        if version.splits and version.region is not None:
+            # Marked by whichever thread copies the last part: a rank killed right after its next
+            # update has marked it, so the survivors can restore this commit without its allreduce.
+            capture.on_done = lambda region=version.region, number=version.number: region.finished(number)
+        for unit in loose:
+            capture.copy_now(unit)
         if not background:
             capture.run()
             self._gather(version)
@@ -265,12 +188,15 @@ class BackgroundCommit:
             self._jobs.put(lambda: self._run(capture, version, done))
         self._save_to_disk()
 
-    def _plain_state(self, version: _Version, units: dict[int, Unit]) -> None:
+    def _plain_state(self, version: Version, units: dict[int, Unit]) -> None:
         """Adds the per-parameter optimizer state: tensors to their parameters' units, the rest copied now."""
         params = [p for group in self._inner.param_groups for p in group["params"]]
         state: dict[int, dict[str, Any]] = {}
+        cut = {(split.index, split.name) for split in version.splits if not split.model}
         for i, param in enumerate(params):
             for name, value in self._inner.state.get(param, {}).items():
+                if (i, name) in cut:  # each rank copies its part: joined at restore()
+                    continue
                 if isinstance(value, torch.Tensor):
                     key = f"optimizer.{i}.{name}"
                     state.setdefault(i, {})[name] = destination = version.tensor(key, value)
@@ -289,8 +215,44 @@ class BackgroundCommit:
         version.optimizer = {"state": state, "param_groups": groups}
         version.layout = None
 
+    def _split_state(self, version: Version, units: dict[int, Unit]) -> dict[int, str]:
+        """Unsharded, with every rank on this host: this rank's 1/N of each parameter and of its optimizer
+        state into shared memory (elastic_split). Returns the parameters so cut (id -> model name)."""
+        ranks = commsched.size() if commsched.is_initialized() else 1
+        if not SHARED_MEMORY or ranks < 2 or not _replicated(self._optimizer):
+            return {}
+        splits, totals = elastic_split.plan(self._model, self._inner, ranks)
+        if not splits:
+            return {}
+        version.gather_name = f"commsched.commit.{self._gathers}"
+        self._gathers += 1
+        region = self._shared_region(totals, version.gather_name)
+        if region is None:
+            return {}
+        version.region, version.shared, version.received = region, True, {}
+        version.flats = region.slot(self.commits + 1)
+        version.splits, version.split_ranks = splits, ranks
+        params = [p for group in self._inner.param_groups for p in group["params"]]
+        me, cut = commsched.rank(), {}
+        for split in splits:
+            param = params[split.index]
+            start, length = elastic_split.part(split.numel, ranks, me)
+            if split.model:
+                cut[id(param)] = split.model
+                source = lambda p=param, s=start, n=length: p.detach().reshape(-1)[s : s + n]
+                key = f"split.{split.model}"
+            else:  # looked up when copied: the optimizer may replace its state tensors
+                source = lambda p=param, k=split.name, s=start, n=length: (
+                    self._inner.state[p][k].detach().reshape(-1)[s : s + n]
+                )
+                key = f"split.optimizer.{split.index}.{split.name}"
+            if length:
+                destination = version.flats[split.dtype][split.offset : split.offset + length]
+                units.setdefault(id(param), Unit(param)).copies.append(_copy(key, source, destination))
+        return cut
+
     def _shard_state(
-        self, version: _Version, layout: dict[str, Any], units: dict[int, Unit]
+        self, version: Version, layout: dict[str, Any], units: dict[int, Unit]
     ) -> dict[int, int]:
         """Adds this rank's shards (copied before their bucket's next update, into one flat host tensor
         per dtype, which the background thread gathers) and the per-parameter values (copied now).
@@ -357,14 +319,14 @@ class BackgroundCommit:
             self._region = region if region.share(f"{name}.hosts") else None
         return self._region
 
-    def _gather(self, version: _Version) -> None:
+    def _gather(self, version: Version) -> None:
         """A sharded commit: every rank's copied shards, so any ranks left after a failure have them all.
 
         On one host they are in shared memory already: one small allreduce says every rank copied its
         shard. Across hosts, one broadcast per rank into reused host buffers: on this project's 2-core
         host that cost less step time than one allgather of the same bytes.
         """
-        if version.layout is None or not version.flats:
+        if not version.flats or (version.layout is None and version.region is None):
             return
         region = version.region
         if region is not None:
@@ -386,15 +348,16 @@ class BackgroundCommit:
             handle.wait()
         version.received = received
 
-    def _run(self, capture: Capture, version: _Version, done: _Pending) -> None:
+    def _run(self, capture: Capture, version: Version, done: _Pending) -> None:
         """The background thread: copies what is left, then makes the version the committed one."""
         try:
             try:
                 capture.run()
                 self._gather(version)
             except BaseException as error:  # noqa: BLE001 - reported by wait(); the last commit stays
-                capture.error = capture.error or error
-                return
+                if capture.error is not None or not complete_everywhere(version):
+                    capture.error = capture.error or error
+                    return
             finally:
                 if self._capture is capture:
                     self._capture = None
@@ -402,9 +365,9 @@ class BackgroundCommit:
         finally:
             done.set()
 
-    def _publish(self, version: _Version) -> None:
+    def _publish(self, version: Version) -> None:
         with self._lock:
-            self._spare = self._committed if self._committed is not None else _Version()
+            self._spare = self._committed if self._committed is not None else Version()
             self._committed = version
 
     def wait(self) -> None:
@@ -509,6 +472,13 @@ def _finish_at_exit(owner: weakref.ref[BackgroundCommit]) -> None:
     if commit is not None:
         commit.wait()
         commit.stop_worker()  # a thread still waiting for work at exit made C++ teardown abort
+
+
+def _replicated(optimizer: Any) -> bool:
+    """True for a DistributedOptimizer that reduces over every rank (the global process set): the ranks
+    then hold the same parameters and optimizer state, so each may copy only its part of them."""
+    options = getattr(optimizer, "_options", None)
+    return isinstance(optimizer, DistributedOptimizer) and options is not None and not options.core
 
 
 def _copy(key: str, source: Callable[[], torch.Tensor], destination: torch.Tensor) -> Copy:

@@ -1,0 +1,133 @@
+"""One commit of a model and its optimizer in host memory, and how a restore reads it back.
+
+A commit holds copies of what it covers: whole tensors by key, or, where ranks split the copying, each
+rank's part in flat tensors per dtype (gathered by broadcasts, or in every rank's shared-memory file),
+joined again only when restored.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from commsched.torch import elastic_shard, elastic_shm, elastic_split
+from commsched.torch.checkpoint_read import Contents
+
+import torch
+
+
+class Version:
+    """One commit: host tensors by key, the optimizer's non-tensor state and its param_groups.
+
+    A sharded optimizer's commit holds, in `optimizer`, the per-parameter values (Adam's step) and
+    the param_groups in plain form, its layout in `layout`, this rank's shards in one flat host
+    tensor per dtype (`flats`, where each (bucket, key) sits is in `places`) and, once gathered,
+    every rank's shards in `received` (by rank and dtype), or in `region`, the shared memory that holds
+    every rank's flat tensors when all ranks share a host.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.model: dict[str, Any] = {}
+        self.optimizer: dict[str, Any] = {}
+        self.number = 0
+        self.layout: dict[str, Any] | None = None
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.places: list[tuple[torch.dtype, int, str, int, int]] = []  # dtype, bucket, key, offset, numel
+        self.received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.region: elastic_shm.Region | None = None
+        self.shared = False  # every rank's flats are in `region`, not in `received`
+        self.gather_name = ""
+        # Shared memory only: each rank's shard of the parameters, per bucket (dtype, bucket, offset,
+        # length) in the flat tensors, and the model's entries rebuilt from them (name -> parameter index).
+        self.params: list[tuple[torch.dtype, int, int, int]] = []
+        self.covered: dict[str, int] = {}
+        # Unsharded, every rank on one host: the tensors each rank copied 1/N of (elastic_split), the
+        # rank count they were cut for, and the model's names of those parameters (name -> name cut as).
+        self.splits: list[elastic_split.Split] = []
+        self.split_ranks = 0
+        self.aliases: dict[str, str] = {}
+
+    def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The reused host tensor for `key`, reallocated only when its dtype or shape changed."""
+        held = self.tensors.get(key)
+        if held is None or held.dtype != like.dtype or held.shape != like.shape:
+            pin = like.is_cuda and torch.cuda.is_available()
+            held = self.tensors[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+        return held
+
+    def model_state(self) -> dict[str, Any]:
+        """The model's state_dict: its parameters cut into shards joined again from every rank's shard."""
+        if self.splits:
+            return self._joined()[0]
+        if not self.covered:
+            return self.model
+        joined = self.parameters()
+        return {**self.model, **{name: joined[index] for name, index in self.covered.items()}}
+
+    def parameters(self) -> dict[int, torch.Tensor]:
+        """The committed parameters rebuilt from every rank's shard of them, by parameter index."""
+        assert self.layout is not None
+        flats, ranks = self._flats(), self.layout["ranks"]
+        whole = {
+            k: torch.cat([flats[(r, dtype)][offset : offset + numel] for r in range(ranks)])
+            for dtype, k, offset, numel in self.params
+        }
+        return elastic_shard.join_parameters(self.layout, whole, set(self.covered.values()))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict in plain per-parameter form (a sharded one's shards joined), a copy."""
+        if self.layout is None:
+            if self.splits:
+                return self._joined()[1]
+            # A copy: load_state_dict keeps CPU tensors as given, and the next commits reuse these buffers.
+            return copy.deepcopy(self.optimizer)
+        joined = Contents(
+            step=self.number,
+            verified=True,
+            model={},
+            optimizer_state=copy.deepcopy(self.optimizer["state"]),
+            param_groups=copy.deepcopy(self.optimizer["param_groups"]),
+            lr_scheduler=None,
+            extra={},
+            sharded=self.layout,
+            shards=self.shards(),
+        )
+        return joined.plain_state()
+
+    def shards(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        """Every rank's shards by (rank, bucket) and key: views of the gathered or shared flat tensors."""
+        assert self.layout is not None
+        flats, ranks = self._flats(), self.layout["ranks"]
+        found: dict[tuple[int, int], dict[str, torch.Tensor]] = {
+            (r, k): {} for r in range(ranks) for k in range(len(self.layout["buckets"]))
+        }
+        for dtype, k, key, offset, numel in self.places:
+            for r in range(ranks):
+                found[(r, k)][key] = flats[(r, dtype)][offset : offset + numel]
+        return found
+
+    def _joined(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """An unsharded commit cut over the ranks: model and optimizer state_dicts, joined from every rank's part."""
+        tensors = elastic_split.join(self.splits, self._flats(), self.split_ranks)
+        model, optimizer = dict(self.model), copy.deepcopy(self.optimizer)
+        elastic_split.fill(model, self.aliases, optimizer, self.splits, tensors)
+        return model, optimizer
+
+    def _flats(self) -> dict[tuple[int, torch.dtype], torch.Tensor]:
+        """Every rank's flat tensors by (rank, dtype): mapped shared memory, or the gathered copies."""
+        if self.shared and self.region is not None:
+            return {(r, d): t for r, by in self.region.shards(self.number).items() for d, t in by.items()}
+        return self.received
+
+
+def complete_everywhere(version: Version) -> bool:
+    """An unsharded commit cut over the ranks whose every part, a lost rank's too, was copied: it can
+    be restored even though the allreduce that says so failed (a rank died after copying its part)."""
+    if not version.splits or version.region is None:
+        return False
+    try:
+        version.region.shards(version.number)
+    except RuntimeError:
+        return False
+    return True
