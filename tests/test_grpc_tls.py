@@ -111,7 +111,7 @@ def test_tls_on_one_side_only_is_named(tmp_path: Path, tls_rank: int) -> None:
         endpoint = endpoint_from(rank, 2, "127.0.0.1", port, [], "", False)
         try:
             made[rank] = GrpcTransport(
-                endpoint, TOKEN, timeout_s=1.0, join_timeout_s=8.0, tls=tls if rank == tls_rank else None
+                endpoint, TOKEN, timeout_s=1.0, join_timeout_s=4.0, tls=tls if rank == tls_rank else None
             )
         except GrpcError as error:
             errors[rank] = error
