@@ -87,8 +87,8 @@ def test_plan_join_and_fill_rebuild_the_tensors() -> None:
     model(torch.randn(2, 5)).sum().backward()
     inner.step()
     ranks = 3
-    splits, totals = elastic_split.plan(model, inner, ranks)
     params = [p for group in inner.param_groups for p in group["params"]]
+    splits, totals = elastic_split.plan(model.state_dict(keep_vars=True), params, inner.state, ranks)
     assert {s.model for s in splits if s.model} == {"0.weight", "0.bias", "1.weight"}  # 1.bias: 1 element
     assert sum(1 for s in splits if s.name == "momentum_buffer") == 3
     flats = {(r, dtype): torch.full((n,), float("nan")) for r in range(ranks) for dtype, n in totals.items()}
@@ -102,9 +102,8 @@ def test_plan_join_and_fill_rebuild_the_tensors() -> None:
     joined = elastic_split.join(splits, flats, ranks)
     model_state: dict = {}
     optimizer_state: dict = {"state": {}}
-    elastic_split.fill(
-        model_state, {"0.weight": "0.weight", "tied.weight": "0.weight"}, optimizer_state, splits, joined
-    )
+    elastic_split.fill_model(model_state, {"0.weight": "0.weight", "tied.weight": "0.weight"}, splits, joined)
+    elastic_split.fill_optimizer(optimizer_state, splits, joined)
     assert (
         torch.equal(model_state["0.weight"], model[0].weight)
         and model_state["tied.weight"] is model_state["0.weight"]

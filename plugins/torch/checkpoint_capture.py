@@ -121,10 +121,11 @@ class Capture:
         """Copies ready units until every unit is done (returns early if a copy failed)."""
         while True:
             with self._cond:
-                ready = [u for u in self._units if u.state == READY]
-                while self.error is None and self._left and not ready:
-                    self._cond.wait()
+                while True:
                     ready = [u for u in self._units if u.state == READY]
+                    if ready or self.error is not None or not self._left:
+                        break
+                    self._cond.wait()
                 if self.error is not None or not self._left:
                     break
                 for unit in ready:

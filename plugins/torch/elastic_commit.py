@@ -139,12 +139,13 @@ class BackgroundCommit:
         units: dict[int, Unit] = {}
         loose: list[Unit] = []
         sliced = {} if layout is None else self._shard_state(version, layout, units)
+        model_state = self._model.state_dict(keep_vars=True)
         cut: dict[int, str] = {}  # unsharded, cut over the ranks: parameter id -> its name
         if layout is None and not self.sharded:
             version.flats, version.region, version.shared, version.params = {}, None, False, []
             # Not in the first, blocking commit: a worker that joins makes it while the others train.
-            cut = self._split_state(version, units) if background else {}
-        for name, tensor in self._model.state_dict(keep_vars=True).items():
+            cut = self._split_state(version, units, model_state) if background else {}
+        for name, tensor in model_state.items():
             if not isinstance(tensor, torch.Tensor):
                 version.model[name] = copy.deepcopy(tensor)
                 continue
@@ -215,13 +216,16 @@ class BackgroundCommit:
         version.optimizer = {"state": state, "param_groups": groups}
         version.layout = None
 
-    def _split_state(self, version: Version, units: dict[int, Unit]) -> dict[int, str]:
+    def _split_state(
+        self, version: Version, units: dict[int, Unit], model_state: dict[str, Any]
+    ) -> dict[int, str]:
         """Unsharded, with every rank on this host: this rank's 1/N of each parameter and of its optimizer
         state into shared memory (elastic_split). Returns the parameters so cut (id -> model name)."""
         ranks = commsched.size() if commsched.is_initialized() else 1
         if not SHARED_MEMORY or ranks < 2 or not _replicated(self._optimizer):
             return {}
-        splits, totals = elastic_split.plan(self._model, self._inner, ranks)
+        params = [p for group in self._inner.param_groups for p in group["params"]]
+        splits, totals = elastic_split.plan(model_state, params, self._inner.state, ranks)
         if not splits:
             return {}
         version.gather_name = f"commsched.commit.{self._gathers}"
@@ -232,7 +236,6 @@ class BackgroundCommit:
         version.region, version.shared, version.received = region, True, {}
         version.flats = region.slot(self.commits + 1)
         version.splits, version.split_ranks = splits, ranks
-        params = [p for group in self._inner.param_groups for p in group["params"]]
         me, cut = commsched.rank(), {}
         for split in splits:
             param = params[split.index]
@@ -320,7 +323,8 @@ class BackgroundCommit:
         return self._region
 
     def _gather(self, version: Version) -> None:
-        """A sharded commit: every rank's copied shards, so any ranks left after a failure have them all.
+        """A sharded commit, or one cut over the ranks: every rank's copied parts, so any ranks left after
+        a failure have them all.
 
         On one host they are in shared memory already: one small allreduce says every rank copied its
         shard. Across hosts, one broadcast per rank into reused host buffers: on this project's 2-core

@@ -11,6 +11,7 @@ so every rank's file has the same layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +32,12 @@ class Split:
     @property
     def numel(self) -> int:
         """Elements of the whole tensor."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 def part(numel: int, ranks: int, rank: int) -> tuple[int, int]:
     """Where `rank`'s part of a tensor of `numel` elements starts, and its length (maybe 0)."""
-    per = -(-numel // ranks)
+    per = reserved(numel, ranks)
     start = min(numel, rank * per)
     return start, min(numel, start + per) - start
 
@@ -50,14 +48,12 @@ def reserved(numel: int, ranks: int) -> int:
 
 
 def plan(
-    model: torch.nn.Module, inner: torch.optim.Optimizer, ranks: int
+    model_state: dict[str, Any], params: list[torch.Tensor], state: Any, ranks: int
 ) -> tuple[list[Split], dict[torch.dtype, int]]:
-    """The tensors to cut (the optimizer's host parameters that train, and their state tensors of the
-    same shape) and each dtype's elements per rank. The rest is copied whole on every rank."""
-    params = [p for group in inner.param_groups for p in group["params"]]
-    names = {
-        id(t): name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)
-    }
+    """The tensors to cut (the optimizer's host parameters `params`, in its groups' order, that the
+    model's state_dict(keep_vars=True) holds, and their tensors in the optimizer's `state` of the same
+    shape) and each dtype's elements per rank. The rest is copied whole on every rank."""
+    names = {id(t): name for name, t in model_state.items() if isinstance(t, torch.Tensor)}
     totals: dict[torch.dtype, int] = {}
     splits: list[Split] = []
 
@@ -72,7 +68,7 @@ def plan(
         name = names.get(id(param))
         if name is not None:
             add(param, name, index, "")
-        for key, value in inner.state.get(param, {}).items():
+        for key, value in state.get(param, {}).items():
             if isinstance(value, torch.Tensor) and _cuttable(value, ranks) and value.shape == param.shape:
                 add(value, "", index, key)
     return splits, totals
@@ -106,20 +102,18 @@ def join(
     return joined
 
 
-def fill(
-    model: dict[str, Any],
-    aliases: dict[str, str],
-    optimizer: dict[str, Any],
-    splits: list[Split],
-    tensors: list[torch.Tensor],
+def fill_model(
+    model: dict[str, Any], aliases: dict[str, str], splits: list[Split], tensors: list[torch.Tensor]
 ) -> None:
-    """Puts the joined tensors into a model state_dict (under every name in `aliases`, name -> the
-    name it was cut under) and a plain optimizer state_dict, in place."""
-    by_name = {}
-    for split, tensor in zip(splits, tensors, strict=True):
-        if split.model:
-            by_name[split.model] = tensor
-        else:
-            optimizer["state"].setdefault(split.index, {})[split.name] = tensor
+    """Puts the joined parameters into a model state_dict, in place, under every name in `aliases`
+    (name -> the name it was cut under)."""
+    by_name = {split.model: tensor for split, tensor in zip(splits, tensors, strict=True) if split.model}
     for name, cut_as in aliases.items():
         model[name] = by_name[cut_as]
+
+
+def fill_optimizer(optimizer: dict[str, Any], splits: list[Split], tensors: list[torch.Tensor]) -> None:
+    """Puts the joined state tensors into a plain optimizer state_dict, in place."""
+    for split, tensor in zip(splits, tensors, strict=True):
+        if not split.model:
+            optimizer["state"].setdefault(split.index, {})[split.name] = tensor

@@ -59,7 +59,10 @@ class Version:
     def model_state(self) -> dict[str, Any]:
         """The model's state_dict: its parameters cut into shards joined again from every rank's shard."""
         if self.splits:
-            return self._joined()[0]
+            model = dict(self.model)
+            cut = [split for split in self.splits if split.model]
+            elastic_split.fill_model(model, self.aliases, cut, self._joined(cut))
+            return model
         if not self.covered:
             return self.model
         joined = self.parameters()
@@ -78,10 +81,12 @@ class Version:
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict in plain per-parameter form (a sharded one's shards joined), a copy."""
         if self.layout is None:
-            if self.splits:
-                return self._joined()[1]
             # A copy: load_state_dict keeps CPU tensors as given, and the next commits reuse these buffers.
-            return copy.deepcopy(self.optimizer)
+            optimizer = copy.deepcopy(self.optimizer)
+            cut = [split for split in self.splits if not split.model]
+            if cut:
+                elastic_split.fill_optimizer(optimizer, cut, self._joined(cut))
+            return optimizer
         joined = Contents(
             step=self.number,
             verified=True,
@@ -107,12 +112,9 @@ class Version:
                 found[(r, k)][key] = flats[(r, dtype)][offset : offset + numel]
         return found
 
-    def _joined(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """An unsharded commit cut over the ranks: model and optimizer state_dicts, joined from every rank's part."""
-        tensors = elastic_split.join(self.splits, self._flats(), self.split_ranks)
-        model, optimizer = dict(self.model), copy.deepcopy(self.optimizer)
-        elastic_split.fill(model, self.aliases, optimizer, self.splits, tensors)
-        return model, optimizer
+    def _joined(self, splits: list[elastic_split.Split]) -> list[torch.Tensor]:
+        """Tensors of an unsharded commit cut over the ranks, joined from every rank's part."""
+        return elastic_split.join(splits, self._flats(), self.split_ranks)
 
     def _flats(self) -> dict[tuple[int, torch.dtype], torch.Tensor]:
         """Every rank's flat tensors by (rank, dtype): mapped shared memory, or the gathered copies."""
