@@ -254,15 +254,48 @@ def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.Lo
     ],
 )
 def test_bad_frame_fails_both_ranks_with_the_reason(frame: Any, message: str) -> None:
-    """A malformed frame from the ring neighbour ends the collective on both ranks with an error."""
+    """A malformed frame from the ring neighbour fails the receiver with the reason, and its sender too.
+
+    The receiver's collective fails. A 2-rank allreduce this small goes in one hop, so the sender
+    may already hold rank 1's whole buffer and finish before the rejection reaches it; then its
+    next collective must fail, naming the rejection, instead of waiting.
+    """
     pair = make_pair(piece_bytes=4096)
     try:
         pair[0]._node._outboxes[(1, "data")].put(frame)  # as if rank 0 sent garbage
         errors = allreduce_pair(pair)
-        assert all(errors), errors
-        assert any(re.search(message, error) for error in errors), errors
-        with pytest.raises(GrpcError):
-            pair[1].exchange(b"", 2)
+        assert re.search(message, errors[1]), errors
+        if not errors[0]:
+            with pytest.raises(GrpcError, match=message):
+                pair[0].exchange(b"", 5)
+        for transport in pair:
+            with pytest.raises(GrpcError):
+                transport.exchange(b"", 2)
+    finally:
+        for transport in pair:
+            transport.close()
+
+
+def test_sender_that_finished_first_fails_its_next_collective() -> None:
+    """When the receiver rejects a frame only after the sender's one-hop allreduce finished,
+    the sender's next collective fails with the receiver's reason instead of waiting."""
+    pair = make_pair(piece_bytes=4096)
+    receiver = pair[1]._node
+    lane_of = receiver._lane_of
+
+    def slow_lane_of(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)  # rank 1 reads rank 0's frames late; its own have left already
+        return lane_of(*args, **kwargs)
+
+    receiver._lane_of = slow_lane_of
+    try:
+        pair[0]._node._outboxes[(1, "data")].put(
+            make_frame(seq=0, dtype="int64", count=5000, payload=b"\0" * 40000)
+        )
+        errors = allreduce_pair(pair)
+        assert errors[0] == "" and "dtype 'int64'" in errors[1], errors
+        with pytest.raises(GrpcError, match="rank 1 rejected a frame from rank 0"):
+            pair[0].exchange(b"", 5)
     finally:
         for transport in pair:
             transport.close()
@@ -275,11 +308,15 @@ def test_frame_above_the_grpc_limit_is_refused_not_hung() -> None:
         big = make_frame(seq=0, dtype="uint8", count=300_000, payload=b"x" * 300_000)
         pair[0]._node._outboxes[(1, "data")].put(big)
         errors = allreduce_pair(pair)
-        # Either rank may notice first: rank 0 from gRPC's own refusal, rank 1 from the stream it lost.
-        assert all(errors), errors
+        # Either rank may notice first: rank 0 from gRPC's own refusal, rank 1 from the stream it
+        # lost. Rank 0 may finish this one-hop allreduce before; its next collective fails then.
+        assert errors[1], errors
         assert any("RESOURCE_EXHAUSTED" in e or "lost the data stream from rank 0" in e for e in errors), (
             errors
         )
+        for transport in pair:
+            with pytest.raises(GrpcError):
+                transport.exchange(b"", 5)
     finally:
         for transport in pair:
             transport.close()
