@@ -117,6 +117,7 @@ if mpi:
             "commsched._mpi",
             [
                 "csrc/transport/mpi/mpi_transport.cc",
+                "csrc/transport/mpi/mpi_algorithms.cc",
                 "csrc/transport/mpi/cuda_aware_mpi.cc",
                 "csrc/transport/mpi/mpi_module.cc",
                 "csrc/transport/nccl/nccl_loader.cc",

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "transport/mpi/cuda_aware_mpi.h"
+#include "transport/mpi/mpi_algorithms.h"
 #include "transport/mpi/mpi_transport.h"
 
 namespace {
@@ -50,6 +51,8 @@ PYBIND11_MODULE(_mpi, module) {
                                      commsched::kDeviceTransportMakerCapsule);
           },
           "The capsule commsched._core.start takes; valid while this maker lives (keep it referenced).");
+  module.def("reduce_scatter_algorithm", &commsched::reduce_scatter_algorithm,
+             "MPICH's algorithm for nonblocking reduce-scatter now ('' on other MPI libraries).");
   module.def(
       "library_version",
       [] {

@@ -1,5 +1,6 @@
 #include "transport/mpi/mpi_transport.h"
 #include "core/text.h"
+#include "transport/mpi/mpi_algorithms.h"
 
 #include <chrono>
 #include <algorithm>
@@ -192,6 +193,11 @@ MpiTransport::MpiTransport(MPI_Comm parent) {
   MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(data_, &rank_);
   MPI_Comm_size(data_, &size_);
+  // Every rank decides from the same size at the same point of the program, so all run one
+  // algorithm (MPI requires it). Process sets are left to MPICH's choice: switching when one is
+  // made would race with collectives that other ranks have already started.
+  const bool power_of_two = (size_ & (size_ - 1)) == 0;
+  if (!power_of_two) prefer_pairwise_reduce_scatter();
   check(MPI_Type_contiguous(2, MPI_BYTE, &half_type_), "Type_contiguous");
   check(MPI_Type_commit(&half_type_), "Type_commit");
   check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat_type_), "Type_contiguous");
