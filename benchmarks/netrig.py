@@ -54,10 +54,14 @@ DEFAULT_PREFIX = "cs"
 # partner, so collectives in flight together collide on a receiver's link, and replays ran 0-16%
 # slower than the simulator, which models a ring (at 2 and 3 ranks its choice fit the model).
 # The rig runs the ring unless told otherwise; at 4 ranks it was also the faster of the two.
+# The same holds for all-gathers under 512 KiB at 4 ranks (recursive doubling): the 4-rank
+# ResNet-50 shard=True replay ran 1.30-1.41x the best for the split with MPICH's choice and
+# 1.04-1.11x with the ring (3 runs each, 2026-11-27). Reduce-scatter has no ring in MPICH.
 MPI_ALLREDUCE_CHOICES = ("ring", "auto")
-RING_ALLREDUCE_ENV = {
+RING_COLLECTIVES_ENV = {
     "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring",
     "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "tsp_ring",
+    "MPIR_CVAR_IALLGATHERV_INTRA_ALGORITHM": "sched_ring",
 }
 # The queue under each tbf: fifo (tbf's own), or priority: pfifo_fast, whose band 0 serves packets
 # marked low-delay (IP_TOS 0x10, SO_PRIORITY 6, as commsched's control channel marks them) ahead of
@@ -406,7 +410,7 @@ class NetRig:
             "MPIR_CVAR_CH4_NETMOD": "ofi",
             "FI_PROVIDER": "tcp",
             "FI_TCP_IFACE": self.interface(i),
-            **(RING_ALLREDUCE_ENV if self.mpi_allreduce == "ring" else {}),
+            **(RING_COLLECTIVES_ENV if self.mpi_allreduce == "ring" else {}),
         }
 
     def mpiexec_argv(
@@ -496,8 +500,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mpi-allreduce",
         choices=MPI_ALLREDUCE_CHOICES,
         default="ring",
-        help="MPICH's allreduce algorithm on the ranks: ring (the default; what commsched-sim models) "
-        "or auto (MPICH's own choice, at 4 ranks recursive halving and doubling)",
+        help="MPICH's allreduce and all-gather algorithms on the ranks: ring (the default; what commsched-sim "
+        "models) or auto (MPICH's own choice, at 4 ranks recursive halving and doubling)",
     )
     p.add_argument(
         "--queue",

@@ -336,6 +336,7 @@ def test_the_rig_forces_the_ring_so_its_defaults_keep_the_ring_model() -> None:
     assert spec is not None and spec.loader is not None
     netrig = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(netrig)
-    environ = dict(netrig.RING_ALLREDUCE_ENV)
+    environ = dict(netrig.RING_COLLECTIVES_ENV)
     assert mpich_algorithm("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM", environ) == "ring"
     assert transport_algorithm("mpi", environ=environ, library="MPICH Version: 5.0.2") == "ring"
+    assert environ["MPIR_CVAR_IALLGATHERV_INTRA_ALGORITHM"] == "sched_ring"  # the split's all-gathers too
