@@ -55,8 +55,9 @@ DEFAULT_PREFIX = "cs"
 # slower than the simulator, which models a ring (at 2 and 3 ranks its choice fit the model).
 # The rig runs the ring unless told otherwise; at 4 ranks it was also the faster of the two.
 # The same holds for all-gathers under 512 KiB at 4 ranks (recursive doubling): the 4-rank
-# ResNet-50 shard=True replay ran 1.30-1.41x the best for the split with MPICH's choice and
-# 1.04-1.11x with the ring (3 runs each, 2026-11-27). Reduce-scatter has no ring in MPICH.
+# shard=True replays of ResNet-50 and BERT-base ran 1.284x and 1.156x the best for the split with
+# MPICH's choice, 1.148x and 1.071x with the ring (medians, 2026-11-27). Reduce-scatter has no
+# ring in MPICH.
 MPI_ALLREDUCE_CHOICES = ("ring", "auto")
 RING_COLLECTIVES_ENV = {
     "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring",
