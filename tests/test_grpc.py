@@ -238,6 +238,13 @@ def test_wrong_token_is_refused_and_logged_and_the_job_goes_on(caplog: pytest.Lo
             transport.close()
 
 
+def assert_every_next_exchange_fails(pair: list[GrpcTransport], timeout_s: float) -> None:
+    """After a broken stream, every rank's next collective fails instead of waiting."""
+    for transport in pair:
+        with pytest.raises(GrpcError):
+            transport.exchange(b"", timeout_s)
+
+
 @pytest.mark.parametrize(
     ("frame", "message"),
     [
@@ -268,9 +275,7 @@ def test_bad_frame_fails_both_ranks_with_the_reason(frame: Any, message: str) ->
         if not errors[0]:
             with pytest.raises(GrpcError, match=message):
                 pair[0].exchange(b"", 5)
-        for transport in pair:
-            with pytest.raises(GrpcError):
-                transport.exchange(b"", 2)
+        assert_every_next_exchange_fails(pair, 2)
     finally:
         for transport in pair:
             transport.close()
@@ -314,9 +319,7 @@ def test_frame_above_the_grpc_limit_is_refused_not_hung() -> None:
         assert any("RESOURCE_EXHAUSTED" in e or "lost the data stream from rank 0" in e for e in errors), (
             errors
         )
-        for transport in pair:
-            with pytest.raises(GrpcError):
-                transport.exchange(b"", 5)
+        assert_every_next_exchange_fails(pair, 5)
     finally:
         for transport in pair:
             transport.close()

@@ -12,6 +12,7 @@ import numpy as np
 
 import commsched
 from commsched.link_defaults import default_sizes
+from commsched.link_probe import rounds_path, transport_algorithm
 
 
 def mismatch() -> None:
@@ -160,7 +161,16 @@ def reconfigure() -> None:
     commsched.init(policy="priority")
     rank, size = commsched.rank(), commsched.size()
     settings = commsched.config()  # the defaults fitted to the link init() measured
-    fitted = default_sizes(size, settings["link_bandwidth"], settings["link_latency"])
+    # As init() fits them: with the transport's algorithm and the fixed cost per large message the
+    # probe measured (nonzero when this host's MPI was slow per message that run).
+    fitted = default_sizes(
+        size,
+        settings["link_bandwidth"],
+        settings["link_latency"],
+        algorithm=transport_algorithm("mpi"),
+        rounds=rounds_path(settings["control_channel"], "mpi"),
+        collective_overhead_s=settings["collective_overhead"] + settings["link_message_cost"],
+    )
     assert {name: settings[name] for name in fitted} == fitted, settings
     rng = np.random.default_rng(rank)
     variants = [
