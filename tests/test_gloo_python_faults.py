@@ -114,8 +114,9 @@ def test_a_rank_stopped_mid_allreduce_is_named_in_time(tmp_path: Path, python_gl
 
 
 def test_shutdown_mid_allreduce_ends_every_wait_at_once(tmp_path: Path, python_gloo: None) -> None:
-    """Rank 1 calls commsched.shutdown() with a 128 MiB allreduce in flight: both ranks' waits end
-    within a few seconds with NotRunningError naming rank 1's shutdown."""
+    """Rank 1 calls commsched.shutdown() with a 128 MiB allreduce submitted: both ranks' waits end
+    within a few seconds, with NotRunningError naming rank 1's shutdown, or both with the result
+    where the allreduce was already launched."""
     output, exited, status = _run("shutdown", tmp_path)
     _assert_python_path(output)
     fault_at = _fault_time(tmp_path, output)
@@ -125,6 +126,12 @@ def test_shutdown_mid_allreduce_ends_every_wait_at_once(tmp_path: Path, python_g
     assert seconds <= STALL_SHUTDOWN_S + 2, (
         f"the last rank exited {seconds:.1f}s after the shutdown:\n{output}"
     )
+    # On a loaded host the allreduce may already be launched on both ranks when rank 1 shuts
+    # down; its shutdown then lets it finish, and both waits succeed. Either way, all ranks agree.
+    done = [rank for rank in range(RANKS) if f"RANK-DONE {rank}" in output]
+    if done == list(range(RANKS)):
+        assert "FAULT-SEEN" not in output, output
+        return
     for rank in range(RANKS):
         seen = [line for line in output.splitlines() if line.startswith(f"FAULT-SEEN rank {rank}:")]
         assert seen, output

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROGRAM = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
+# One write per line: the ranks share the launcher's output, and print() of several arguments
+# writes them one by one to an unbuffered stream, so two ranks' words could interleave.
+PROGRAM = "import os, sys; sys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} {sys.argv[1:]}\\n\")\n"
 
 
 def _launch(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -39,6 +39,10 @@ log = logging.getLogger("commsched")
 
 _HELLO = b"commsched-tls-check"
 _OWN_PROBLEM_S = 2.5  # how long rank 0 with an unusable certificate waits to tell the joining ranks why
+# How long a joining rank with an unusable certificate tries to tell rank 0 why: rank 0 may still
+# be starting (its check port opens with its server), and after 2 s a rank 0 on a loaded host
+# was missed and waited out its whole join window instead.
+_TELL_OWN_PROBLEM_S = 5.0
 _LINE_LIMIT = 2048  # a hello or a verdict; anything longer is not a rank of this job
 
 
@@ -210,7 +214,12 @@ def own_problem_teller(endpoint: Endpoint, token: str, tls: TlsFiles) -> Callabl
         return None
     if endpoint.rank:
         return lambda problem: tell_door(
-            endpoint.master, token, endpoint.rank, "own", problem.replace("this rank's", "its")
+            endpoint.master,
+            token,
+            endpoint.rank,
+            "own",
+            problem.replace("this rank's", "its"),
+            _TELL_OWN_PROBLEM_S,
         )
 
     def answer_joiners(problem: str) -> None:
