@@ -151,3 +151,19 @@ def test_checkpoint_dir_refuses_what_it_cannot_save(tmp_path: Path) -> None:
     model, optimizer, _ = build()
     with pytest.raises(TypeError, match="checkpoint_dir=.*directory path"):
         TorchState(model, optimizer, checkpoint_dir=3)
+
+
+def test_a_capture_with_nothing_to_copy_is_done_at_once() -> None:
+    """A rank whose part of every cut tensor is empty (4 elements over 3 ranks: the third rank's) has
+    nothing to copy: its commit is marked done at commit() time, not whenever the background thread
+    first runs, so a rank killed one step later leaves that commit restorable."""
+    marked: list[str] = []
+    checkpoint_capture.Capture([]).when_done(lambda: marked.append("empty"))
+    assert marked == ["empty"]
+    source, destination = torch.arange(4.0), torch.zeros(4)
+    copy = elastic_commit._copy("split.weight", lambda: source, destination)
+    capture = checkpoint_capture.Capture([checkpoint_capture.Unit(None, [copy])])
+    capture.when_done(lambda: marked.append("copied"))
+    assert marked == ["empty"]
+    capture.run()
+    assert marked == ["empty", "copied"] and torch.equal(destination, source)

@@ -67,13 +67,22 @@ class Capture:
         self.inline_copies = 0  # units the training thread had to copy itself (diagnostics)
         self.error: BaseException | None = None
         # Called once by whichever thread copies the last unit, before it goes on (e.g. to the update).
-        self.on_done: Callable[[], None] | None = None
+        self._on_done: Callable[[], None] | None = None
         self._streams: dict[torch.device, Any] = {}
         for unit in units:
             if unit.state == READY:
                 _mark_ready(unit)
 
     # -- training thread ---------------------------------------------------------------------
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once every unit is copied: now, if none is left (a rank whose part of every
+        tensor is empty has nothing to copy, and no copy would ever call it)."""
+        with self._cond:
+            if self._left or self.error is not None:
+                self._on_done = callback
+                return
+        callback()
+
     def copy_now(self, unit: Unit) -> None:
         """Copies a unit on the calling thread (save() uses it for buffers and extras)."""
         with self._cond:
@@ -196,8 +205,8 @@ class Capture:
     def _copied(self, count: int) -> None:
         """Counts units copied (the condition's lock held); the last one calls on_done."""
         self._left -= count
-        if not self._left and self.error is None and self.on_done is not None:
-            self.on_done()
+        if not self._left and self.error is None and self._on_done is not None:
+            self._on_done()
         self._cond.notify_all()
 
     def _copy_here(self, unit: Unit) -> None:

@@ -170,7 +170,7 @@ class BackgroundCommit:
         if version.splits and version.region is not None:
             # Marked by whichever thread copies the last part: a rank killed right after its next
             # update has marked it, so the survivors can restore this commit without its allreduce.
-            capture.on_done = lambda region=version.region, number=version.number: region.finished(number)
+            capture.when_done(lambda region=version.region, number=version.number: region.finished(number))
         for unit in loose:
             capture.copy_now(unit)
         if not background:

@@ -13,7 +13,9 @@ ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `lo
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
 host-update notice, so the job grows at that very commit; while it is larger, it waits until the
 launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit),
-ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)), ELASTIC_SHARD=model (shard=True with model=).
+ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)), ELASTIC_SHARD=model (shard=True with model=),
+ELASTIC_SLOW_COMMIT ("ID:SECONDS": the rank launched as ID starts each commit's background capture
+that late, as a commit thread starved on a loaded host does).
 """
 
 from __future__ import annotations
@@ -123,7 +125,24 @@ def grow_here(state: elastic.TorchState, epoch: int, step: int) -> None:
         time.sleep(0.01)
 
 
+def slow_commits() -> None:
+    """Per ELASTIC_SLOW_COMMIT: delays this rank's background captures."""
+    spec = os.environ.get("ELASTIC_SLOW_COMMIT", "").split(":")
+    if spec[0] != str(LAUNCH_ID):
+        return
+    from commsched.torch import elastic_commit
+
+    capture = elastic_commit.BackgroundCommit._run
+
+    def late(self: elastic_commit.BackgroundCommit, *args: object) -> None:
+        time.sleep(float(spec[1]))
+        capture(self, *args)
+
+    elastic_commit.BackgroundCommit._run = late  # type: ignore[method-assign]
+
+
 def main() -> None:
+    slow_commits()
     (OUT / f"pid.{LAUNCH_ID}").write_text(str(os.getpid()))
     hvd.init()
     generator = torch.Generator().manual_seed(7)
