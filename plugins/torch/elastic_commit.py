@@ -167,7 +167,7 @@ class BackgroundCommit:
         capture = Capture(loose + list(units.values()))
         self.commits += 1
         version.number = self.commits
-        if version.splits and version.region is not None:
+        if version.shared and version.region is not None:
             # Marked by whichever thread copies the last part: a rank killed right after its next
             # update has marked it, so the survivors can restore this commit without its allreduce.
             capture.when_done(lambda region=version.region, number=version.number: region.finished(number))

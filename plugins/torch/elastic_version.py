@@ -124,9 +124,10 @@ class Version:
 
 
 def complete_everywhere(version: Version) -> bool:
-    """An unsharded commit cut over the ranks whose every part, a lost rank's too, was copied: it can
-    be restored even though the allreduce that says so failed (a rank died after copying its part)."""
-    if not version.splits or version.region is None:
+    """A commit in shared memory (cut over the ranks, or a sharded optimizer's shards) whose every
+    part, a lost rank's too, was copied: it can be restored even though the allreduce that says so
+    failed (a rank died after copying its part)."""
+    if not version.shared or version.region is None:
         return False
     try:
         version.region.shards(version.number)
