@@ -588,6 +588,17 @@ class Reducer:
                 if param.grad is guard:
                     param.grad = None if set_to_none else torch.zeros_like(param)
 
+    def drain(self) -> None:
+        """Waits for every reduction and used count in flight without applying them (a restore is about
+        to overwrite what they would give, and the next iteration would reuse their names)."""
+        for bucket in list(self._flying):
+            if bucket.out is not None:
+                bucket.out.finish(self.options.timeout)
+        for slot in list(self._recorded):
+            if slot.record is not None:
+                slot.record.out.finish(self.options.timeout)
+        self.finish_masks()
+
     def remove(self) -> None:
         """Detaches the gradient hooks."""
         self._counter.unhook_all()

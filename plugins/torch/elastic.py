@@ -184,6 +184,13 @@ def _discard_in_flight(optimizer: Any) -> None:
     reducer = getattr(optimizer, "_reducer", None)
     if reducer is None:
         return  # a plain optimizer: nothing in flight
+    if commsched.is_initialized():
+        # A restore without a failure: every rank submitted these, so they finish; a new reducer's
+        # first step would otherwise submit its used counts under a name still in flight.
+        try:
+            reducer.drain()
+        except commsched.RankFailure:
+            pass  # commsched stopped meanwhile: nothing will finish, as after a failure
     reducer.remove()
     for group in optimizer.param_groups:
         for param in group["params"]:
