@@ -21,7 +21,8 @@ all-gather every rank holds the same parameters, so restore() rebuilds them from
 several hosts gather every rank's copied shard of the optimizer state instead (a broadcast from each
 rank, lowest priority) and copy the parameters whole, which costs no traffic. Either way each rank's commit holds the whole optimizer state, as an unsharded
 optimizer's commit does. A commit counts once every rank finished its capture (the small allreduce,
-or the gather); restore() joins the shards into the plain per-parameter form and the optimizer cuts
+or the gather; in shared memory also once every rank marked its part copied there, which a rank does
+before its next update, so a rank killed then leaves the commit restorable); restore() joins the shards into the plain per-parameter form and the optimizer cuts
 it again at the rank count it re-formed at (elastic_shard).
 
 With a directory (TorchState(..., checkpoint_dir=...)) every commit is also saved to disk by a
