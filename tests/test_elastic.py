@@ -97,9 +97,21 @@ def test_sigkill_gloo_equals_a_run_started_from_the_commit(
     assert final["seen"] == expected["seen"]
 
 
-def test_sigkill_grpc(gloo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
-    """Over gRPC the same fault re-forms the same way and ends at the same parameters (exact values)."""
-    done = launch(tmp_path, "-n", "3", "--min-np", "2", ELASTIC_KILL="2:0:3", COMMSCHED_TRANSPORT="grpc")
+def test_sigkill_grpc_overlap(
+    gloo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """Over gRPC, in overlap_forward mode, the same fault re-forms the same way and ends at the same
+    parameters (exact values): after the restore every update still lands before the next forward."""
+    done = launch(
+        tmp_path,
+        "-n",
+        "3",
+        "--min-np",
+        "2",
+        ELASTIC_KILL="2:0:3",
+        ELASTIC_OVERLAP="1",
+        COMMSCHED_TRANSPORT="grpc",
+    )
     final = check_elastic_run(tmp_path, done)
     assert torch.equal(final["weight"], results(gloo_run[0])["weight"])
 

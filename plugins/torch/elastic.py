@@ -191,11 +191,10 @@ def _discard_in_flight(optimizer: Any) -> None:
             reducer.drain()
         except commsched.RankFailure:
             pass  # commsched stopped meanwhile: nothing will finish, as after a failure
-    reducer.remove()
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None  # may be a guard of a reduction that will never finish
-    optimizer._reducer = optimizer._build_reducer()
+    optimizer._replace_reducer()
     optimizer._synchronized = False
 
 

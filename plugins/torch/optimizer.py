@@ -340,6 +340,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("DistributedOptimizer is not set up yet")
         self._reducer.synchronize()
         self._inner.add_param_group(param_group)
+        self._replace_reducer()
+
+    def _replace_reducer(self) -> None:
+        """A fresh reducer (new parameters, or a new generation's core after an elastic restore), and
+        overlap mode's module waits on it: waits left on the old one would never apply an update."""
         self._reducer.remove()
         self._reducer = self._build_reducer()
         if self._waits is not None:

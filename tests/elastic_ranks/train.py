@@ -14,6 +14,7 @@ the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the
 host-update notice, so the job grows at that very commit; while it is larger, it waits until the
 launcher stopped the ranks launched as SLOTS and above, so the job shrinks at that commit),
 ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)), ELASTIC_SHARD=model (shard=True with model=),
+ELASTIC_OVERLAP=1 (DistributedOptimizer(model=model, overlap_forward=True)),
 ELASTIC_SLOW_COMMIT ("ID:SECONDS": the rank launched as ID starts each commit's background capture
 that late, as a commit thread starved on a loaded host does).
 """
@@ -150,12 +151,14 @@ def main() -> None:
     target = torch.randint(-3, 4, (SAMPLES,), generator=generator).double()
     model = torch.nn.Linear(FEATURES, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
+    overlap = os.environ.get("ELASTIC_OVERLAP") == "1"
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.125, momentum=1.0),
         named_parameters=model.named_parameters(),
         op=hvd.Sum,
         shard=os.environ.get("ELASTIC_SHARD") in ("1", "model"),
-        model=model if os.environ.get("ELASTIC_SHARD") == "model" else None,
+        model=model if os.environ.get("ELASTIC_SHARD") == "model" or overlap else None,
+        overlap_forward=overlap,
     )
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
     state = elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, seen=[[] for _ in range(EPOCHS)])
