@@ -189,8 +189,8 @@ def _discard_in_flight(optimizer: Any) -> None:
         # first step would otherwise submit its used counts under a name still in flight.
         try:
             reducer.drain()
-        except commsched.RankFailure:
-            pass  # commsched stopped meanwhile: nothing will finish, as after a failure
+        except commsched.CommschedError:
+            pass  # stopped meanwhile, or of a generation that ended: discarded, as after a failure
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None  # may be a guard of a reduction that will never finish
