@@ -248,6 +248,8 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         link_latency_s=resolved.link_latency or 0.0,
         poll_interval_s=-1.0 if resolved.poll_interval is None else resolved.poll_interval,
     )
+    for prefix, hint in _STALL_HINTS.items():
+        _core.add_stall_hint(prefix, hint)
     _state.settings = resolved
     _state.transport = kind
     _state.device_memory = core_kind == "device"
@@ -317,6 +319,17 @@ def _excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> 
 
 _previous_excepthook = sys.excepthook
 sys.excepthook = _excepthook
+
+
+# Name prefix -> what usually leaves such a tensor waiting; the plug-ins add theirs at import.
+_STALL_HINTS: dict[str, str] = {}
+
+
+def _add_stall_hint(prefix: str, hint: str) -> None:
+    """Adds `hint` to the stall warnings and failures of tensors whose names start with `prefix`."""
+    _STALL_HINTS[prefix] = hint
+    if _core.running():
+        _core.add_stall_hint(prefix, hint)
 
 
 def is_initialized() -> bool:

@@ -50,6 +50,7 @@ def test_stall_warning_names_tensor_and_missing_rank() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("SCENARIO-OK") == 3
     assert "'late' ready on ranks 0,2 but not on ranks 1" in result.stderr, result.stderr
+    assert "(a hint given before init())" in result.stderr, result.stderr
     assert "COMMSCHED_STALL_TIMEOUT" in result.stderr
 
 

@@ -339,6 +339,14 @@ PYBIND11_MODULE(_core, module) {
       },
       py::arg("reason"), "Stops every rank in the next round with this rank's failure `reason`.");
   module.def(
+      "add_stall_hint",
+      [](const std::string& prefix, const std::string& hint) {
+        auto runtime = runtime_slot().get();
+        if (runtime) runtime->add_stall_hint(prefix, hint);
+      },
+      py::arg("prefix"), py::arg("hint"),
+      "Adds `hint` to the stall warnings and failures of tensors whose names start with `prefix`.");
+  module.def(
       "enqueue_group",
       [owners](const std::vector<py::tuple>& members, const std::string& op, int priority, double prescale,
                double postscale, bool wake_core, int32_t process_set) {

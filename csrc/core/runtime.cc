@@ -1,5 +1,6 @@
-// The runtime's life: construction, submission, settings, stats, stall checks and stopping.
-// The driver's loop is in runtime_drive.cc, the path from agreement to the wire in runtime_wire.cc.
+// The runtime's life: construction, submission, settings, stats and stopping.
+// The driver's loop is in runtime_drive.cc, the path from agreement to the wire in runtime_wire.cc,
+// the stall checks in runtime_stalls.cc.
 #include "core/runtime.h"
 
 #include <algorithm>
@@ -17,7 +18,6 @@ using Clock = std::chrono::steady_clock;
 // How often the core polls collectives in flight: short enough to keep a
 // transport's progress engine moving, long enough to leave the CPU to the training.
 constexpr auto kPollInterval = std::chrono::microseconds(10);
-constexpr double kStallCheckPeriodS = 1.0;
 
 }  // namespace
 
@@ -443,49 +443,6 @@ std::string Runtime::describe(const std::string& name) const {
   auto found = active_names_.find(name);
   if (found != active_names_.end()) return found->second;
   return stop_reason_.empty() ? "" : "commsched stopped: " + stop_reason_;
-}
-
-void Runtime::check_stalls(double now) {
-  if (now - last_stall_check_s_ < kStallCheckPeriodS) return;
-  last_stall_check_s_ = now;
-  const std::vector<StalledTensor> stalled = agreement_.stalled(now, settings_.stall_timeout_s);
-  if (stalled.empty()) {
-    stall_warned_at_s_.clear();
-    return;
-  }
-  // Forget names no longer stalled, so a long run of stalls does not keep every name it saw.
-  for (auto warned = stall_warned_at_s_.begin(); warned != stall_warned_at_s_.end();) {
-    const bool still = std::any_of(stalled.begin(), stalled.end(),
-                                   [&](const StalledTensor& tensor) { return tensor.name == warned->first; });
-    warned = still ? std::next(warned) : stall_warned_at_s_.erase(warned);
-  }
-  std::string lines;
-  std::string worst;
-  for (const StalledTensor& tensor : stalled) {
-    auto warned = stall_warned_at_s_.find(tensor.name);
-    std::string line = "'" + tensor.name + "' ready on ranks " + join_ranks(tensor.ready_ranks) +
-                       " but not on ranks " + join_ranks(tensor.missing_ranks) + " for " +
-                       std::to_string(static_cast<int>(tensor.waiting_s)) + "s";
-    if (!tensor.joined_ranks.empty()) {
-      line += " (ranks " + join_ranks(tensor.joined_ranks) +
-              " called join() and stand in for it; it waits for the others)";
-    }
-    if (settings_.stall_shutdown_s > 0 && tensor.waiting_s >= settings_.stall_shutdown_s && worst.empty()) {
-      worst = line;
-    }
-    if (warned != stall_warned_at_s_.end() && now - warned->second < settings_.stall_timeout_s) continue;
-    stall_warned_at_s_[tensor.name] = now;
-    lines += "\n  " + line;
-  }
-  if (!lines.empty()) {
-    logger_.warning("tensors are waiting for other ranks longer than COMMSCHED_STALL_TIMEOUT=" +
-                    seconds_text(settings_.stall_timeout_s) +
-                    "s; a rank may have stopped submitting or uses other names:" + lines);
-  }
-  if (!worst.empty() && abort_message_.empty()) {
-    abort_message_ = "stalled past COMMSCHED_STALL_SHUTDOWN=" + seconds_text(settings_.stall_shutdown_s) +
-                     "s: tensor " + worst;
-  }
 }
 
 void Runtime::drain_in_flight(double timeout_s) {

@@ -110,6 +110,10 @@ class Runtime {
   // exiting on an uncaught exception), so the others name it instead of seeing a plain shutdown.
   void abort(const std::string& reason);
 
+  // Adds `hint` to every stall warning and failure of a tensor whose name starts with `prefix`
+  // (replacing an earlier hint for it): what usually leaves a plug-in's own collectives waiting.
+  void add_stall_hint(const std::string& prefix, const std::string& hint);
+
   // Announces that this rank has run out of data (Horovod's join). Until every rank has joined,
   // this rank launches every allreduce the others agree on with zeros and every allgather with
   // nothing of its own; the handle completes once every rank has joined, and last_joined_rank()
@@ -259,6 +263,8 @@ class Runtime {
   void finish(InFlight& done);
   void finish_tensor(uint64_t id, const std::string& error);
   void check_stalls(double now_s);
+  // The hint of the longest registered prefix of `name` (empty: none).
+  std::string stall_hint_for(const std::string& name) const;
   // Hands the refusals callers left to the agreement (driver only), ahead of the submissions.
   void take_refusals();
   // Ends a tensor the agreement failed on every rank, its handle told which rank refused it.
@@ -352,6 +358,8 @@ class Runtime {
   std::string abort_message_;
   double last_stall_check_s_ = 0;
   std::map<std::string, double> stall_warned_at_s_;
+  mutable std::mutex stall_hints_mutex_;  // add_stall_hint runs on a caller's thread
+  std::vector<std::pair<std::string, std::string>> stall_hints_;  // (name prefix, hint)
 
   uint32_t applied_epoch_ = 0;
 

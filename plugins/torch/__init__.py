@@ -57,6 +57,7 @@ from commsched.torch.functions import broadcast_optimizer_state, broadcast_param
 from commsched.torch.optimizer import DistributedOptimizer
 from commsched.torch.sync_batch_norm import SyncBatchNorm
 
+import commsched
 from commsched import HorovodInternalError
 from commsched._horovod import (
     Adasum,
@@ -92,6 +93,19 @@ from commsched._horovod import (
     start_timeline,
     stop_timeline,
 )
+
+# What usually leaves this plug-in's own collectives waiting, added to stall warnings and failures.
+# Here, not in each module: a rank that never imported the module (ranks wrapped alike or not) warns too.
+_STALL_HINTS = {
+    "torch.opt": "DistributedOptimizer: every rank must pass the same shard= (COMMSCHED_SHARD) and run "
+    "backward and step() alike",
+    "torch.shard": "DistributedOptimizer(shard=True): every rank must pass the same shard= (COMMSCHED_SHARD) "
+    "and run backward and step() alike",
+    "commsched.checkpoint": "Checkpointer: every rank must call save() and load() alike",
+    "commsched.commit.": "TorchState: every rank must call commit() alike",
+}
+for _prefix, _hint in _STALL_HINTS.items():
+    commsched._add_stall_hint(_prefix, _hint)
 
 __all__ = [
     "Adasum",

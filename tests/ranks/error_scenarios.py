@@ -91,7 +91,9 @@ def duplicate() -> None:
 
 
 def stall() -> None:
-    """Rank 1 submits late: the others warn (naming tensor and rank), then it completes."""
+    """Rank 1 submits late: the others warn (naming tensor and rank, and the hint for its name, added
+    before init()), then it completes."""
+    commsched._add_stall_hint("lat", "a hint given before init()")
     commsched.init(stall_timeout=1, stall_shutdown=30)
     if commsched.rank() == 1:
         time.sleep(3.5)
@@ -101,14 +103,19 @@ def stall() -> None:
 
 
 def stall_shutdown() -> None:
-    """Rank 1 never submits: every rank stops with an error naming the tensor and the missing rank."""
+    """Rank 1 never submits: every rank stops with an error naming the tensor, the missing rank and the
+    hint of the longest prefix of its name (hints added while running)."""
     commsched.init(stall_timeout=1, stall_shutdown=2)
+    commsched._add_stall_hint("ne", "too general")
+    commsched._add_stall_hint("neve", "an earlier hint")
+    commsched._add_stall_hint("neve", "the most specific hint")
     started = time.monotonic()
     if commsched.rank() != 1:
         try:
             commsched.allreduce(np.ones(2), "never", timeout=60)
         except commsched.RankFailure as error:  # pending when it stopped
             assert "never" in str(error) and "not on ranks 1" in str(error), error
+            assert str(error).endswith("(the most specific hint)"), error
             assert isinstance(error.rank, int), error.rank
         else:
             raise AssertionError("a stalled tensor completed")
