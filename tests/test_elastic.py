@@ -360,7 +360,8 @@ def test_grow_2_to_3_through_the_discovery_script(tmp_path: Path) -> None:
 
 def test_a_killed_rank_is_replaced_from_the_free_slot(tmp_path: Path) -> None:
     """3 slots, 3 ranks: rank 2 is SIGKILLed, the others re-form at 2, then the launcher starts a new
-    rank in the freed slot and it joins; the job ends at 3 ranks, every sample seen once per epoch."""
+    rank in the freed slot and it joins; the job ends at 3 ranks, every sample seen once per epoch.
+    In overlap_forward mode: the restore and the re-forming for the join each replace the reducer."""
     script = _discovery(tmp_path, "echo localhost:3")
     done = launch(
         tmp_path,
@@ -368,6 +369,7 @@ def test_a_killed_rank_is_replaced_from_the_free_slot(tmp_path: Path) -> None:
         ELASTIC_KILL="2:0:3",
         ELASTIC_GROW="1:2:3",  # rank 0 waits there for the new rank if it has not joined yet
         ELASTIC_SCRIPT=str(script),
+        ELASTIC_OVERLAP="1",
         COMMSCHED_TRANSPORT="gloo",
         **FAST_FAILURE,
     )
