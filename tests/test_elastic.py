@@ -230,6 +230,20 @@ def test_membership_below_min_np_names_the_lost_ranks() -> None:
         server.close()
 
 
+def test_elastic_api_is_an_attribute_as_in_horovod() -> None:
+    """Horovod's elastic examples use hvd.elastic.run and hvd.elastic.TorchState after only
+    `import horovod.torch as hvd`: the same names answer after `import commsched.torch as hvd`."""
+    code = (
+        "import commsched.torch as hvd\n"
+        "print(hvd.elastic.run.__module__, hvd.elastic.TorchState.__name__, hvd.elastic.ElasticSampler.__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["commsched.torch.elastic", "TorchState", "ElasticSampler"], done.stdout
+
+
 def test_run_under_mpiexec_says_membership_is_fixed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,6 +18,7 @@ next forward wait module by module. CPU tensors travel over MPI (under mpiexec) 
 from __future__ import annotations
 
 from commsched.torch import collectives as mpi_ops  # noqa: F401  (Horovod's name for its collectives module)
+from commsched.torch import elastic  # Horovod's elastic examples call hvd.elastic.run, hvd.elastic.TorchState
 from commsched.torch.autograd import (
     allgather,
     allreduce,
@@ -144,6 +145,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
