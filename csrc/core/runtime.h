@@ -359,7 +359,7 @@ class Runtime {
   double last_stall_check_s_ = 0;
   std::map<std::string, double> stall_warned_at_s_;
   mutable std::mutex stall_hints_mutex_;  // add_stall_hint runs on a caller's thread
-  std::vector<std::pair<std::string, std::string>> stall_hints_;  // (name prefix, hint)
+  std::map<std::string, std::string> stall_hints_;  // name prefix -> hint
 
   uint32_t applied_epoch_ = 0;
 

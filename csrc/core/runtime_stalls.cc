@@ -15,19 +15,13 @@ constexpr double kStallCheckPeriodS = 1.0;
 
 void Runtime::add_stall_hint(const std::string& prefix, const std::string& hint) {
   std::lock_guard<std::mutex> lock(stall_hints_mutex_);
-  for (auto& [known, text] : stall_hints_) {
-    if (known == prefix) {
-      text = hint;
-      return;
-    }
-  }
-  stall_hints_.emplace_back(prefix, hint);
+  stall_hints_[prefix] = hint;
 }
 
 std::string Runtime::stall_hint_for(const std::string& name) const {
   std::lock_guard<std::mutex> lock(stall_hints_mutex_);
   // The longest matching prefix: the most specific hint.
-  const std::pair<std::string, std::string>* best = nullptr;
+  const std::pair<const std::string, std::string>* best = nullptr;
   for (const auto& entry : stall_hints_) {
     if (name.compare(0, entry.first.size(), entry.first) == 0 &&
         (best == nullptr || entry.first.size() > best->first.size())) {

@@ -97,11 +97,10 @@ from commsched._horovod import (
 
 # What usually leaves this plug-in's own collectives waiting, added to stall warnings and failures.
 # Here, not in each module: a rank that never imported the module (ranks wrapped alike or not) warns too.
+_SAME_OPTIMIZER = "every rank must pass the same shard= (COMMSCHED_SHARD) and run backward and step() alike"
 _STALL_HINTS = {
-    "torch.opt": "DistributedOptimizer: every rank must pass the same shard= (COMMSCHED_SHARD) and run "
-    "backward and step() alike",
-    "torch.shard": "DistributedOptimizer(shard=True): every rank must pass the same shard= (COMMSCHED_SHARD) "
-    "and run backward and step() alike",
+    "torch.opt": f"DistributedOptimizer: {_SAME_OPTIMIZER}",
+    "torch.shard": f"DistributedOptimizer(shard=True): {_SAME_OPTIMIZER}",
     "commsched.checkpoint": "Checkpointer: every rank must call save() and load() alike",
     "commsched.commit.": "TorchState: every rank must call commit() alike",
 }

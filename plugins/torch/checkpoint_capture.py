@@ -66,7 +66,8 @@ class Capture:
         self._left = sum(1 for u in units if u.state != DONE)
         self.inline_copies = 0  # units the training thread had to copy itself (diagnostics)
         self.error: BaseException | None = None
-        # Called once by whichever thread copies the last unit, before it goes on (e.g. to the update).
+        # Called once by whichever thread copies the last unit, before it goes on (e.g. to the update),
+        # or by when_done() itself when nothing is left to copy.
         self._on_done: Callable[[], None] | None = None
         self._streams: dict[torch.device, Any] = {}
         for unit in units:

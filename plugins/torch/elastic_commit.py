@@ -22,8 +22,9 @@ several hosts gather every rank's copied shard of the optimizer state instead (a
 rank, lowest priority) and copy the parameters whole, which costs no traffic. Either way each rank's commit holds the whole optimizer state, as an unsharded
 optimizer's commit does. A commit counts once every rank finished its capture (the small allreduce,
 or the gather; in shared memory also once every rank marked its part copied there, which a rank does
-before its next update, so a rank killed then leaves the commit restorable); restore() joins the shards into the plain per-parameter form and the optimizer cuts
-it again at the rank count it re-formed at (elastic_shard).
+before its next update, so a rank killed then leaves the commit restorable); restore() joins the
+shards into the plain per-parameter form and the optimizer cuts it again at the rank count it
+re-formed at (elastic_shard).
 
 With a directory (TorchState(..., checkpoint_dir=...)) every commit is also saved to disk by a
 commsched.torch.Checkpointer, loadable with Checkpointer(model, optimizer, directory).load().
@@ -169,8 +170,9 @@ class BackgroundCommit:
         self.commits += 1
         version.number = self.commits
         if version.shared and version.region is not None:
-            # Marked by whichever thread copies the last part: a rank killed right after its next
-            # update has marked it, so the survivors can restore this commit without its allreduce.
+            # Marked by whichever thread copies the last part (here, at once, when this rank's parts
+            # are empty): a rank killed right after its next update has marked it, so the survivors
+            # can restore this commit without its allreduce.
             capture.when_done(lambda region=version.region, number=version.number: region.finished(number))
         for unit in loose:
             capture.copy_now(unit)
