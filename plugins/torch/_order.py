@@ -76,19 +76,27 @@ class ForwardOrder:
     def __init__(self, model: torch.nn.Module, on_recorded: Callable[[list[torch.Tensor]], None]) -> None:
         self._seen: list[torch.Tensor] = []
         self._ids: set[int] = set()
-        self._on_recorded = on_recorded
-        self._handles: list[Any] = [m.register_forward_pre_hook(_Hook(self._reach)) for m in model.modules()]
-        self._handles.append(model.register_forward_hook(_Hook(self._finish)))
+        self._on_recorded: Callable[[list[torch.Tensor]], None] | None = on_recorded
+        # Eager under torch.compile: recording mutates the optimizer's state, which Dynamo refuses to
+        # trace on some releases (torch 2.11: "setattr on a user-defined object"). The breaks cost
+        # the first compiled forward only: the hooks are gone after it.
+        hooks = [m.register_forward_pre_hook(_EagerHook(self._reach)) for m in model.modules()]
+        self._handles: list[Any] = [*hooks, model.register_forward_hook(_EagerHook(self._finish))]
 
     def _reach(self, module: torch.nn.Module, args: Any) -> None:
+        if self._on_recorded is None:
+            return
         for param in module.parameters(recurse=False):
             if id(param) not in self._ids:
                 self._ids.add(id(param))
                 self._seen.append(param)
 
     def _finish(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # Code compiled while the hooks were attached may call them once more after remove().
+        on_recorded, self._on_recorded = self._on_recorded, None
         self.remove()
-        self._on_recorded(self._seen)
+        if on_recorded is not None:
+            on_recorded(self._seen)
 
     def remove(self) -> None:
         """Detaches the recording hooks."""
