@@ -552,8 +552,13 @@ def main() -> int:
     )
     rank, size = commsched.rank(), commsched.size()
     rows = Checks(kit, rank, size, args.corrupt_rank).run_all()
+    # The checks cut tensors into small partitions on purpose; the sweep times what a user gets,
+    # the defaults (at one rank: no partitions, there is no link to cut for).
+    commsched.shutdown()
+    commsched.init(device="cuda", stall_timeout=30)
+    settings = {k: commsched.config()[k] for k in ("partition_bytes", "credit_bytes", "fusion_bytes")}
     raw: Any = _FakeRaw(kit, rank, size) if args.fake else _TorchRaw()
-    timings = sweep(kit, raw, args.largest, args.fake)
+    timings = [{**row, "settings": settings} for row in sweep(kit, raw, args.largest, args.fake)]
     raw.close()
     commsched.shutdown()
     if size > 1:
