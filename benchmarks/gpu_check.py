@@ -39,6 +39,7 @@ STEP_TIME = ROOT / "benchmarks" / "gpu_step_time.py"
 # The tests that need a GPU; each skips without one.
 GPU_TESTS = (
     "tests/test_torch_cuda.py",
+    "tests/test_torch_cuda_state.py",
     "tests/test_nccl.py::test_nccl_on_the_real_gpu_or_skip",
     "tests/test_nccl.py::test_commsched_on_the_real_gpu_or_skip",
 )

@@ -62,18 +62,24 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
 
 
 @pytest.mark.parametrize(
-    ("overlap", "passes", "compression"),
+    ("overlap", "passes", "compression", "sharded"),
     [
-        (False, 1, None),
-        (True, 1, None),
-        (False, 2, None),
-        (True, 2, None),
-        (False, 1, "fp16"),
-        (True, 1, "bf16"),
+        (False, 1, None, False),
+        (True, 1, None, False),
+        (False, 2, None, False),
+        (True, 2, None, False),
+        (False, 1, "fp16", False),
+        (True, 1, "bf16", False),
+        (False, 1, None, True),
+        (True, 1, None, True),
+        (True, 2, None, True),
     ],
 )
-def test_cuda_training_matches_a_plain_optimizer(overlap: bool, passes: int, compression: str | None) -> None:
-    """DistributedOptimizer starts commsched on NCCL and its weights equal a plain optimizer's."""
+def test_cuda_training_matches_a_plain_optimizer(
+    overlap: bool, passes: int, compression: str | None, sharded: bool
+) -> None:
+    """DistributedOptimizer starts commsched on NCCL and its weights equal a plain optimizer's, unsharded
+    and with shard=True (reduce-scatter and all-gather on the GPU)."""
     torch.manual_seed(0)
     model = Net().cuda()
     plain_model = copy.deepcopy(model)
@@ -84,6 +90,7 @@ def test_cuda_training_matches_a_plain_optimizer(overlap: bool, passes: int, com
         overlap_forward=overlap,
         backward_passes_per_step=passes,
         compression=compression,
+        shard=sharded,
     )
     assert commsched.config()["transport"] == "nccl"
     _train(plain_model, plain, 6, passes)
