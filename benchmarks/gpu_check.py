@@ -222,22 +222,28 @@ def _fake_library(folder: Path) -> dict[str, str]:
     return {"COMMSCHED_NCCL_LIBRARY": str(library), "COMMSCHED_CUDART_LIBRARY": str(library)}
 
 
-def print_table(result: dict[str, Any]) -> None:
-    """The report as text, one line per row."""
-    mark = {True: "PASS", False: "FAIL"}
+MARK = {True: "PASS", False: "FAIL"}
+
+
+def print_tests(result: dict[str, Any]) -> None:
+    """Section (a) as text, one line per test."""
     tests = result["gpu_tests"]
     if tests["command"] is None:
         print("\n(a) GPU tests: left out (--skip-tests)")
     else:
-        print(f"\n(a) GPU tests: {tests['counts']}  [{mark[tests['passed']]}]")
+        print(f"\n(a) GPU tests: {tests['counts']}  [{MARK[tests['passed']]}]")
     for row in tests["rows"]:
         print(f"  {row['outcome'].upper():8} {row['test']}  {row['detail']}")
+
+
+def print_worker(result: dict[str, Any]) -> None:
+    """Sections (b) and (c) as text: one line per check, one per sweep size."""
     ranks = result["correctness"][0]["ranks"] if result["correctness"] else "?"
     print(f"\n(b) correctness through commsched ({ranks} rank(s), {result['mode']})")
     print(f"  {'':4} {'check':40} {'dtype':9} {'op':8} {'elements':>8}  place / detail")
     for row in result["correctness"]:
         tail = row["place"] + (f"  -- {row['detail']}" if row["detail"] else "")
-        line = f"  {mark[row['passed']]} {row['check']:40} {row['dtype']:9} {row['op']:8} {row['elements']:>8}  {tail}"
+        line = f"  {MARK[row['passed']]} {row['check']:40} {row['dtype']:9} {row['op']:8} {row['elements']:>8}  {tail}"
         print(line)
     if result["worker_problem"]:
         print(f"  FAIL {result['worker_problem']}")
@@ -253,22 +259,29 @@ def print_table(result: dict[str, Any]) -> None:
             f"{row['iterations']:>6}  {_sweep_target(row)}"
         )
     print("  targets (reported, never judged): raw + 5 us up to 4 MiB, 1.1x raw from 16 MiB")
+
+
+def print_training(result: dict[str, Any]) -> None:
+    """Section (d) as text."""
     run = result["training"]
     if run["ran"]:
         print(
-            f"\n(d) training: losses {run['losses']}, {run['launches']} launches  [{mark[run['passed']]}] {run['detail']}"
+            f"\n(d) training: losses {run['losses']}, {run['launches']} launches  [{MARK[run['passed']]}] {run['detail']}"
         )
     else:
         print(f"\n(d) training: skipped ({run['reason']})")
+
+
+def print_step_time(result: dict[str, Any]) -> None:
+    """Section (e) as text: gpu_step_time.py's table."""
     timed = result["step_time"]
     if not timed["ran"]:
         print(f"\n(e) step time: skipped ({timed['reason']})")
     elif timed.get("problem"):
         print(f"\n(e) step time: [FAIL] {timed['problem']}")
     else:
-        print(f"\n(e) step time  [{mark[timed['passed']]}]")
+        print(f"\n(e) step time  [{MARK[timed['passed']]}]")
         print("\n".join(f"  {line}" for line in gpu_step_time.table_lines(timed)))
-    print(f"\noverall: {mark[result['passed']]}  (JSON: {result['out']})")
 
 
 def _sweep_target(row: dict[str, Any]) -> str:
@@ -307,24 +320,32 @@ def main() -> int:
             "mode": "fake" if args.fake else "gpu",
             "environment": _environment(args.fake),
         }
+        # Each section is printed and the JSON written as soon as it ends: a run cut short (a GPU
+        # lent for minutes) keeps what it finished.
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result["complete"] = False
         if args.skip_tests:
             result["gpu_tests"] = {"command": None, "counts": {}, "passed": True, "rows": []}
         else:
             result["gpu_tests"] = gpu_tests(env, folder, args.fake)
+        _progress(result, out, print_tests)
         largest = FAKE_LARGEST if args.fake else 256 << 20
         ranks = args.ranks if args.fake else 1
         rows, timings, problem = worker(env, folder, args.fake, ranks, args.corrupt_rank, largest)
         result.update(correctness=rows, sweep=timings, worker_problem=problem)
+        _progress(result, out, print_worker)
         if args.fake:
             reason = "--fake: the fake library is not a GPU PyTorch can train on"
             result["training"] = {"ran": False, "passed": True, "reason": reason}
         else:
             result["training"] = training(env, args.epochs)
+        _progress(result, out, print_training)
         if args.fake or args.skip_step_time:
             reason = "--skip-step-time" if args.skip_step_time else "--fake: no GPU to time training on"
             result["step_time"] = {"ran": False, "passed": True, "reason": reason}
         else:
             result["step_time"], _ = step_time(env, out.with_name("gpu_step_time.json"))
+        _progress(result, out, print_step_time)
     result["passed"] = bool(
         rows
         and not problem
@@ -334,10 +355,17 @@ def main() -> int:
         and result["step_time"]["passed"]
     )
     result["out"] = str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result["complete"] = True
     out.write_text(json.dumps(result, indent=1))
-    print_table(result)
+    print(f"\noverall: {MARK[result['passed']]}  (JSON: {result['out']})")
     return 0 if result["passed"] else 1
+
+
+def _progress(result: dict[str, Any], out: Path, show: Any) -> None:
+    """Prints the section just finished and writes the JSON so far."""
+    show(result)
+    sys.stdout.flush()
+    out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
