@@ -192,20 +192,33 @@ def view(array: Any, name: str) -> BufferView:
     return BufferView(address, memory.nbytes // memory.itemsize, dtype, (array, memory))
 
 
+def torch_current_stream(device: int) -> int:
+    """The raw cudaStream_t of torch's current stream on CUDA device `device`.
+
+    torch.cuda.current_stream() builds a Python Stream object on every call, once per collective
+    here; the raw handle, which torch's compiled code reads per kernel launch, builds nothing. Builds
+    without that call take the object's handle.
+    """
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 def _gpu_view(array: Any, name: str) -> BufferView | None:
     """The view of a CUDA array (torch, __cuda_array_interface__, DLPack), or None for host memory."""
     if getattr(array, "is_cuda", False) and hasattr(array, "data_ptr"):
-        import torch
-
         dtype = _TORCH_DTYPES.get(str(array.dtype))
         if dtype is None:
             raise _unsupported(f"dtype {array.dtype} is not supported", name)
         if not array.is_contiguous():
             raise _unsupported("the tensor is not contiguous (call .contiguous() first)", name)
         # The gradient was written on the caller's current stream; the collective must wait for it.
-        stream = int(torch.cuda.current_stream(array.device).cuda_stream)
+        device = int(array.get_device())
         return BufferView(
-            int(array.data_ptr()), int(array.numel()), dtype, array, int(array.get_device()), stream
+            int(array.data_ptr()), int(array.numel()), dtype, array, device, torch_current_stream(device)
         )
     interface = getattr(array, "__cuda_array_interface__", None)
     if interface is not None:

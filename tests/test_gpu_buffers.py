@@ -132,3 +132,58 @@ def test_host_arrays_have_no_device() -> None:
     assert buffers.view(bytearray(8), "b").stream is None
     torch = pytest.importorskip("torch")
     assert buffers.view(torch.zeros(3), "t").device is None
+
+
+class _TorchLikeCudaTensor:
+    """What commsched.buffers reads of a CUDA torch.Tensor, over host memory."""
+
+    is_cuda = True
+
+    def __init__(self, host: np.ndarray, device: int) -> None:
+        self.host, self.device_index = host, device
+        self.dtype = "torch.float32"
+
+    def data_ptr(self) -> int:
+        return int(self.host.ctypes.data)
+
+    def numel(self) -> int:
+        return int(self.host.size)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def get_device(self) -> int:
+        return self.device_index
+
+
+def test_torch_cuda_tensor_orders_after_torchs_current_stream_on_its_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The raw current stream of the tensor's own device, read without building a Stream object; builds
+    without that call fall back to torch.cuda.current_stream(device).cuda_stream."""
+    torch = pytest.importorskip("torch")
+    asked: list[int] = []
+
+    def raw(device: int) -> int:
+        asked.append(device)
+        return 0xABC0 + device
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw, raising=False)
+    host = np.arange(6, dtype=np.float32)
+    view = buffers.view(_TorchLikeCudaTensor(host, device=2), "x")
+    assert (view.address, view.count, view.dtype, view.device, view.stream) == (
+        host.ctypes.data,
+        6,
+        "float32",
+        2,
+        0xABC2,
+    )
+    assert asked == [2]
+
+    class _Stream:
+        def __init__(self, device: int) -> None:
+            self.cuda_stream = 0xDEF0 + device
+
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    assert buffers.view(_TorchLikeCudaTensor(host, device=1), "x").stream == 0xDEF1

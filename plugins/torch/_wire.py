@@ -15,6 +15,7 @@ from typing import Any
 
 import commsched
 import torch
+from commsched.buffers import torch_current_stream
 
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CORE_DTYPES = frozenset(
@@ -66,8 +67,7 @@ class Outgoing:
         """
         wire = self.wire
         if wire.is_cuda and _STREAMS_ARE_REAL():
-            stream = torch.cuda.current_stream(wire.device).cuda_stream
-            self.work.wait_stream(stream, timeout)
+            self.work.wait_stream(torch_current_stream(wire.get_device()), timeout)
         else:
             self.work.wait(timeout)
         if self.wire is not self.target:
