@@ -19,7 +19,11 @@ _OPS = ("sum", "average", "min", "max", "product")
 def _run_now(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
 ) -> Any:
-    """Submits and waits on this thread; a plain host buffer goes to the core in one call."""
+    """Submits and waits on this thread; a plain host buffer or GPU array goes to the core in one call."""
+    if kind == "allreduce" and _state.device_memory:
+        done = _run_device_allreduce(array, name, op, priority, timeout)
+        if done is not None:
+            return done
     name, root, priority = _checked(name, kind, op, root, priority)
     op = _op_name(op)
     tuner = _state.tuner
@@ -32,6 +36,46 @@ def _run_now(
             done = _core.allreduce_buffer(array, name, op, priority, limit)
         return _buffer_outcome(done, array, name, kind, op, root, priority, timeout)
     return _enqueue(array, name, kind, op, root, priority, waits_next=True).wait(timeout)
+
+
+def _run_device_allreduce(
+    array: Any, name: str | None, op: str, priority: int, timeout: float | None
+) -> Any | None:
+    """The allreduce of a GPU array in one core call: the array once done; None where the full path
+    must run (it checks and names what is wrong, numbers unnamed tensors, and serves process sets and
+    the auto-tuner's recording)."""
+    tuner = _state.tuner
+    if (
+        type(name) is not str
+        or type(priority) is not int
+        # nan, negative or not a number: the full path says what to pass
+        or (timeout is not None and not (type(timeout) in (int, float) and timeout >= 0))
+        or _state.pending is not None
+        or _process_sets.current() != 0
+        or (tuner is not None and tuner.recording)
+    ):
+        return None
+    try:
+        view = buffers.view(array, name)
+    except (TypeError, ValueError):
+        return None  # the full path refuses it, telling the other ranks
+    if not view.on_gpu:
+        return None
+    described = (
+        view.address,
+        view.count,
+        view.dtype,
+        view.device,
+        view.stream,
+        view.owner,
+        _trailing_dims(array),
+    )
+    done = _core.allreduce_device(name, op, priority, -1.0 if timeout is None else timeout, described)
+    if done == -2:
+        return None
+    if done == 0:
+        raise _timed_out(name, timeout)
+    return array
 
 
 def _buffer_outcome(

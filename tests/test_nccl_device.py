@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -229,3 +230,44 @@ def test_device_and_transport_must_agree() -> None:
         resolve({}, {"COMMSCHED_DEVICE": "cpu", "COMMSCHED_TRANSPORT": "nccl"})
     with pytest.raises(SettingError, match=r"COMMSCHED_DEVICE: 'tpu'.*auto, cpu, cuda"):
         resolve({}, {"COMMSCHED_DEVICE": "tpu"})
+
+
+def test_blocking_allreduce_of_a_gpu_array_goes_to_the_core_in_one_call(
+    nccl_runtime: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """commsched.allreduce of a named GPU array needs no Python handle (the per-collective host cost a
+    small NCCL allreduce pays); a timeout names the tensor, the collective still completes and frees
+    its name, and arguments that need checking still get the full path's errors."""
+    from commsched import submission
+
+    commsched.init(transport="nccl")
+    data = FakeCudaArray(np.arange(8, dtype=np.float32), stream=0x5EED)
+
+    def no_handle(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a plain GPU allreduce built a Python handle")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(submission, "_enqueue", no_handle)
+        assert commsched.allreduce(data, name="fast", op="average", timeout=30) is data
+    assert np.array_equal(data.host, np.arange(8, dtype=np.float32))
+    assert any(c.startswith("record") and "0x5eed" in c for c in calls(nccl_runtime))
+
+    nccl_runtime.fake_set_delay_us(300_000)
+    with pytest.raises(TimeoutError, match="'slow' did not finish within 0.05s"):
+        commsched.allreduce(data, name="slow", timeout=0.05)
+    nccl_runtime.fake_set_delay_us(0)
+    for _ in range(100):  # the collective goes on without the caller and frees its name when done
+        try:
+            commsched.allreduce(data, name="slow", timeout=30)
+            break
+        except ValueError as error:
+            assert "already in flight" in str(error)
+            time.sleep(0.05)
+    else:
+        raise AssertionError("'slow' never completed after its caller timed out")
+    assert np.array_equal(data.host, np.arange(8, dtype=np.float32))
+
+    with pytest.raises(ValueError, match="timeout is nan"):
+        commsched.allreduce(data, name="nan", timeout=float("nan"))
+    with pytest.raises(ValueError, match="op of 'bad' must be one of"):
+        commsched.allreduce(data, name="bad", op="median")

@@ -1,8 +1,10 @@
 // `commsched._core.allreduce_buffer` and `broadcast_buffer`: a synchronous collective on a host
 // buffer in one call. It reads the array through Python's buffer protocol and waits with the GIL released,
 // so a small collective pays for no Python-level view or handle objects (they cost more than
-// the collective itself on shared memory).
+// the collective itself on shared memory). `allreduce_device` does the same for GPU memory that
+// Python has viewed (the stream to order after is torch's or the array's own).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <chrono>
 #include <cstdint>
@@ -10,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "bindings/owner_table.h"
 #include "bindings/runtime_slot.h"
@@ -116,6 +119,39 @@ std::optional<std::pair<ReduceOp, int>> checked_op_priority(py::handle op, py::h
   return std::make_pair(average ? ReduceOp::kAverage : ReduceOp::kSum, static_cast<int>(priority));
 }
 
+// Waits for `handle` in slices with the GIL released. 1: done; 0: timed out (or a signal, which is
+// raised). A collective this call stops waiting for keeps `keeper()` until it ends.
+template <typename Keeper>
+int wait_sliced(Runtime& runtime, const std::shared_ptr<HandleState>& handle, double timeout_s, OwnerTable& owners,
+                Keeper keeper) {
+  using Clock = std::chrono::steady_clock;
+  const bool limited = timeout_s >= 0;
+  const Clock::time_point start = limited ? Clock::now() : Clock::time_point{};  // no clock read without a limit
+  while (true) {
+    double slice = kWaitSliceS;
+    if (limited) slice = std::min(slice, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
+    bool finished;
+    {
+      py::gil_scoped_release release;
+      finished = runtime.wait(*handle, std::max(slice, 0.0));
+    }
+    if (finished) {
+      if (handle->failed()) handle->throw_failure();  // raised as a commsched.CommschedError
+      return 1;
+    }
+    const bool timed_out = limited && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s;
+    const bool interrupted = !timed_out && PyErr_CheckSignals() != 0;
+    if (timed_out || interrupted) {
+      // The collective goes on without this call: its memory must stay in place until it finishes.
+      std::optional<py::error_already_set> signal;
+      if (interrupted) signal.emplace();  // fetched first: no Python call may run with it set
+      owners.keep(handle, keeper());
+      if (signal) throw *signal;
+      return 0;
+    }
+  }
+}
+
 // 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype.
 int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
                double timeout_s, OwnerTable& owners) {
@@ -126,33 +162,31 @@ int run_buffer(py::handle array, const std::string& name, ReduceOp op, Collectiv
       runtime_slot().require(kind == CollectiveKind::kBroadcast ? "broadcast" : "allreduce");
   // This thread waits next and runs the core itself: waking the core's thread would only take a CPU.
   const std::shared_ptr<HandleState> handle = runtime->enqueue(*spec, buffer.view().buf, /*wake_core=*/false);
-  using Clock = std::chrono::steady_clock;
-  const bool limited = timeout_s >= 0;
-  const Clock::time_point start = limited ? Clock::now() : Clock::time_point{};  // no clock read without a limit
-  while (true) {
-    double slice = kWaitSliceS;
-    if (limited) slice = std::min(slice, timeout_s - std::chrono::duration<double>(Clock::now() - start).count());
-    bool finished;
-    {
-      py::gil_scoped_release release;
-      finished = runtime->wait(*handle, std::max(slice, 0.0));
-    }
-    if (finished) {
-      if (handle->failed()) handle->throw_failure();  // raised as a commsched.CommschedError
-      return 1;
-    }
-    const bool timed_out = limited && std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s;
-    const bool interrupted = !timed_out && PyErr_CheckSignals() != 0;
-    if (timed_out || interrupted) {
-      // The collective goes on without this call: a memoryview keeps the buffer exported (a
-      // bytearray cannot resize, an array cannot be freed) until it finishes.
-      std::optional<py::error_already_set> signal;
-      if (interrupted) signal.emplace();  // fetched first: no Python call may run with it set
-      owners.keep(handle, keeper_of(array));
-      if (signal) throw *signal;
-      return 0;
-    }
-  }
+  // A memoryview keeps the buffer exported (a bytearray cannot resize, an array cannot be freed).
+  return wait_sliced(*runtime, handle, timeout_s, owners, [array] { return keeper_of(array); });
+}
+
+// A synchronous allreduce of GPU memory that commsched.buffers has viewed: `view` is (address, count,
+// dtype name, device id, producing stream or None, owner, trailing dims). 1: done; 0: timed out.
+int run_device_allreduce(const std::string& name, ReduceOp op, int priority, double timeout_s, const py::tuple& view,
+                         OwnerTable& owners) {
+  TensorSpec spec;
+  spec.name = name;
+  spec.kind = CollectiveKind::kAllreduce;
+  spec.op = op;
+  spec.priority = priority;
+  spec.count = view[1].cast<uint64_t>();
+  spec.dtype = dtype_from_name(view[2].cast<std::string>());
+  spec.row_shape = view[6].cast<std::vector<uint64_t>>();
+  Placement placement;
+  placement.device = true;
+  placement.device_id = view[3].cast<int>();
+  if (!view[4].is_none()) placement.stream = view[4].cast<uintptr_t>();
+  const std::shared_ptr<Runtime> runtime = runtime_slot().require("allreduce");
+  const std::shared_ptr<HandleState> handle =
+      runtime->enqueue(spec, reinterpret_cast<void*>(view[0].cast<uintptr_t>()), /*wake_core=*/false, placement);
+  py::object owner = view[5];
+  return wait_sliced(*runtime, handle, timeout_s, owners, [owner] { return owner; });
 }
 
 }  // namespace
@@ -192,6 +226,20 @@ void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTa
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
       "Starts an in-place allreduce of a host buffer and returns its handle; None: a name, op, priority or "
       "array to check in Python.");
+  module.def(
+      "allreduce_device",
+      [owners](const std::string& name, py::handle op, py::handle priority_object, double timeout_s,
+               const py::tuple& view) {
+        // As allreduce_buffer, for GPU memory already viewed in Python (commsched.buffers): -2 sends
+        // a name, op or priority that needs checking to the path that names what is wrong.
+        const auto checked = commsched::checked_op_priority(op, priority_object);
+        if (name.empty() || !checked || view.size() != 7) return -2;
+        return commsched::run_device_allreduce(name, checked->first, checked->second, timeout_s, view, *owners);
+      },
+      py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("timeout_s"), py::arg("view"),
+      "Allreduces viewed GPU memory in place and waits until it is done (timeout_s < 0: no limit); view is "
+      "(address, count, dtype, device id, stream or None, owner, trailing dims). 1 done, 0 timed out, -2 a name, "
+      "op or priority to check in Python.");
   module.def(
       "broadcast_buffer",
       [owners](py::handle array, const std::string& name, int root, int priority, double timeout_s) {
