@@ -80,3 +80,20 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         commsched.shutdown()
+
+
+@pytest.fixture
+def no_commsched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No commsched running and no COMMSCHED_* variable set before the test (what it uses starts it);
+    shut down after it."""
+    import commsched
+
+    for name in list(os.environ):
+        if name.startswith("COMMSCHED_"):
+            monkeypatch.delenv(name)
+    if commsched.is_initialized():
+        commsched.shutdown()
+    try:
+        yield
+    finally:
+        commsched.shutdown()

@@ -8,9 +8,7 @@ torch.distributed's collectives raise here, so nothing can take a road around th
 from __future__ import annotations
 
 import copy
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ TOLERANCE = {None: 1e-5, "fp16": 2e-2, "bf16": 5e-2}
 
 
 @pytest.fixture(autouse=True)
-def fresh_commsched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def fresh_commsched(no_commsched: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """No commsched running before a test (the plug-in starts it), none after; no torch.distributed."""
 
     def refuse(*args: Any, **kwargs: Any) -> None:
@@ -40,13 +38,6 @@ def fresh_commsched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
         monkeypatch.setattr(dist, name, refuse)
-    for name in list(os.environ):
-        if name.startswith("COMMSCHED_"):
-            monkeypatch.delenv(name)
-    if commsched.is_initialized():
-        commsched.shutdown()
-    yield
-    commsched.shutdown()
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, passes: int = 1) -> None:

@@ -8,8 +8,6 @@ scripts/gpu_check.sh runs this file in its section (a).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +30,7 @@ MODES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def fresh_commsched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No commsched running before a test (the plug-in starts it), none after."""
-    for name in list(os.environ):
-        if name.startswith("COMMSCHED_"):
-            monkeypatch.delenv(name)
-    if commsched.is_initialized():
-        commsched.shutdown()
-    yield
-    commsched.shutdown()
+pytestmark = pytest.mark.usefixtures("no_commsched")
 
 
 def _build(overlap: bool, sharded: bool) -> tuple[torch.nn.Module, Any, torch.Tensor]:
@@ -74,6 +63,12 @@ def _parameters(model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Every parameter on the device under test and equal to the expected one, bit for bit."""
+    for index, (value, expected) in enumerate(zip(got, want, strict=True)):
+        assert value.device.type == DEVICE and torch.equal(value, expected), index
+
+
 @pytest.mark.parametrize(("overlap", "sharded"), MODES)
 def test_restore_gives_the_commit_after_training_went_on(overlap: bool, sharded: bool) -> None:
     """commit() mid-training, three more steps, restore(): every parameter equals its committed value,
@@ -90,12 +85,10 @@ def test_restore_gives_the_commit_after_training_went_on(overlap: bool, sharded:
     state.wait()
     assert any(not torch.equal(a, b) for a, b in zip(after_three, committed))
     state.restore()
-    for got, want in zip(_parameters(model, optimizer), committed, strict=True):
-        assert got.device.type == DEVICE and torch.equal(got, want)
+    _assert_equal(_parameters(model, optimizer), committed)
     for _ in range(3):
         _step(model, optimizer, data)
-    for got, want in zip(_parameters(model, optimizer), after_three, strict=True):
-        assert torch.equal(got, want)
+    _assert_equal(_parameters(model, optimizer), after_three)
 
 
 @pytest.mark.parametrize(("overlap", "sharded"), MODES)
@@ -119,10 +112,8 @@ def test_checkpointer_round_trip_on_the_gpu(overlap: bool, sharded: bool, tmp_pa
     loader = ct.Checkpointer(fresh, fresh_optimizer, directory=tmp_path)
     restored = loader.load()
     assert restored is not None and restored.step == 2
-    for got, want in zip(_parameters(fresh, fresh_optimizer), saved, strict=True):
-        assert got.device.type == DEVICE and torch.equal(got, want)
+    _assert_equal(_parameters(fresh, fresh_optimizer), saved)
     for _ in range(2):
         _step(fresh, fresh_optimizer, data)
-    for got, want in zip(_parameters(fresh, fresh_optimizer), later, strict=True):
-        assert torch.equal(got, want)
+    _assert_equal(_parameters(fresh, fresh_optimizer), later)
     loader.close()
