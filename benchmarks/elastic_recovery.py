@@ -18,7 +18,7 @@ torchrun: the same kill under `torchrun --nnodes 1:1 --nproc-per-node 4 --max-re
 rendezvous, plain DDP over Gloo, a torch.save checkpoint every 5 steps): seconds from the kill to the
 first step a restarted worker completes (benchmarks/elastic_workers.py).
 
-commit: ms per step of the same 2-rank training without commits and with commit() every 10 steps,
+commit: ms per step of the same training (2 ranks; --commit-ranks to change) without commits and with commit() every 10 steps,
 alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more. Also printed:
 the median and range of each round's own ratio (its two variants ran back to back, so a host that
 other jobs load unevenly moves both alike), rank 0's CPU time per step (all its threads) and the
@@ -150,13 +150,28 @@ def _free_port() -> int:
 
 
 def commit_cost(
-    rounds: int, steps: int, every: int, timeout_s: float, shard: bool = False, wire: bool = False
+    rounds: int,
+    steps: int,
+    every: int,
+    timeout_s: float,
+    shard: bool = False,
+    wire: bool = False,
+    ranks: int = 2,
 ) -> dict[str, object]:
-    """ms per step without and with commits at 2 ranks, from one run (elastic_workers.py commit)."""
+    """ms per step without and with commits at `ranks` ranks, from one run (elastic_workers.py commit)."""
     with tempfile.TemporaryDirectory(prefix="commit-cost-") as out:
         result = Path(out) / "commit.json"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-        command = [sys.executable, "-m", "commsched.run", "-n", "2", str(WORKERS), "commit", str(result)]
+        command = [
+            sys.executable,
+            "-m",
+            "commsched.run",
+            "-n",
+            str(ranks),
+            str(WORKERS),
+            "commit",
+            str(result),
+        ]
         done = subprocess.run(
             [
                 *command,
@@ -210,6 +225,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="commit: steps per round (default 60)")
     parser.add_argument("--every", type=int, default=10, help="commit: steps between commits (default 10)")
     parser.add_argument(
+        "--commit-ranks",
+        type=int,
+        default=2,
+        help="commit: ranks of the measurement (default 2; 1 leaves this 2-core host a core for the capture)",
+    )
+    parser.add_argument(
         "--shard",
         action="store_true",
         help="commit: DistributedOptimizer(shard=True) (its commits hand every rank's shard over)",
@@ -247,7 +268,9 @@ def main() -> None:
         }[name]
         rows.append((what, _summary(seconds), "s"))
     if "commit" in chosen:
-        cost = commit_cost(args.rounds, args.steps, args.every, args.timeout * 4, args.shard, args.wire)
+        cost = commit_cost(
+            args.rounds, args.steps, args.every, args.timeout * 4, args.shard, args.wire, args.commit_ranks
+        )
         ms = cost["ms_per_step"]  # type: ignore[index]
         none, commit = _summary(ms["none"]), _summary(ms["commit"])
         cost["overhead_percent"] = 100 * (commit["median"] / none["median"] - 1)
@@ -260,8 +283,9 @@ def main() -> None:
         cost["by_position"] = _by_position(cost["ms_by_position"], args.every)  # type: ignore[index]
         report["commit"] = cost
         sharded = (", shard=True" if args.shard else "") + (", broadcasts" if args.wire else "")
-        rows.append((f"2 ranks{sharded}, no commits", none, "ms/step"))
-        rows.append((f"2 ranks{sharded}, commit() every {args.every} steps", commit, "ms/step"))
+        at = f"{args.commit_ranks} rank{'s' if args.commit_ranks > 1 else ''}{sharded}"
+        rows.append((f"{at}, no commits", none, "ms/step"))
+        rows.append((f"{at}, commit() every {args.every} steps", commit, "ms/step"))
     print(f"\n| {'measurement':<56} | median | range | unit |")
     for what, summary, unit in rows:
         spread = f"{summary['min']:.2f}-{summary['max']:.2f}"
