@@ -75,6 +75,7 @@ class Region:
         self.peers: dict[int, torch.Tensor] | None = None  # rank -> its file; None: not shared (yet)
         self.decided = False
         self.names: dict[int, str] = {}  # rank -> its file's path, for unlinking a lost rank's
+        self.pids: dict[int, int] = {}  # rank -> its process (all ranks run on this host)
         self._unlink = weakref.finalize(self, _unlink, self.path, self._descriptor) if self.path else None
 
     def _create(self) -> torch.Tensor | None:
@@ -131,6 +132,7 @@ class Region:
             r: os.path.join(DIRECTORY, f"commsched-commit-{pid}-{token:x}")
             for r, (_, pid, token) in enumerate(everyone)
         }
+        self.pids = {r: int(pid) for r, (_, pid, _) in enumerate(everyone)}
         self.peers = {r: self.own if r == me else self._map(path) for r, path in self.names.items()}
         return True
 
@@ -174,6 +176,30 @@ class Region:
                 )
             found[rank] = self._views(mapped, index)
         return found
+
+    def copying(self, number: int) -> list[int]:
+        """Ranks that started commit `number` (their slot holds it, not yet complete) and still run: their
+        part is coming."""
+        assert self.peers is not None
+        index = number % SLOTS
+        started = [
+            rank
+            for rank, mapped in self.peers.items()
+            if mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist() == [number, 0]
+        ]
+        return [rank for rank in started if _running(self.pids.get(rank, 0))]
+
+
+def _running(pid: int) -> bool:
+    """True while process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _unlink(path: str | None, descriptor: int = -1) -> None:

@@ -8,6 +8,7 @@ joined again only when restored.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 from commsched.torch import elastic_shard, elastic_shm, elastic_split
@@ -123,14 +124,28 @@ class Version:
         return self.received
 
 
-def complete_everywhere(version: Version) -> bool:
+# How long a rank deciding about a commit waits for the parts that live ranks are still copying.
+PEER_COPY_PATIENCE_S = 10.0
+
+
+def complete_everywhere(version: Version, patience_s: float = PEER_COPY_PATIENCE_S) -> bool:
     """A commit in shared memory (cut over the ranks, or a sharded optimizer's shards) whose every
     part, a lost rank's too, was copied: it can be restored even though the allreduce that says so
-    failed (a rank died after copying its part)."""
+    failed (a rank died after copying its part).
+
+    Each survivor decides when its own allreduce fails, and a survivor whose commit thread is behind
+    may not have marked its part yet then: parts that ranks still running have started are waited
+    for (up to patience_s), so every survivor finds the same answer. Rank 0's decides what the
+    re-formed job restores; before, it could go back one commit more than the others while their copy
+    was still under way."""
     if not version.shared or version.region is None:
         return False
-    try:
-        version.region.shards(version.number)
-    except RuntimeError:
-        return False
-    return True
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            version.region.shards(version.number)
+            return True
+        except RuntimeError:
+            if time.monotonic() >= deadline or not version.region.copying(version.number):
+                return False
+        time.sleep(0.002)
