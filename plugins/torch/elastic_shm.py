@@ -191,7 +191,8 @@ class Region:
 
 
 def _running(pid: int) -> bool:
-    """True while process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    """True while process `pid` runs: not a zombie (killed, not yet reaped), not stopped (SIGSTOP: a
+    rank the job is about to lose makes no progress)."""
     if pid <= 0:
         return False
     try:
@@ -199,7 +200,7 @@ def _running(pid: int) -> bool:
             state = stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
-    return state not in ("Z", "X")
+    return state not in ("Z", "X", "T", "t")
 
 
 def _unlink(path: str | None, descriptor: int = -1) -> None:
