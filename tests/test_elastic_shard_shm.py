@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import commsched
 
 WRITER = """
 import sys
+import time
 import torch
 from commsched.torch import elastic_shm
 region = elastic_shm.Region({torch.float32: 5, torch.int64: 3})
@@ -117,3 +119,30 @@ def test_files_of_processes_that_ended_are_removed(shm: None) -> None:
     assert live.path is not None and Path(live.path).exists()
     live.release()
     assert not Path(live.path).exists()
+
+
+def test_only_running_processes_count_as_still_copying() -> None:
+    """A commit's decision waits for the parts of ranks still running: this process runs; a child that
+    was SIGSTOPped, one killed and not yet reaped, and a reaped one do not."""
+    assert elastic_shm._running(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert elastic_shm._running(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        for _ in range(200):
+            if not elastic_shm._running(child.pid):
+                break
+            time.sleep(0.01)
+        assert not elastic_shm._running(child.pid)
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        for _ in range(200):  # a zombie until waited for
+            if not elastic_shm._running(child.pid):
+                break
+            time.sleep(0.01)
+        assert not elastic_shm._running(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not elastic_shm._running(child.pid)
+    assert not elastic_shm._running(0)
