@@ -20,15 +20,16 @@ def _run_now(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
 ) -> Any:
     """Submits and waits on this thread; a plain host buffer or GPU array goes to the core in one call."""
-    if kind == "allreduce" and _state.device_memory:
+    # Plain: no process set to qualify the name for, no core still to start, no tuner recording.
+    tuner = _state.tuner
+    plain = _state.pending is None and _process_sets.current() == 0 and (tuner is None or not tuner.recording)
+    if plain and kind == "allreduce" and _state.device_memory:
         done = _run_device_allreduce(array, name, op, priority, timeout)
         if done is not None:
             return done
     name, root, priority = _checked(name, kind, op, root, priority)
     op = _op_name(op)
-    tuner = _state.tuner
-    plain = _state.pending is None and not _state.device_memory and _process_sets.current() == 0
-    if plain and (tuner is None or not tuner.recording):
+    if plain and not _state.device_memory:
         limit = -1.0 if timeout is None else timeout
         if kind == "broadcast":
             done = _core.broadcast_buffer(array, name, root, priority, limit)
@@ -41,18 +42,13 @@ def _run_now(
 def _run_device_allreduce(
     array: Any, name: str | None, op: str, priority: int, timeout: float | None
 ) -> Any | None:
-    """The allreduce of a GPU array in one core call: the array once done; None where the full path
-    must run (it checks and names what is wrong, numbers unnamed tensors, and serves process sets and
-    the auto-tuner's recording)."""
-    tuner = _state.tuner
+    """The allreduce of a GPU array in one core call (a plain call, see _run_now): the array once done;
+    None where the full path must run (it checks and names what is wrong and numbers unnamed tensors)."""
     if (
         type(name) is not str
         or type(priority) is not int
         # nan, negative or not a number: the full path says what to pass
         or (timeout is not None and not (type(timeout) in (int, float) and timeout >= 0))
-        or _state.pending is not None
-        or _process_sets.current() != 0
-        or (tuner is not None and tuner.recording)
     ):
         return None
     try:
