@@ -168,7 +168,7 @@ class Region:
         index = number % SLOTS
         found = {}
         for rank, mapped in self.peers.items():
-            held, complete = mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist()
+            held, complete = _slot_header(mapped, index)
             if held != number or complete != 1:
                 raise RuntimeError(
                     f"commit {number}: rank {rank}'s shared-memory slot holds commit {held}"
@@ -182,12 +182,13 @@ class Region:
         part is coming."""
         assert self.peers is not None
         index = number % SLOTS
-        started = [
-            rank
-            for rank, mapped in self.peers.items()
-            if mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist() == [number, 0]
-        ]
+        started = [rank for rank, mapped in self.peers.items() if _slot_header(mapped, index) == [number, 0]]
         return [rank for rank in started if _running(self.pids.get(rank, 0))]
+
+
+def _slot_header(mapped: torch.Tensor, index: int) -> list[int]:
+    """[commit number, 1 if complete else 0] of slot `index` in a rank's mapped file."""
+    return mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist()
 
 
 def _running(pid: int) -> bool:
