@@ -46,7 +46,7 @@ CudaAwareMpiTransport::CudaAwareMpiTransport(std::shared_ptr<const nccl::Api> cu
     : cuda_(std::move(cuda)), mpi_(std::move(mpi)), device_(device), ready_(cuda_, device) {}
 
 void CudaAwareMpiTransport::prepare(const TensorSpec& spec, void* data, const Placement& placement) {
-  (void)spec;
+  if (spec.kind == CollectiveKind::kBarrier) return;  // no memory: the agreement is the barrier
   if (!placement.device) {
     throw std::invalid_argument(
         "it is in host memory, but commsched runs MPI on GPU memory (init(device='cuda')); move it to the GPU, or "
