@@ -141,6 +141,9 @@ def refusal_reaches_every_rank(size: int, rank: int) -> None:
             assert error.rank == size - 1 and "cuda:3" in str(error), error
         else:
             raise AssertionError("the other ranks' collective did not fail")
+    # The refusing rank is done at once; without this it could shut down (the next step under
+    # --transport mpi) before a slower rank submitted 'elsewhere', which then finds commsched stopped.
+    commsched.barrier()
     print("DEVICE OK refusal", flush=True)
 
 
