@@ -52,7 +52,18 @@ for _ in range(3):
 state.commit()
 step()
 state.commit()
+plan = state._background._cut_plan
+for _ in range(3):  # every slot written again: the cut is planned once while nothing changes
+    step()
+    state.commit()
 state.wait()
+assert state._background._cut_plan is plan, "the cut was planned again with nothing changed"
+# New state tensors (as a load_state_dict makes them): the next commit plans the cut afresh.
+optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+step()
+state.commit()
+state.wait()
+assert state._background._cut_plan is not plan, "the cut outlived the tensors it was planned for"
 committed = state._background._committed
 assert committed.shared and committed.splits, "the commit was not cut over the ranks"
 model_then = copy.deepcopy(model.state_dict())
@@ -122,7 +133,8 @@ def test_plan_join_and_fill_rebuild_the_tensors() -> None:
 
 
 def test_three_ranks_restore_a_commit_cut_over_them_exactly(tmp_path: Path) -> None:
-    """3 ranks on this host: the commit is cut over them, and restore() gives the committed values bit for bit."""
+    """3 ranks on this host: the commit is cut over them, planned once while parameters and state keep
+    their tensors and again when they change, and restore() gives the committed values bit for bit."""
     if elastic_shm.host_key() == 0:
         pytest.skip(f"no {elastic_shm.DIRECTORY} here")
     script = tmp_path / "ranks.py"
