@@ -82,6 +82,17 @@ _DELAY_UNIT_BYTES = 1024**2
 # iteration against fifo's 12.3. At 32 x the floor is 1 MiB: 1331 launches, 13.1 ms; at 16 x,
 # 512 KiB, priority+overlap was still 0.89-1.0 of fifo+barrier.
 OVERHEAD_FLOOR_FACTOR = 32
+# Fusing a tensor copies it into the fused buffer and back out, on the core's thread. On links of
+# 10 Gbit/s and more (one host's shared memory moved 4-5 GB/s here) those two copies take a quarter
+# of the tensor's wire time or more, where a collective of its own would cost only the fixed cost
+# per collective: a tensor is worth fusing there only while its copies cost less than that, so
+# fusion stops at collective_overhead x HOST_COPY_BYTES_PER_S / 2 (fusion_copy_cap_bytes). The rate
+# is one core's copy at the low end of what this host measured (14 GB/s for 6 MiB, hot). In the
+# VGG-16, ResNet-50, BERT-base and GPT-2 medium replays on one host (2 ranks, MPICH shared memory)
+# the fusion the overhead floor had raised to 2-4 MiB at 1/16 scale became 32-256 KiB and every
+# schedule got faster (priority+overlap 7-19%).
+HOST_COPY_BYTES_PER_S = 10e9
+COPY_CAPPED_LINK_BYTES_PER_S = HOST_COPY_BYTES_PER_S / 8
 
 
 def ring_delay_bytes(ranks: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
@@ -169,22 +180,24 @@ def default_sizes(
     `message_bandwidth_bytes_per_s` (fit_message_cost; None: `bandwidth_bytes_per_s`), and the
     credit counts it. The floor stops at LARGEST_PARTITION_BYTES: with partitioning off where it
     reached that, GPT-2 medium's replay at 1/16 scale on one host lost priority's gain (priority+overlap
-    0.99 of fifo+barrier, 1.22 with 1 MiB partitions), and VGG-16's stayed at 0.93-0.94.
+    0.99 of fifo+barrier, 1.22 with 1 MiB partitions), and VGG-16's stayed at 0.93-0.94. On links
+    of COPY_CAPPED_LINK_BYTES_PER_S and more, fusion stops where a fused tensor's copies would cost
+    more than that cost per collective (fusion_copy_cap_bytes), below the rule's size too.
     """
     sizes = _fitted_sizes(ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes, algorithm, rounds)
-    floor = overhead_floor_bytes(
-        message_bandwidth_bytes_per_s or bandwidth_bytes_per_s, collective_overhead_s
-    )
-    if floor <= sizes["partition_bytes"] and floor <= sizes["fusion_bytes"]:
-        return sizes
-    credit_partitions = max(1, sizes["credit_bytes"] // max(1, sizes["partition_bytes"]))
-    partition = partition_bytes or max(sizes["partition_bytes"], floor)
-    credit = max(sizes["credit_bytes"], partition * credit_partitions)
-    return {
-        "partition_bytes": partition,
-        "credit_bytes": credit,
-        "fusion_bytes": max(sizes["fusion_bytes"], floor),
-    }
+    rate = message_bandwidth_bytes_per_s or bandwidth_bytes_per_s
+    floor = overhead_floor_bytes(rate, collective_overhead_s)
+    if floor > sizes["partition_bytes"] or floor > sizes["fusion_bytes"]:
+        credit_partitions = max(1, sizes["credit_bytes"] // max(1, sizes["partition_bytes"]))
+        partition = partition_bytes or max(sizes["partition_bytes"], floor)
+        sizes = {
+            "partition_bytes": partition,
+            "credit_bytes": max(sizes["credit_bytes"], partition * credit_partitions),
+            "fusion_bytes": max(sizes["fusion_bytes"], floor),
+        }
+    if collective_overhead_s > 0 and rate >= COPY_CAPPED_LINK_BYTES_PER_S:
+        sizes["fusion_bytes"] = min(sizes["fusion_bytes"], fusion_copy_cap_bytes(collective_overhead_s))
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -230,6 +243,13 @@ def overhead_floor_bytes(bandwidth_bytes_per_s: float, collective_overhead_s: fl
     return _power_of_two(
         OVERHEAD_FLOOR_FACTOR * bandwidth_bytes_per_s * collective_overhead_s, 1, LARGEST_PARTITION_BYTES
     )
+
+
+def fusion_copy_cap_bytes(collective_overhead_s: float) -> int:
+    """The largest fusion size, a power of two up to LARGEST_PARTITION_BYTES, whose copies into and out
+    of a fused buffer cost no more than the collective of its own they save (HOST_COPY_BYTES_PER_S);
+    default_sizes caps fusion with it on links of COPY_CAPPED_LINK_BYTES_PER_S and more."""
+    return _power_of_two(collective_overhead_s * HOST_COPY_BYTES_PER_S / 2, 1, LARGEST_PARTITION_BYTES)
 
 
 def _fitted_sizes(

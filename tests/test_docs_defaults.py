@@ -114,6 +114,9 @@ def _credit(config: dict) -> str | None:
 
 def _fusion(config: dict) -> str | None:
     expected = max(4 * MIB, _overhead_floor(config))
+    overhead = config["collective_overhead"] + config["link_message_cost"]
+    if overhead > 0 and config["link_bandwidth"] >= 1.25e9:  # 10 Gbit/s: the copy cap's row
+        expected = min(expected, 64 * MIB, 2 ** round(math.log2(overhead * 10e9 / 2)))
     return None if config["fusion_bytes"] == expected else f"{config['fusion_bytes']}, not {expected}"
 
 
@@ -141,7 +144,10 @@ LINK_RULES: dict[str, tuple[tuple[str, ...], Callable[[dict], str | None]]] = {
     "COMMSCHED_PARTITION_BYTES": (("a power of two from 256 KiB to 64 MiB",), _partition),
     "COMMSCHED_CREDIT_BYTES": (("4 to 64 partitions",), _credit),
     "COMMSCHED_FUSION_BYTES": (
-        ("the link rule's `4MiB` at 2 or more ranks where the link is known",),
+        (
+            "the link rule's `4MiB` at 2 or more ranks where the link is known",
+            "on links of 10 Gbit/s and more (one host's shared memory) at most the size whose copies into and out of the fused buffer at 10 GB/s take that cost per collective",
+        ),
         _fusion,
     ),
     "COMMSCHED_INLINE_BYTES": (

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RANKS = [2, 3, 8, 64, 1024, 4096]
 RATES = [1e8, 1.25e8, 1.25e9, 1.25e10, 5e10]
 LATENCIES = [0.0, 1e-6, 5e-6, 20e-6, 1e-4]
+MIB = 1024**2
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -344,15 +345,16 @@ def test_the_inline_limit_is_the_largest_power_of_two_whose_added_bytes_cost_no_
 
 def test_commsched_s_cost_per_collective_sets_a_floor_under_partition_and_fusion() -> None:
     """On a fast link the fixed cost per collective, not the wire, bounds the partition from below:
-    at 2 GB/s and 80 us a partition must carry 32 x 160 KB; a slow link keeps the fitted sizes."""
-    from commsched.link_defaults import OVERHEAD_FLOOR_FACTOR, overhead_floor_bytes
+    at 2 GB/s and 80 us a partition must carry 32 x 160 KB; fusion rises with it only as far as a
+    fused tensor's copies are worth a collective (512 KiB); a slow link keeps the fitted sizes."""
+    from commsched.link_defaults import OVERHEAD_FLOOR_FACTOR, fusion_copy_cap_bytes, overhead_floor_bytes
 
     fitted = default_sizes(2, 2e9, 2e-6)
     floored = default_sizes(2, 2e9, 2e-6, collective_overhead_s=80e-6)
     floor = overhead_floor_bytes(2e9, 80e-6)
     assert floor >= OVERHEAD_FLOOR_FACTOR * 2e9 * 80e-6 / 2**0.5  # nearest power of two, in log scale
     assert floored["partition_bytes"] == max(fitted["partition_bytes"], floor) > fitted["partition_bytes"]
-    assert floored["fusion_bytes"] >= floor
+    assert floored["fusion_bytes"] == min(max(4 * MIB, floor), fusion_copy_cap_bytes(80e-6)) == 512 * 1024
     # The credit still spans as many partitions as the rule gave.
     ratio = fitted["credit_bytes"] // fitted["partition_bytes"]
     assert floored["credit_bytes"] == floored["partition_bytes"] * ratio
@@ -381,3 +383,47 @@ def test_the_replay_counts_the_cost_per_collective_at_full_size(monkeypatch: pyt
     sizes = _replay_sizes(args, 2, 2e9, 2e-6, 20e-6)
     assert sizes["partition_bytes"] == full["partition_bytes"] // 16
     assert sizes["partition_bytes"] > _replay_sizes(args, 2, 2e9, 2e-6)["partition_bytes"]
+
+
+def test_fusion_stops_where_its_copies_cost_more_than_a_collective() -> None:
+    """On links of 10 Gbit/s and more a fused tensor's copies in and out cost about what its wire
+    time does: fusion stops at the size whose two copies at 10 GB/s take the cost per collective
+    (20 us: 100 KB, 128 KiB), below the rule's 4 MiB, and grows with that cost. Partitions and credit
+    are not touched; slower links, and no cost per collective, keep the rule's fusion."""
+    from commsched.link_defaults import COPY_CAPPED_LINK_BYTES_PER_S, fusion_copy_cap_bytes
+
+    assert fusion_copy_cap_bytes(20e-6) == 128 * 1024
+    assert fusion_copy_cap_bytes(80e-6) == 512 * 1024
+    assert fusion_copy_cap_bytes(1.0) == 64 * MIB  # never past the largest partition
+    one_host = default_sizes(2, 4e9, 1e-6)
+    for overhead, fusion in ((20e-6, 128 * 1024), (80e-6, 512 * 1024)):
+        capped = default_sizes(2, 4e9, 1e-6, collective_overhead_s=overhead)
+        assert capped["fusion_bytes"] == fusion < DEFAULT_RULE.fusion_bytes
+        assert capped["partition_bytes"] >= one_host["partition_bytes"]
+    assert default_sizes(2, 4e9, 1e-6, collective_overhead_s=0.0) == one_host
+    # The threshold is the wire rate: just under 10 Gbit/s the rule's fusion stays.
+    below = default_sizes(2, 0.99 * COPY_CAPPED_LINK_BYTES_PER_S, 30e-6, collective_overhead_s=20e-6)
+    at = default_sizes(2, COPY_CAPPED_LINK_BYTES_PER_S, 30e-6, collective_overhead_s=20e-6)
+    assert below["fusion_bytes"] == DEFAULT_RULE.fusion_bytes and at["fusion_bytes"] == 128 * 1024
+    # The rig's 1 Gbit/s links are not touched.
+    assert (
+        default_sizes(4, 1.25e8, 40e-6, collective_overhead_s=20e-6)["fusion_bytes"]
+        == DEFAULT_RULE.fusion_bytes
+    )
+
+
+def test_the_replay_caps_fusion_as_the_full_size_model_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At --scale 16 the replay's fusion is the full-size cap for 16 x the cost per collective, / 16:
+    the copies shrink with the bytes, the cost per collective does not."""
+    import argparse
+
+    from commsched.bench.schedule import _replay_sizes
+    from commsched.link_defaults import fusion_copy_cap_bytes
+
+    for name in ("PARTITION", "CREDIT", "FUSION", "INLINE"):
+        monkeypatch.delenv(f"COMMSCHED_{name}_BYTES", raising=False)
+    args = argparse.Namespace(
+        partition_bytes=None, credit_bytes=None, fusion_bytes=None, inline_bytes=None, scale=16.0
+    )
+    sizes = _replay_sizes(args, 2, 4e9, 1e-6, 20e-6)
+    assert sizes["fusion_bytes"] == fusion_copy_cap_bytes(16 * 20e-6) // 16 == 128 * 1024

@@ -12,6 +12,7 @@ from commsched.link_defaults import (
     MessageCost,
     default_sizes,
     fit_message_cost,
+    fusion_copy_cap_bytes,
     overhead_floor_bytes,
 )
 from commsched.link_probe import probe_message_cost
@@ -73,7 +74,7 @@ def test_the_floor_stops_at_the_largest_partition() -> None:
         assert default_sizes(2, 5e9, 2e-6, collective_overhead_s=overhead) == {
             "partition_bytes": LARGEST_PARTITION_BYTES,
             "credit_bytes": LARGEST_PARTITION_BYTES * ratio,
-            "fusion_bytes": LARGEST_PARTITION_BYTES,
+            "fusion_bytes": fusion_copy_cap_bytes(overhead),
         }
     given = default_sizes(2, 5e9, 2e-6, partition_bytes=MIB, collective_overhead_s=300e-6)
     assert given["partition_bytes"] == MIB and given["credit_bytes"] == MIB * ratio
@@ -138,7 +139,9 @@ def test_the_replay_counts_the_message_cost_at_full_size(monkeypatch: pytest.Mon
     full = default_sizes(2, 2e9, 2e-6, collective_overhead_s=80e-6)["partition_bytes"]
     assert plain["partition_bytes"] == full // 16 == 256 * 1024  # 32 x 2 GB/s x 80 us: 4 MiB
     costly = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6, MessageCost(5e9, 300e-6))
-    assert costly["partition_bytes"] == costly["fusion_bytes"] == LARGEST_PARTITION_BYTES // 16
+    assert costly["partition_bytes"] == LARGEST_PARTITION_BYTES // 16
+    # Fusion stops where a fused tensor's copies cost more than the collective they save.
+    assert costly["fusion_bytes"] == fusion_copy_cap_bytes(16 * 305e-6) // 16
     # Only the rate changes: 5 us at 8 GB/s instead of 2 GB/s, four times the floor.
     faster = _replay_sizes(args, 2, 2e9, 2e-6, 5e-6, MessageCost(8e9, 0.0))
     assert faster["partition_bytes"] == 4 * plain["partition_bytes"]
