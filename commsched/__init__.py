@@ -228,7 +228,9 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
         kind, info, comm, process_group, resolved, device, device_memory=cuda
     )
     rank, size = _probe_rank_size(core_kind, argument, info)
-    resolved = link_probe.fit_to_link(resolved, _state.user_given, kind, comm, process_group, size)
+    resolved = link_probe.fit_to_link(
+        resolved, _state.user_given, kind, comm, process_group, size, device_memory=cuda
+    )
     resolved = dataclasses.replace(resolved, credit_bytes=resolved.credit_for(size))
     _core.start(
         policy=resolved.policy,

@@ -161,6 +161,7 @@ def default_sizes(
     rounds: str = "channel",
     collective_overhead_s: float = 0.0,
     message_bandwidth_bytes_per_s: float | None = None,
+    fused_in_host_memory: bool = True,
 ) -> dict[str, int]:
     """The default partition, credit and fusion sizes for a link (the fitted rule).
 
@@ -182,7 +183,8 @@ def default_sizes(
     reached that, GPT-2 medium's replay at 1/16 scale on one host lost priority's gain (priority+overlap
     0.99 of fifo+barrier, 1.22 with 1 MiB partitions), and VGG-16's stayed at 0.93-0.94. On links
     of COPY_CAPPED_LINK_BYTES_PER_S and more, fusion stops where a fused tensor's copies would cost
-    more than that cost per collective (fusion_copy_cap_bytes), below the rule's size too.
+    more than that cost per collective (fusion_copy_cap_bytes), below the rule's size too, where
+    fused buffers are copied in host memory (`fused_in_host_memory`; a GPU copies at its memory's rate).
     """
     sizes = _fitted_sizes(ranks, bandwidth_bytes_per_s, latency_s, rule, partition_bytes, algorithm, rounds)
     rate = message_bandwidth_bytes_per_s or bandwidth_bytes_per_s
@@ -195,7 +197,7 @@ def default_sizes(
             "credit_bytes": max(sizes["credit_bytes"], partition * credit_partitions),
             "fusion_bytes": max(sizes["fusion_bytes"], floor),
         }
-    if collective_overhead_s > 0 and rate >= COPY_CAPPED_LINK_BYTES_PER_S:
+    if fused_in_host_memory and collective_overhead_s > 0 and rate >= COPY_CAPPED_LINK_BYTES_PER_S:
         sizes["fusion_bytes"] = min(sizes["fusion_bytes"], fusion_copy_cap_bytes(collective_overhead_s))
     return sizes
 

@@ -222,10 +222,17 @@ def rounds_path(control_channel: str, kind: str) -> str:
 
 
 def fit_to_link(
-    settings: Settings, user_given: frozenset[str], kind: str, comm: Any, process_group: Any, size: int
+    settings: Settings,
+    user_given: frozenset[str],
+    kind: str,
+    comm: Any,
+    process_group: Any,
+    size: int,
+    device_memory: bool = False,
 ) -> Settings:
     """`settings` with the sizes the user left unset taken from the link (default_sizes) and the
-    allreduce algorithm the transport `kind` runs (transport_algorithm).
+    allreduce algorithm the transport `kind` runs (transport_algorithm). `device_memory`: the
+    collectives' buffers, fused ones too, live on a GPU (a CUDA-aware MPI), whose copies do not cap fusion.
 
     Without link settings and without a transport to time (gRPC, NCCL), the static defaults stay.
     """
@@ -260,6 +267,7 @@ def fit_to_link(
         rounds=rounds,
         # The transport's own fixed cost per large message weighs on a partition as commsched's does.
         collective_overhead_s=settings.collective_overhead + message_cost,
+        fused_in_host_memory=not device_memory,
     )
     if "credit_bytes" in user_given:
         sizes["credit_bytes"] = settings.credit_for(size)

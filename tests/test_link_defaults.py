@@ -405,6 +405,9 @@ def test_fusion_stops_where_its_copies_cost_more_than_a_collective() -> None:
     below = default_sizes(2, 0.99 * COPY_CAPPED_LINK_BYTES_PER_S, 30e-6, collective_overhead_s=20e-6)
     at = default_sizes(2, COPY_CAPPED_LINK_BYTES_PER_S, 30e-6, collective_overhead_s=20e-6)
     assert below["fusion_bytes"] == DEFAULT_RULE.fusion_bytes and at["fusion_bytes"] == 128 * 1024
+    # Fused buffers on a GPU (a CUDA-aware MPI) copy at the device's memory rate: not capped.
+    on_device = default_sizes(2, 4e9, 1e-6, collective_overhead_s=20e-6, fused_in_host_memory=False)
+    assert on_device["fusion_bytes"] == DEFAULT_RULE.fusion_bytes
     # The rig's 1 Gbit/s links are not touched.
     assert (
         default_sizes(4, 1.25e8, 40e-6, collective_overhead_s=20e-6)["fusion_bytes"]
