@@ -221,6 +221,7 @@ NOT_RUN_AS_WRITTEN = {
     r"(mpiexec|torchrun|commsched-run|python)\b.*\btrain\.py\b": "the user's own training script",
     r"python benchmarks/(netrig|autotune_rig)\.py\b": "needs root: the shaped-link rig",
     r".*-m commsched\.bench\.cli allreduce\b": "a results-table benchmark: runs at small sizes below",
+    r".*-m commsched\.bench\.cli schedule\b": "a results-table replay: tests/test_bench_schedule.py runs it under mpiexec",
     r"python benchmarks/plots\.py\s*$": "test_plots_come_from_recorded_figures runs it (with --out)",
 }
 SHELL_FENCE = re.compile(r"```(bash|sh|shell|console)\s*$")
