@@ -47,5 +47,6 @@ def launch(ranks: int, script: str, *args: str, timeout: float = 180) -> subproc
 
 def verdicts(result: subprocess.CompletedProcess[str]) -> tuple[list[str], list[str]]:
     """The labels of the PASS lines and the FAIL lines in a run's output."""
-    output = unglue(result.stdout, "PASS ", "FAIL ")
+    # TensorFlow's Python warnings (retracing) share the merged stream and were once glued to a PASS.
+    output = unglue(result.stdout, "PASS ", "FAIL ", "WARNING:tensorflow:")
     return re.findall(r"PASS (\S+)", output), re.findall(r"FAIL (.*)", output)
