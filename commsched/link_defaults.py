@@ -90,7 +90,7 @@ OVERHEAD_FLOOR_FACTOR = 32
 # is one core's copy at the low end of what this host measured (14 GB/s for 6 MiB, hot). In the
 # VGG-16, ResNet-50, BERT-base and GPT-2 medium replays on one host (2 ranks, MPICH shared memory)
 # the fusion the overhead floor had raised to 2-4 MiB at 1/16 scale became 32-256 KiB and every
-# schedule got faster (priority+overlap 7-19%).
+# schedule got faster (priority+overlap 5-20%, docs/measurements.md).
 HOST_COPY_BYTES_PER_S = 10e9
 COPY_CAPPED_LINK_BYTES_PER_S = HOST_COPY_BYTES_PER_S / 8
 
