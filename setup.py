@@ -94,6 +94,7 @@ extensions = [
             "csrc/bindings/c_api.cc",
             "csrc/bindings/run_buffer.cc",
             "csrc/bindings/timeline_bindings.cc",
+            "csrc/bindings/host_copy_bindings.cc",
         ]
         + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "sim").glob("*.cc"))
         + ["csrc/bindings/sim_bindings.cc"],

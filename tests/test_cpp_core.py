@@ -13,7 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CORE = [
     ROOT / "csrc" / "core" / f"{name}.cc"
-    for name in ("types", "elementwise", "scheduler", "agreement", "agreement_report", "agreement_membership")
+    for name in (
+        "types",
+        "elementwise",
+        "host_copy",
+        "scheduler",
+        "agreement",
+        "agreement_report",
+        "agreement_membership",
+    )
 ] + [
     ROOT / "csrc" / "transport" / "control" / f"{name}.cc"
     for name in ("control_wire", "host_identity", "tcp_control_channel")

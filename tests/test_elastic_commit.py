@@ -16,6 +16,8 @@ import commsched.torch as cst
 from commsched.torch import checkpoint_capture, elastic_commit
 from commsched.torch.elastic import TorchState
 
+from commsched import _core
+
 
 def build() -> tuple[Any, Any, Any]:
     """A model with a batch-norm buffer, Adam (tensor state, a tensor step) and one input."""
@@ -167,3 +169,23 @@ def test_a_capture_with_nothing_to_copy_is_done_at_once() -> None:
     assert marked == ["empty"]
     capture.run()
     assert marked == ["empty", "copied"] and torch.equal(destination, source)
+
+
+def test_host_copies_land_whole_in_either_path() -> None:
+    """A capture's host copies go through the streaming copy (large, plain) or torch (a strided source),
+    on the background thread and inline before an update alike; every element lands."""
+    big = torch.randn(300_001)  # over the streaming threshold, not a whole number of cache lines
+    strided = torch.randn(64, 2)[:, 0]
+    sources = [big[1:], big[:5], strided]
+    destinations = [torch.empty_like(s.contiguous()) for s in sources]
+    checkpoint_capture._copy_on_host(destinations, sources)
+    for source, destination in zip(sources, destinations, strict=True):
+        assert torch.equal(source, destination)
+    param = torch.nn.Parameter(torch.randn(200_003))
+    destination = torch.zeros(200_003)
+    copy = elastic_commit._copy("weight", lambda: param, destination)
+    capture = checkpoint_capture.Capture([checkpoint_capture.Unit(param, [copy])])
+    capture.before_update([param])  # copied inline, as when the background thread has not reached it
+    assert torch.equal(destination, param.detach()) and capture.inline_copies == 1
+    with pytest.raises(ValueError, match="null address"):
+        _core.copy_bypassing_cache([(0, big.data_ptr(), 8)])

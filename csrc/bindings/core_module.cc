@@ -57,6 +57,7 @@ using namespace commsched;
 void register_simulator(pybind11::module_& module);
 void register_run_buffer(pybind11::module_& module, std::shared_ptr<OwnerTable> owners);
 void register_timeline(pybind11::module_& module);
+void register_host_copy(pybind11::module_& module);
 
 namespace {
 
@@ -448,4 +449,5 @@ PYBIND11_MODULE(_core, module) {
   register_simulator(module);
   register_run_buffer(module, owners);
   register_timeline(module);
+  register_host_copy(module);
 }

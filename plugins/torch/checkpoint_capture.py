@@ -10,7 +10,6 @@ training thread, before the update. Copies go into one reused host buffer per ra
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 from commsched.torch.checkpoint_format import Piece
 
 import torch
+from commsched import _core
 
 WAITING, READY, COPYING, DONE = range(4)
 
@@ -213,10 +213,13 @@ class Capture:
     def _copy_here(self, unit: Unit) -> None:
         cuda = False
         with torch.no_grad():
-            for copy in unit.copies:
-                source = _check(copy, copy.source().detach())
-                copy.destination.copy_(source, non_blocking=source.is_cuda)
-                cuda = cuda or source.is_cuda
+            sources = [_check(copy, copy.source().detach()) for copy in unit.copies]
+            cuda = any(source.is_cuda for source in sources)
+            if cuda:
+                for copy, source in zip(unit.copies, sources, strict=True):
+                    copy.destination.copy_(source, non_blocking=source.is_cuda)
+            else:
+                _copy_on_host([copy.destination for copy in unit.copies], sources)
         if cuda:  # ordered before the update on the same stream; the writer waits for it
             unit.copied_event = torch.cuda.Event()
             unit.copied_event.record()
@@ -238,8 +241,10 @@ class Capture:
 
 
 def _copy_on_host(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Host copies with the GIL released: memmove where both sides are plain contiguous memory of one
-    dtype (about 15% faster than torch's copy loop into shared memory), torch for the rest."""
+    """Host copies in one call with the GIL released where both sides are plain contiguous memory of one
+    dtype, torch for the rest. Their stores bypass the cache (nothing reads a capture until a restore):
+    10 MiB into shared memory took 0.8 ms of CPU time against 1.25 with memmove and 1.5 with torch."""
+    plain: list[tuple[int, int, int]] = []
     rest_to: list[torch.Tensor] = []
     rest_from: list[torch.Tensor] = []
     for destination, source in zip(destinations, sources, strict=True):
@@ -253,10 +258,12 @@ def _copy_on_host(destinations: list[torch.Tensor], sources: list[torch.Tensor])
             and source.device.type == "cpu"
             and destination.numel() == source.numel()
         ):
-            ctypes.memmove(destination.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+            plain.append((destination.data_ptr(), source.data_ptr(), source.numel() * source.element_size()))
         else:
             rest_to.append(destination)
             rest_from.append(source)
+    if plain:
+        _core.copy_bypassing_cache(plain)
     if rest_to:
         torch._foreach_copy_(rest_to, rest_from)
 
