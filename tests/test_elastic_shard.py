@@ -149,7 +149,7 @@ def test_sigkill_with_shard_equals_a_run_started_from_the_commit(tmp_path: Path)
     out = tmp_path / "elastic"
     shard = {"ELASTIC_SHARD": "1", "COMMSCHED_TRANSPORT": "gloo"}
     # Its commit thread starts each capture 0.3 s late, as on a loaded host: its shard, copied before
-    # its update, must count without that thread's allreduce.
+    # its update, must count without that thread's wait for every rank's mark.
     done = launch(out, "-n", "3", "--min-np", "2", ELASTIC_KILL="1:0:3", ELASTIC_SLOW_COMMIT="1:0.3", **shard)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1 (numbered as at launch" in done.stderr and "generation 1: 2 ranks" in done.stderr

@@ -36,7 +36,8 @@ sys.stdin.read()  # killed here
 
 
 class _Exchange:
-    """commsched.allgather_async answered by a fixed exchange of (host key, pid, token) per rank."""
+    """commsched.allgather_async answered by a fixed exchange of (host key, pid, token, next commit) per
+    rank."""
 
     def __init__(self, rows: list[list[int]]) -> None:
         self.rows = rows
@@ -75,9 +76,9 @@ def test_a_killed_rank_shard_stays_readable_to_the_ranks_that_mapped_it(
         mine[torch.int64].fill_(-2)
         region.finished(2)
         monkeypatch.setattr(commsched, "rank", lambda: 0)
-        exchange = [[region.key, os.getpid(), region.token], [key, writer.pid, token]]
+        exchange = [[region.key, os.getpid(), region.token, 2], [key, writer.pid, token, 2]]
         monkeypatch.setattr(commsched, "allgather_async", _Exchange(exchange))
-        assert region.share("test.hosts")
+        assert region.share("test.hosts", 2)
         region.release_all()  # as a restore does; the writer never unlinked its file
     finally:
         writer.send_signal(signal.SIGKILL)
@@ -98,14 +99,14 @@ def test_ranks_on_other_hosts_send_by_broadcasts(shm: None, monkeypatch: pytest.
     """A rank whose host differs makes every rank fall back to broadcasts; the file goes at once."""
     region = elastic_shm.Region({torch.float32: 4})
     assert region.path is not None and Path(region.path).exists()
-    other = [[region.key + 1, os.getpid() + 1, 5]]
+    other = [[region.key + 1, os.getpid() + 1, 5, 1]]
     monkeypatch.setattr(
-        commsched, "allgather_async", _Exchange([[region.key, os.getpid(), region.token], *other])
+        commsched, "allgather_async", _Exchange([[region.key, os.getpid(), region.token, 1], *other])
     )
-    assert not region.share("test.hosts")
+    assert not region.share("test.hosts", 1)
     assert not Path(region.path).exists()
     region.slot(1)[torch.float32].fill_(3)  # still this rank's capture buffer, mapped
-    assert region.share("test.hosts") is False  # decided once: no second collective
+    assert region.share("test.hosts", 1) is False  # decided once: no second collective
 
 
 def test_files_of_processes_that_ended_are_removed(shm: None) -> None:
@@ -146,3 +147,57 @@ def test_only_running_processes_count_as_still_copying() -> None:
         child.wait()
     assert not elastic_shm._running(child.pid)
     assert not elastic_shm._running(0)
+
+
+def _two_ranks(monkeypatch: pytest.MonkeyPatch, numbers: tuple[int, int]) -> tuple[Any, Any]:
+    """Two regions of this process shared as ranks 0 and 1 of one host, proposing `numbers`."""
+    regions = [elastic_shm.Region({torch.float32: 4}) for _ in range(2)]
+    rows = [[r.key, os.getpid(), r.token, n] for r, n in zip(regions, numbers, strict=True)]
+    monkeypatch.setattr(commsched, "allgather_async", _Exchange(rows))
+    for rank, (region, number) in enumerate(zip(regions, numbers, strict=True)):
+        monkeypatch.setattr(commsched, "rank", lambda rank=rank: rank)
+        assert region.share("test.hosts", number)
+    return regions[0], regions[1]
+
+
+def test_ranks_agree_on_the_number_of_the_first_shared_commit(
+    shm: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that joined counts its commits from 1: every rank takes the highest proposed number."""
+    first, second = _two_ranks(monkeypatch, (3, 7))
+    assert first.first == second.first == 7
+    first.release_all()
+
+
+def test_a_commit_counts_once_every_rank_marked_its_part(shm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 waits for rank 1's mark, with no collective; it gives up, naming the rank, when rank 1 went on
+    to a later commit without marking this one or when commsched stopped."""
+    import threading
+
+    me, peer = _two_ranks(monkeypatch, (4, 4))
+    try:
+        me.slot(4)
+        peer.slot(4)
+        me.finished(4)
+        returned = threading.Event()
+        waiter = threading.Thread(target=lambda: (me.await_every_part(4, lambda: True), returned.set()))
+        waiter.start()
+        time.sleep(0.05)
+        assert not returned.is_set()  # rank 1 is still copying
+        peer.finished(4)
+        waiter.join(10)
+        assert returned.is_set()
+
+        me.slot(5)
+        peer.slot(5)
+        me.finished(5)
+        peer.slot(6)  # rank 1's capture of 5 failed and it started 6
+        with pytest.raises(RuntimeError, match="commit 5: rank 1 went on to a later commit"):
+            me.await_every_part(5, lambda: True)
+
+        me.slot(6)
+        me.finished(6)
+        with pytest.raises(RuntimeError, match="commit 6: commsched stopped before rank 1 finished its part"):
+            me.await_every_part(6, lambda: False)
+    finally:
+        me.release_all()

@@ -20,9 +20,9 @@ all-gather every rank holds the same parameters, so restore() rebuilds them from
 (a lost rank's too), and a commit copies 1/N of the parameters where it copied all of them. Ranks on
 several hosts gather every rank's copied shard of the optimizer state instead (a broadcast from each
 rank, lowest priority) and copy the parameters whole, which costs no traffic. Either way each rank's commit holds the whole optimizer state, as an unsharded
-optimizer's commit does. A commit counts once every rank finished its capture (the small allreduce,
-or the gather; in shared memory also once every rank marked its part copied there, which a rank does
-before its next update, so a rank killed then leaves the commit restorable); restore() joins the
+optimizer's commit does. A commit counts once every rank finished its capture (in shared memory:
+once every rank marked its part copied there, which a rank does before its next update, so a rank
+killed then leaves the commit restorable; across hosts: once the gather is done); restore() joins the
 shards into the plain per-parameter form and the optimizer cuts it again at the rank count it
 re-formed at (elastic_shard).
 
@@ -52,6 +52,7 @@ from commsched.torch.optimizer import DistributedOptimizer
 
 import commsched
 import torch
+from commsched import _core
 
 _LAST = 2**31 - 1  # priority of a commit's gather: after every gradient
 # Ranks on one host hand a sharded commit's shards over in shared memory (elastic_shm); False sends
@@ -179,7 +180,7 @@ class BackgroundCommit:
         if version.shared and version.region is not None:
             # Marked by whichever thread copies the last part (here, at once, when this rank's parts
             # are empty): a rank killed right after its next update has marked it, so the survivors
-            # can restore this commit without its allreduce.
+            # can restore this commit.
             capture.when_done(lambda region=version.region, number=version.number: region.finished(number))
         for unit in loose:
             capture.copy_now(unit)
@@ -357,25 +358,28 @@ class BackgroundCommit:
         if self._hosts is None or self._hosts != totals:
             self._hosts = dict(totals)  # the same commit on every rank: the same totals
             region = elastic_shm.Region(totals)
-            self._region = region if region.share(f"{name}.hosts") else None
+            self._region = region if region.share(f"{name}.hosts", self.commits + 1) else None
+            if self._region is not None:
+                # Numbered alike on every rank from here: each rank's file is read by the others.
+                self.commits = region.first - 1
         return self._region
 
     def _gather(self, version: Version) -> None:
         """A sharded commit, or one cut over the ranks: every rank's copied parts, so any ranks left after
         a failure have them all.
 
-        On one host they are in shared memory already: one small allreduce says every rank copied its
-        shard. Across hosts, one broadcast per rank into reused host buffers: on this project's 2-core
-        host that cost less step time than one allgather of the same bytes.
+        On one host they are in shared memory already: every rank's mark in its own file says it copied
+        its part (elastic_shm.Region.await_every_part). Across hosts, one broadcast per rank into reused
+        host buffers: on this project's 2-core host that cost less step time than one allgather of the
+        same bytes.
         """
         if not version.flats or (version.layout is None and version.region is None):
             return
         region = version.region
         if region is not None:
             region.finished(version.number)
-            done = torch.ones(1, dtype=torch.int32)
-            commsched.allreduce_async(done, name=f"{version.gather_name}.done", priority=_LAST).wait()
-            region.release()  # every rank mapped this file before taking part in that allreduce
+            region.await_every_part(version.number, _core.running)
+            region.release()  # every rank mapped every file before it marked its part
             return
         ranks, me = version.layout["ranks"], commsched.rank()
         received: dict[tuple[int, torch.dtype], torch.Tensor] = {}

@@ -130,10 +130,10 @@ PEER_COPY_PATIENCE_S = 10.0
 
 def complete_everywhere(version: Version, patience_s: float = PEER_COPY_PATIENCE_S) -> bool:
     """A commit in shared memory (cut over the ranks, or a sharded optimizer's shards) whose every
-    part, a lost rank's too, was copied: it can be restored even though the allreduce that says so
-    failed (a rank died after copying its part).
+    part, a lost rank's too, was copied: it can be restored even though the wait for every rank's mark
+    ended with commsched stopping (a rank died after copying its part).
 
-    Each survivor decides when its own allreduce fails, and a survivor whose commit thread is behind
+    Each survivor decides when its own wait ends, and a survivor whose commit thread is behind
     may not have marked its part yet then: parts that ranks still running have started are waited
     for (up to patience_s), so every survivor finds the same answer. Rank 0's decides what the
     re-formed job restores; before, it could go back one commit more than the others while their copy
