@@ -28,7 +28,9 @@ TEST_CASE(copy_bypassing_cache_copies_every_byte_at_any_alignment) {
         std::vector<unsigned char> destination(length + destination_offset + 32, 0xEE);
         copy_bypassing_cache(destination.data() + destination_offset, source.data() + source_offset, length);
         bool same = true;
-        for (std::size_t i = 0; i < length; ++i) same = same && destination[destination_offset + i] == source[source_offset + i];
+        for (std::size_t i = 0; i < length; ++i) {
+          same = same && destination[destination_offset + i] == source[source_offset + i];
+        }
         EXPECT(same);
         // Nothing before or after the destination range is written.
         for (std::size_t i = 0; i < destination_offset; ++i) EXPECT_EQ(destination[i], 0xEE);
