@@ -204,9 +204,9 @@ class Region:
         started a later commit without marking this one (its capture failed).
 
         Ranks on one host need no collective to learn this: each marks its own slot header when its last
-        copy is done, and every rank maps every file. A 4-byte allreduce here cost each rank about 1 ms of
-        CPU per commit (its agreement and transfer, and the core thread kept busy until it ran at the
-        lowest priority), where these checks cost a few microseconds each."""
+        copy is done, and every rank maps every file. The 4-byte allreduce this replaced cost the commit
+        thread 0.27 ms of CPU per commit at 2 ranks, besides the core's work to agree on it and run it;
+        waiting on the marks costs 0.03 ms."""
         assert self.peers is not None
         index, later = number % SLOTS, (number + 1) % SLOTS
         pause = _FIRST_PAUSE_S
