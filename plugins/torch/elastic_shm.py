@@ -189,7 +189,7 @@ class Region:
         index = number % SLOTS
         found = {}
         for rank, mapped in self.peers.items():
-            held, complete = _slot_header(mapped, index)
+            held, complete = self._header(rank, index)
             if held != number or complete != 1:
                 raise RuntimeError(
                     f"commit {number}: rank {rank}'s shared-memory slot holds commit {held}"
@@ -213,14 +213,16 @@ class Region:
         suspects: set[int] = set()
         while True:
             missing = []
-            for rank, header in self._peer_headers.items():
+            for rank in self.peers:
                 # The later slot first: a rank marks this commit before it starts the next one, so a
                 # later commit seen there with this one still unmarked means it never will be. Seen on
                 # two passes, a pause apart, before it counts: a CPU that orders memory weakly may
                 # show the later header before the mark written ahead of it.
-                went_on = header[2 * later] > number or header[2 * index] > number
-                if header[2 * index] == number and header[2 * index + 1] == 1:
+                later_held, _ = self._header(rank, later)
+                held, complete = self._header(rank, index)
+                if held == number and complete == 1:
                     continue
+                went_on = later_held > number or held > number
                 if went_on and rank in suspects:
                     raise RuntimeError(
                         f"commit {number}: rank {rank} went on to a later commit without finishing its part "
@@ -243,13 +245,13 @@ class Region:
         part is coming."""
         assert self.peers is not None
         index = number % SLOTS
-        started = [rank for rank, mapped in self.peers.items() if _slot_header(mapped, index) == [number, 0]]
+        started = [rank for rank in self.peers if self._header(rank, index) == (number, 0)]
         return [rank for rank in started if _running(self.pids.get(rank, 0))]
 
-
-def _slot_header(mapped: torch.Tensor, index: int) -> list[int]:
-    """[commit number, 1 if complete else 0] of slot `index` in a rank's mapped file."""
-    return mapped[:_HEADER].view(torch.int64)[2 * index : 2 * index + 2].tolist()
+    def _header(self, rank: int, index: int) -> tuple[int, int]:
+        """(commit number, 1 if complete else 0) of slot `index` in `rank`'s mapped file."""
+        header = self._peer_headers[rank]
+        return int(header[2 * index]), int(header[2 * index + 1])
 
 
 def _running(pid: int) -> bool:
