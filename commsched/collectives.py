@@ -44,13 +44,21 @@ class OutputHandle(_api.Handle):
     """A collective whose result is a new array: wait() returns it (alltoall: with the received splits)."""
 
     def __init__(
-        self, core_handle: Any, array: Any, view: Any, row_shape: tuple[int, ...], kind: str
+        self,
+        core_handle: Any,
+        array: Any,
+        view: Any,
+        row_shape: tuple[int, ...],
+        kind: str,
+        dtype: str | None = None,
     ) -> None:
         super().__init__(core_handle, array, view)
         self._row_shape = row_shape
         self._kind = kind
+        self._dtype = view.dtype if dtype is None else dtype
         self._result: Any = None
-        self._me = _process_sets.position()  # alltoall: this rank's index in its set's layout
+        # alltoall: this rank's index in its set's layout, read while the set's scope is current
+        self._me = _process_sets.position() if kind == "alltoall" else 0
 
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until done and returns the result; raises TimeoutError or a CommschedError."""
@@ -74,7 +82,7 @@ class OutputHandle(_api.Handle):
         import numpy as np
 
         memory, elements, _ = self._core_handle.output()
-        dtype = self._view.dtype
+        dtype = self._dtype
         if _api._state.device_memory:
             from commsched.device_output import device_result
 
@@ -186,6 +194,27 @@ def _submit_output(
     return OutputHandle(core_handle, array, view, row_shape, kind)
 
 
+def _submit_buffer(array: Any, name: Any, kind: str, op: Any, priority: Any) -> OutputHandle | None:
+    """A named host buffer's reducescatter or allgather in one core call, as allreduce_async's;
+    None where the full path must check the arguments (and name what is wrong)."""
+    if type(name) is not str or type(priority) is not int or not _submission.host_fast_path():
+        return None
+    memory = array
+    if _is_torch(array):
+        try:
+            memory = array.numpy()  # a view of a CPU tensor's memory (bfloat16, GPU and autograd refuse)
+        except (TypeError, RuntimeError):
+            return None
+    wake_core = not getattr(_submission._submitter, "drives", False)
+    submitted = _core.output_buffer_async(memory, name, kind, op, priority, wake_core)
+    if submitted is None:
+        return None
+    core_handle, dtype = submitted
+    shape = getattr(array, "shape", None)
+    row_shape = tuple(int(extent) for extent in shape[1:]) if shape else ()
+    return OutputHandle(core_handle, array, None, row_shape, kind, dtype)
+
+
 def allgather_async(
     array: Any, name: str | None = None, priority: int = 0, process_set: Any = None
 ) -> OutputHandle:
@@ -194,7 +223,9 @@ def allgather_async(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return allgather_async(array, name, priority)
-    return _submit_output(array, name, "allgather", "sum", priority)
+    return _submit_buffer(array, name, "allgather", "sum", priority) or _submit_output(
+        array, name, "allgather", "sum", priority
+    )
 
 
 def allgather(
@@ -266,6 +297,10 @@ def reducescatter_async(
     if process_set is not None:
         with _process_sets.scope(process_set):
             return reducescatter_async(array, op, name, priority, prescale_factor, postscale_factor)
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        handle = _submit_buffer(array, name, "reducescatter", op, priority)
+        if handle is not None:
+            return handle
     checked = _submission._checked(name, "reducescatter", op, 0, priority)[0]
     scales = _scales(checked, prescale_factor, postscale_factor)
     return _submit_output(array, checked, "reducescatter", op, priority, **scales)

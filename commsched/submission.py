@@ -16,6 +16,18 @@ from commsched.runtime_state import _state, _submitter
 _OPS = ("sum", "average", "min", "max", "product")
 
 
+def host_fast_path() -> bool:
+    """True when a host buffer may skip the Python checks: a started core on host memory, no
+    tuner recording, the global process set (the core checks the rest and hands back the doubtful)."""
+    state = _state
+    return (
+        state.pending is None
+        and not state.device_memory
+        and state.tuner is None
+        and _process_sets.current() == 0
+    )
+
+
 def _run_now(
     array: Any, name: str | None, kind: str, op: str, root: int, priority: int, timeout: float | None
 ) -> Any:

@@ -103,3 +103,55 @@ def test_helpers_say_what_is_built_and_where(one_rank: None) -> None:
     assert commsched.local_size() >= 1 and commsched.cross_size() >= 1 and commsched.cross_rank() == 0
     assert commsched.nccl_built() and isinstance(commsched.mpi_built(), bool)
     assert not commsched.mpi_enabled()
+
+
+def test_host_buffers_reduce_scatter_and_gather_in_one_core_call(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named host buffers skip the Python view (one core call); what it cannot take goes the full way, same results."""
+    torch = pytest.importorskip("torch")
+    taken: list[bool] = []
+    core_call = commsched._core.output_buffer_async
+
+    def counted(*arguments: object) -> object:
+        submitted = core_call(*arguments)
+        taken.append(submitted is not None)
+        return submitted
+
+    monkeypatch.setattr(commsched._core, "output_buffer_async", counted)
+    rows = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    for kind in ("allgather", "reducescatter"):
+        run = getattr(commsched, f"{kind}_async")
+        # Taken in one call: numpy of any row shape, a 0-d array, a bytearray, a CPU tensor.
+        gathered = run(rows, name=f"{kind}.rows").wait()
+        assert gathered.shape == (3, 2, 2) and gathered.dtype == np.int16 and np.array_equal(gathered, rows)
+        assert gathered.ctypes.data != rows.ctypes.data
+        assert run(np.array(2.5), name=f"{kind}.scalar").wait().tolist() == [2.5]
+        assert bytes(run(bytearray(b"ab"), name=f"{kind}.bytes").wait()) == b"ab"
+        tensor = run(torch.arange(6.0).reshape(3, 2), name=f"{kind}.tensor").wait()
+        assert isinstance(tensor, torch.Tensor) and torch.equal(tensor, torch.arange(6.0).reshape(3, 2))
+        assert taken == [True] * 4, taken
+        taken.clear()
+        # The full path: no buffer protocol, unnamed, a numpy priority; it names what it refuses.
+        bf16 = run(torch.ones(2, 3, dtype=torch.bfloat16), name=f"{kind}.bf16").wait()
+        assert bf16.dtype == torch.bfloat16 and torch.all(bf16 == 1)
+        assert np.array_equal(run(np.arange(3.0)).wait(), np.arange(3.0))
+        assert np.array_equal(
+            run(np.arange(3.0), name=f"{kind}.p", priority=np.int64(2)).wait(), np.arange(3.0)
+        )
+        frozen = np.arange(4.0)
+        frozen.flags.writeable = False
+        with pytest.raises(TypeError, match=f"tensor '{kind}.frozen': the array is read-only"):
+            run(frozen, name=f"{kind}.frozen")
+        with pytest.raises(TypeError, match=f"tensor '{kind}.strided'.*contiguous"):
+            run(np.arange(8.0)[::2], name=f"{kind}.strided")
+        assert taken == [False, False], taken  # the core hands back only the read-only and strided arrays
+        taken.clear()
+    averaged = commsched.reducescatter_async(np.full(4, 6, np.int32), op="average", name="avg").wait()
+    assert averaged.dtype == np.int32 and averaged.tolist() == [6] * 4 and taken == [True]
+    with pytest.raises(ValueError, match='reducescatter takes op="sum" or "average"'):
+        commsched.reducescatter_async(np.ones(2), op="max", name="max")
+    with pytest.raises(ValueError, match='op="sum" is not defined for bool'):
+        commsched.reducescatter_async(np.ones(2, bool), name="bools")
+    with pytest.raises(TypeError, match="tensor name must be a non-empty string"):
+        commsched.allgather_async(np.ones(2), name="")

@@ -2,7 +2,8 @@
 // buffer in one call. It reads the array through Python's buffer protocol and waits with the GIL released,
 // so a small collective pays for no Python-level view or handle objects (they cost more than
 // the collective itself on shared memory). `allreduce_device` does the same for GPU memory that
-// Python has viewed (the stream to order after is torch's or the array's own).
+// Python has viewed (the stream to order after is torch's or the array's own). The async forms,
+// `allreduce_buffer_async` and `output_buffer_async` (reducescatter, allgather), return the handle.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -193,7 +194,7 @@ int run_device_allreduce(const std::string& name, ReduceOp op, int priority, dou
 }  // namespace commsched
 
 void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTable> owners) {
-  // Two functions of at most six arguments each: pybind11 takes up to six without an allocation.
+  // Functions of at most six arguments each: pybind11 takes up to six without an allocation.
   module.def(
       "allreduce_buffer",
       [owners](py::handle array, const std::string& name, py::handle op, py::handle priority_object, double timeout_s) {
@@ -226,6 +227,30 @@ void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTa
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
       "Starts an in-place allreduce of a host buffer and returns its handle; None: a name, op, priority or "
       "array to check in Python.");
+  module.def(
+      "output_buffer_async",
+      [owners](py::handle array, const std::string& name, const std::string& kind, py::handle op,
+               py::handle priority_object, bool wake_core) -> py::object {
+        // A reducescatter or allgather of a host buffer in one call, as allreduce_buffer_async:
+        // (handle, dtype name), or None for the path that checks everything in Python and names
+        // what is wrong (scale factors and process sets always take that path).
+        const auto checked = commsched::checked_op_priority(op, priority_object);
+        const bool scatter = kind == "reducescatter";
+        if (name.empty() || !checked || (!scatter && kind != "allgather")) return py::none();
+        commsched::HeldBuffer buffer(array.ptr());
+        const std::optional<commsched::TensorSpec> spec = commsched::spec_of(
+            buffer, name, checked->first,
+            scatter ? commsched::CollectiveKind::kReducescatter : commsched::CollectiveKind::kAllgather, 0,
+            checked->second);
+        if (!spec) return py::none();
+        auto handle = commsched::runtime_slot().require(scatter ? "reducescatter_async" : "allgather_async")
+                          ->enqueue(*spec, buffer.view().buf, wake_core);
+        owners->keep(handle, commsched::keeper_of(array));
+        return py::make_tuple(py::cast(handle), py::str(commsched::dtype_name(spec->dtype)));
+      },
+      py::arg("array"), py::arg("name"), py::arg("kind"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
+      "Starts a reducescatter or allgather of a host buffer and returns (handle, dtype name); None: a name, op, "
+      "priority or array to check in Python.");
   module.def(
       "allreduce_device",
       [owners](const std::string& name, py::handle op, py::handle priority_object, double timeout_s,
