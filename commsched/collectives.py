@@ -197,7 +197,7 @@ def _submit_output(
 def _submit_buffer(array: Any, name: Any, kind: str, op: Any, priority: Any) -> OutputHandle | None:
     """A named host buffer's reducescatter or allgather in one core call, as allreduce_async's;
     None where the full path must check the arguments (and name what is wrong)."""
-    if type(name) is not str or type(priority) is not int or not _submission.host_fast_path():
+    if not _submission.host_fast_path(name, priority):
         return None
     memory = array
     if _is_torch(array):
@@ -205,13 +205,10 @@ def _submit_buffer(array: Any, name: Any, kind: str, op: Any, priority: Any) -> 
             memory = array.numpy()  # a view of a CPU tensor's memory (bfloat16, GPU and autograd refuse)
         except (TypeError, RuntimeError):
             return None
-    wake_core = not getattr(_submission._submitter, "drives", False)
-    submitted = _core.output_buffer_async(memory, name, kind, op, priority, wake_core)
+    submitted = _core.output_buffer_async(memory, name, kind, op, priority, _submission.wakes_core())
     if submitted is None:
         return None
-    core_handle, dtype = submitted
-    shape = getattr(array, "shape", None)
-    row_shape = tuple(int(extent) for extent in shape[1:]) if shape else ()
+    core_handle, dtype, row_shape = submitted
     return OutputHandle(core_handle, array, None, row_shape, kind, dtype)
 
 

@@ -34,10 +34,8 @@ def allreduce_async(
     if prescale_factor == 1.0 and postscale_factor == 1.0:
         # A named host buffer goes to the core in one call, as allreduce's does: the Python checks
         # and view cost ~7 us per tensor, a third of a ResNet-50 replay's iteration on shared memory.
-        if type(name) is str and type(priority) is int and _submission.host_fast_path():
-            core_handle = _core.allreduce_buffer_async(
-                array, name, op, priority, not getattr(_submission._submitter, "drives", False)
-            )
+        if _submission.host_fast_path(name, priority):
+            core_handle = _core.allreduce_buffer_async(array, name, op, priority, _submission.wakes_core())
             if core_handle is not None:
                 return _api.Handle(core_handle, array, None)
         return _submission._submit(array, name, "allreduce", op, 0, priority)
@@ -66,7 +64,7 @@ def allreduce(
     # The common call, a named buffer on a transport that takes host memory, goes straight to the
     # core, which checks name, op and priority itself and hands anything doubtful back (-2): on
     # shared memory a small allreduce costs ~2 us, and each Python call layer ~50 ns.
-    if type(name) is str and type(priority) is int and _submission.host_fast_path():
+    if _submission.host_fast_path(name, priority):
         done = _core.allreduce_buffer(array, name, op, priority, -1.0 if timeout is None else timeout)
         if done != -2:  # -1: valid arguments, not a host buffer the core takes: no second try
             return _submission._buffer_outcome(done, array, name, "allreduce", op, 0, priority, timeout)

@@ -16,16 +16,23 @@ from commsched.runtime_state import _state, _submitter
 _OPS = ("sum", "average", "min", "max", "product")
 
 
-def host_fast_path() -> bool:
-    """True when a host buffer may skip the Python checks: a started core on host memory, no
-    tuner recording, the global process set (the core checks the rest and hands back the doubtful)."""
-    state = _state
+def host_fast_path(name: Any, priority: Any) -> bool:
+    """True when a host buffer may skip the Python checks: a str name and int priority, a started core
+    on host memory, no tuner recording, the global process set (the core checks the rest and hands
+    back the doubtful)."""
     return (
-        state.pending is None
-        and not state.device_memory
-        and state.tuner is None
+        type(name) is str
+        and type(priority) is int
+        and _state.pending is None
+        and not _state.device_memory
+        and _state.tuner is None
         and _process_sets.current() == 0
     )
+
+
+def wakes_core() -> bool:
+    """Whether a collective submitted now should wake the core's thread: not when this thread drives it."""
+    return not getattr(_submitter, "drives", False)
 
 
 def _run_now(
@@ -209,7 +216,7 @@ def _submit_view(
         kind,
         root,
         priority,
-        wake_core=not (waits_next or getattr(_submitter, "drives", False)),
+        wake_core=not waits_next and wakes_core(),
         owner=view.owner,
         device=view.on_gpu,
         device_id=-1 if view.device is None else view.device,

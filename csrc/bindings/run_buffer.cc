@@ -153,6 +153,21 @@ int wait_sliced(Runtime& runtime, const std::shared_ptr<HandleState>& handle, do
   }
 }
 
+// Starts `kind` on a host buffer without waiting: its handle and spec, or none where Python must check
+// the arguments or the array and name what is wrong. `owners` keeps the buffer until it finishes.
+std::optional<std::pair<std::shared_ptr<HandleState>, TensorSpec>> start_buffer(
+    py::handle array, const std::string& name, py::handle op, py::handle priority_object, CollectiveKind kind,
+    bool wake_core, const char* caller, OwnerTable& owners) {
+  const auto checked = checked_op_priority(op, priority_object);
+  if (name.empty() || !checked) return std::nullopt;
+  HeldBuffer buffer(array.ptr());
+  std::optional<TensorSpec> spec = spec_of(buffer, name, checked->first, kind, 0, checked->second);
+  if (!spec) return std::nullopt;
+  auto handle = runtime_slot().require(caller)->enqueue(*spec, buffer.view().buf, wake_core);
+  owners.keep(handle, keeper_of(array));
+  return std::make_pair(std::move(handle), std::move(*spec));
+}
+
 // 1: done; 0: timed out; -1: not a writable, contiguous host buffer of a supported dtype.
 int run_buffer(py::handle array, const std::string& name, ReduceOp op, CollectiveKind kind, int root, int priority,
                double timeout_s, OwnerTable& owners) {
@@ -214,15 +229,10 @@ void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTa
                bool wake_core) -> py::object {
         // As allreduce_buffer, without the wait: the handle, or None for the path that checks the
         // arguments and the array in Python and names what is wrong.
-        const auto checked = commsched::checked_op_priority(op, priority_object);
-        if (name.empty() || !checked) return py::none();
-        commsched::HeldBuffer buffer(array.ptr());
-        const std::optional<commsched::TensorSpec> spec = commsched::spec_of(
-            buffer, name, checked->first, commsched::CollectiveKind::kAllreduce, 0, checked->second);
-        if (!spec) return py::none();
-        auto handle = commsched::runtime_slot().require("allreduce_async")->enqueue(*spec, buffer.view().buf, wake_core);
-        owners->keep(handle, commsched::keeper_of(array));
-        return py::cast(handle);
+        const auto started = commsched::start_buffer(array, name, op, priority_object,
+                                                     commsched::CollectiveKind::kAllreduce, wake_core,
+                                                     "allreduce_async", *owners);
+        return started ? py::cast(started->first) : py::none();
       },
       py::arg("array"), py::arg("name"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
       "Starts an in-place allreduce of a host buffer and returns its handle; None: a name, op, priority or "
@@ -232,25 +242,22 @@ void register_run_buffer(py::module_& module, std::shared_ptr<commsched::OwnerTa
       [owners](py::handle array, const std::string& name, const std::string& kind, py::handle op,
                py::handle priority_object, bool wake_core) -> py::object {
         // A reducescatter or allgather of a host buffer in one call, as allreduce_buffer_async:
-        // (handle, dtype name), or None for the path that checks everything in Python and names
-        // what is wrong (scale factors and process sets always take that path).
-        const auto checked = commsched::checked_op_priority(op, priority_object);
+        // (handle, dtype name, row shape), or None for the path that checks everything in Python and
+        // names what is wrong (scale factors and process sets always take that path).
         const bool scatter = kind == "reducescatter";
-        if (name.empty() || !checked || (!scatter && kind != "allgather")) return py::none();
-        commsched::HeldBuffer buffer(array.ptr());
-        const std::optional<commsched::TensorSpec> spec = commsched::spec_of(
-            buffer, name, checked->first,
-            scatter ? commsched::CollectiveKind::kReducescatter : commsched::CollectiveKind::kAllgather, 0,
-            checked->second);
-        if (!spec) return py::none();
-        auto handle = commsched::runtime_slot().require(scatter ? "reducescatter_async" : "allgather_async")
-                          ->enqueue(*spec, buffer.view().buf, wake_core);
-        owners->keep(handle, commsched::keeper_of(array));
-        return py::make_tuple(py::cast(handle), py::str(commsched::dtype_name(spec->dtype)));
+        if (!scatter && kind != "allgather") return py::none();
+        const auto started = commsched::start_buffer(
+            array, name, op, priority_object,
+            scatter ? commsched::CollectiveKind::kReducescatter : commsched::CollectiveKind::kAllgather, wake_core,
+            scatter ? "reducescatter_async" : "allgather_async", *owners);
+        if (!started) return py::none();
+        const commsched::TensorSpec& spec = started->second;
+        return py::make_tuple(py::cast(started->first), py::str(commsched::dtype_name(spec.dtype)),
+                              py::tuple(py::cast(spec.row_shape)));
       },
       py::arg("array"), py::arg("name"), py::arg("kind"), py::arg("op"), py::arg("priority"), py::arg("wake_core"),
-      "Starts a reducescatter or allgather of a host buffer and returns (handle, dtype name); None: a name, op, "
-      "priority or array to check in Python.");
+      "Starts a reducescatter or allgather of a host buffer and returns (handle, dtype name, row shape); None: a "
+      "name, op, priority or array to check in Python.");
   module.def(
       "allreduce_device",
       [owners](const std::string& name, py::handle op, py::handle priority_object, double timeout_s,
