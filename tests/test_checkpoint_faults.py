@@ -11,6 +11,7 @@ import copy
 import errno
 import itertools
 import json
+import math
 import random
 import threading
 import warnings
@@ -222,6 +223,40 @@ def _pieces_elsewhere(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+def _state_key(manifest: dict[str, Any], suffix: str) -> str:
+    return next(k for k in manifest["tensors"] if k.startswith("optimizer.") and k.endswith(suffix))
+
+
+def _dtype_a_list(manifest: dict[str, Any]) -> dict[str, Any]:
+    next(iter(manifest["tensors"].values()))["dtype"] = ["F32"]
+    return manifest
+
+
+def _record_taken_out(manifest: dict[str, Any]) -> dict[str, Any]:
+    del manifest["tensors"][_state_key(manifest, ".step")]  # Adam's step would be missing
+    return manifest
+
+
+def _rows_skipped(manifest: dict[str, Any]) -> dict[str, Any]:
+    record = manifest["tensors"][_state_key(manifest, ".exp_avg")]
+    record["pieces"][-1]["rows"][1] += 1
+    return manifest
+
+
+def _listed_twice(manifest: dict[str, Any]) -> dict[str, Any]:
+    params = manifest["optimizer"]["param_groups"][0]["params"]
+    params[1] = params[0]
+    return manifest
+
+
+def _betas(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(manifest: dict[str, Any]) -> dict[str, Any]:
+        manifest["optimizer"]["param_groups"][0]["betas"] = value
+        return manifest
+
+    return change
+
+
 # name -> (change, whether a manifest of that shape could pass with a fresh checksum)
 CHANGES: dict[str, tuple[Callable[[dict[str, Any]], Any], bool]] = {
     "a list": (lambda m: [], False),
@@ -234,6 +269,13 @@ CHANGES: dict[str, tuple[Callable[[dict[str, Any]], Any], bool]] = {
     ),
     "piece of a shard that is not there": (_pieces_elsewhere, False),
     "step 99": (lambda m: {**m, "step": 99}, False),
+    "a tensor's dtype a list": (_dtype_a_list, False),
+    "a state tensor's record taken out": (_record_taken_out, False),
+    "pieces that miss a row": (_rows_skipped, False),
+    "a parameter listed twice": (_listed_twice, False),
+    "betas one number": (_betas(0.9), False),
+    "a beta Adam refuses": (_betas({"__tuple__": [1.5, 0.999]}), False),
+    "no lr_scheduler": (lambda m: {k: v for k, v in m.items() if k != "lr_scheduler"}, False),
     "learning rate 5.0": (_set_lr, True),
     "optimizer state renamed": (_rename_state, True),
 }
@@ -314,3 +356,54 @@ def test_single_byte_changes_to_a_manifest_never_load_other_state(
         _assert_state(loader.state(), references[restored.step])
         outcomes[restored.step] += 1
     assert outcomes[0] > 100, outcomes  # only changes of whitespace between tokens leave it intact
+
+
+def test_another_optimizer_setup_is_refused_before_anything_loads(
+    two_versions: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
+    """Adam's version into SGD, or into Adam with its parameters in two groups: a ValueError naming the
+    difference, and model and optimizer left as they were."""
+    directory, _ = two_versions
+    model, _, _ = _build()
+    parameters = list(model.parameters())
+    setups = {
+        "the optimizer is Adam there, SGD here": torch.optim.SGD(parameters, lr=0.1, momentum=0.9),
+        r"parameter groups of \[4\] parameters there, of \[2, 2\] here": torch.optim.Adam(
+            [{"params": parameters[:2]}, {"params": parameters[2:], "lr": 0.5}]
+        ),
+    }
+    for words, optimizer in setups.items():
+        before = _snapshot(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+        with pytest.raises(ValueError, match=f"saved from another optimizer setup \\({words}\\)"):
+            ct.Checkpointer(model, optimizer, directory).load()
+        assert all(torch.equal(v, before["model"][k]) for k, v in model.state_dict().items())
+        assert optimizer.state_dict() == before["optimizer"]
+
+
+def test_a_sharded_layout_that_misplaces_a_parameter_is_damaged(tmp_path: Path) -> None:
+    """A layout whose members do not have the shapes of the parameters they name cannot be this model's."""
+    from commsched.torch.checkpoint_check import check_version
+    from commsched.torch.checkpoint_read import Contents
+
+    model, optimizer, _ = _build()
+    shapes = [list(p.shape) for p in model.parameters()]
+    members = [
+        {"index": i, "offset": 0, "numel": math.prod(shape), "start": 0, "shape": shape, "state": True}
+        for i, shape in enumerate(shapes)
+    ]
+
+    def contents() -> Contents:
+        layout = {"ranks": 1, "buckets": [{"group": 0, "padded": 0, "members": members}]}
+        groups = optimizer.state_dict()["param_groups"]
+        return Contents(0, True, model.state_dict(), {}, groups, None, {}, layout, {}, "Adam")
+
+    check_version(model, optimizer, optimizer, contents(), tmp_path)
+    members[0]["shape"], members[2]["shape"] = shapes[2], shapes[0]
+    with pytest.raises(fmt.DamagedVersion, match=r"parameter 0 the shape \[3, 8\]; the model's is \[8, 4\]"):
+        check_version(model, optimizer, optimizer, contents(), tmp_path)
+    members[0]["shape"], members[2]["shape"] = shapes[0], shapes[2]
+    members[1]["index"] = 9
+    with pytest.raises(
+        fmt.DamagedVersion, match="parameter 9 the shape .*; the model's is no such parameter"
+    ):
+        check_version(model, optimizer, optimizer, contents(), tmp_path)

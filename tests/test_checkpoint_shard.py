@@ -114,3 +114,19 @@ def test_a_damaged_optimizer_shard_or_layout_is_not_trusted(saved: Path, tmp_pat
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(fmt.DamagedVersion, match="checksum"):
         read_version(fmt.Version(4, copy))
+    # Sealed again after the change, as a faulty writer would: the layout itself must not fit.
+    k = held[0]
+    changes = {
+        "(no place for|holds part of) parameter": lambda m: m["sharded"]["buckets"][k]["members"].clear(),
+        "has no sharded layout": lambda m: m.pop("sharded"),
+        rf"members of sharded.buckets\[{k}\] overlap": lambda m: m["sharded"]["buckets"][k]["members"].append(
+            dict(m["sharded"]["buckets"][k]["members"][0])
+        ),
+    }
+    for words, change in changes.items():
+        manifest = json.loads((original / "manifest.json").read_text())
+        del manifest[fmt.CHECKSUM]
+        change(manifest)
+        (copy / "manifest.json").write_bytes(fmt.manifest_bytes(manifest))
+        with pytest.raises(fmt.DamagedVersion, match=words):
+            read_version(fmt.Version(4, copy))

@@ -60,6 +60,7 @@ import numpy as np
 from commsched.torch import checkpoint_format as fmt
 from commsched.torch import checkpoint_shards as sharded
 from commsched.torch.checkpoint_capture import READY, WAITING, Capture, Copy, Unit
+from commsched.torch.checkpoint_check import check_version
 from commsched.torch.checkpoint_read import Contents, discard, read_version, shard_name
 from commsched.torch.checkpoint_worker import Job, finish_at_exit, now_us, trace, work
 from commsched.torch.optimizer import DistributedOptimizer
@@ -502,6 +503,12 @@ class Checkpointer:
                     RuntimeWarning,
                     stacklevel=3,
                 )
+            try:
+                # Before anything is restored: a refused version leaves model and optimizer as they were.
+                check_version(self._model, self._optimizer, self._inner, contents, version.path)
+            except fmt.DamagedVersion as why:
+                warnings.warn(f"checkpoint {version.path} is skipped: {why}", RuntimeWarning, stacklevel=3)
+                continue
             restored = self._restore(version, contents)
             self._agree_loaded(restored.step)
             return restored
@@ -511,9 +518,6 @@ class Checkpointer:
         return None
 
     def _restore(self, version: fmt.Version, contents: Contents) -> Restored:
-        # Checked before anything is restored: the optimizer would otherwise take another model's state
-        # before the model's own load_state_dict() refused it.
-        _check_same_model(self._model, contents.model, version.path)
         sharded.restore(self._optimizer, contents, self._rank)
         self._model.load_state_dict(contents.model)
         if self._scheduler is not None and contents.lr_scheduler is not None:
@@ -550,29 +554,6 @@ class Checkpointer:
             for handle in self._hooks:
                 handle.remove()
             self._hooks = []
-
-
-def _check_same_model(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
-    """Raises naming the first difference if `saved` is not a state of `model`'s parameters and buffers."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-    differs = ""
-    if missing or unexpected:
-        differs = (f"{missing[0]!r} is missing there" if missing else "") + (
-            f"{'; ' if missing else ''}it has {unexpected[0]!r}, which the model has not"
-            if unexpected
-            else ""
-        )
-    else:
-        for key, value in own.items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(saved[key].shape):
-                differs = f"{key!r} is {list(saved[key].shape)} there, {list(value.shape)} here"
-                break
-    if differs:
-        raise ValueError(
-            f"checkpoint {path} was saved from another model ({differs}); load it into the model it was "
-            "saved from, or give this model a directory of its own"
-        )
 
 
 def _ranks() -> tuple[int, int]:

@@ -39,6 +39,7 @@ _SHARD_NAME = re.compile(r"shard-\d+-of-\d+\.safetensors")  # a plain name: noth
 _TENSOR_KEY = re.compile(
     r"model\..+|optimizer\.\d+\..+|optimizer\.shard\.\d+\.\d+\..+|extra\..+", re.DOTALL | re.ASCII
 )
+_PARAMETER_STATE_KEY = re.compile(r"optimizer\.\d+\..+", re.DOTALL | re.ASCII)
 _WRITE_CHUNK = 8 * 1024 * 1024
 _VERSION_NAME = re.compile(r"step-(\d+)-([0-9a-f]+)")
 DTYPES: dict[torch.dtype, str] = {
@@ -395,11 +396,17 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
         _need(isinstance(group, dict), f"optimizer.param_groups[{g}] is not an object")
         params = group.get("params")
         _need(isinstance(params, list) and all(map(_count, params)), f"optimizer.param_groups[{g}].params")
+    # load_state_dict() pairs saved indices with parameters by position: an index listed twice
+    # would give two parameters one state and another none.
+    listed = [index for group in groups for index in group["params"]]
+    _need(len(set(listed)) == len(listed), "optimizer.param_groups list a parameter twice")
     values = optimizer.get("values")
     _need(isinstance(values, dict), "optimizer.values is not an object")
     for index, state in values.items():
         _need(index.isascii() and index.isdigit() and isinstance(state, dict), f"optimizer.values[{index!r}]")
-    scheduler = manifest.get("lr_scheduler")
+        _need(int(index) in listed, f"optimizer.values[{index!r}] is of a parameter no group lists")
+    _need("lr_scheduler" in manifest, "it has no lr_scheduler (null when none was saved)")
+    scheduler = manifest["lr_scheduler"]
     _need(scheduler is None or isinstance(scheduler, dict), "lr_scheduler is neither null nor an object")
     _need(isinstance(manifest.get("extra"), dict), "extra is not an object")
     shards = manifest.get("shards")
@@ -416,37 +423,58 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
         _need(_count(shard.get("bytes")), f"shards[{r}].bytes is {shard.get('bytes')!r}")
         _need(_count(shard.get("crc32"), 2**32), f"shards[{r}].crc32 is {shard.get('crc32')!r}")
     if "sharded" in manifest:
-        _check_layout(manifest["sharded"], manifest["ranks"])
+        _check_layout(manifest["sharded"], manifest["ranks"], set(listed))
     tensors = manifest.get("tensors")
     _need(isinstance(tensors, dict), "tensors is not an object")
     for key, record in tensors.items():
         _need(_TENSOR_KEY.fullmatch(key) is not None, f"tensor key {key!r}")
+        _need(
+            not key.startswith("optimizer.shard.") or "sharded" in manifest,
+            f"tensor {key!r} is a sharded optimizer's, and the manifest has no sharded layout",
+        )
+        if _PARAMETER_STATE_KEY.fullmatch(key):
+            index = int(key.split(".", 2)[1])
+            _need(index in listed, f"tensor {key!r} is of a parameter no group lists")
         _need(isinstance(record, dict), f"tensors[{key!r}] is not an object")
-        _need(record.get("dtype") in _FROM_NAME, f"tensors[{key!r}].dtype is {record.get('dtype')!r}")
+        dtype = record.get("dtype")
+        _need(isinstance(dtype, str) and dtype in _FROM_NAME, f"tensors[{key!r}].dtype is {dtype!r}")
         shape = record.get("shape")
         _need(isinstance(shape, list) and all(map(_count, shape)), f"tensors[{key!r}].shape is {shape!r}")
         pieces = record.get("pieces")
         _need(isinstance(pieces, list) and len(pieces) > 0, f"tensors[{key!r}].pieces is {pieces!r}")
-        for piece in pieces:
-            _need(isinstance(piece, dict), f"a piece of {key!r} is not an object")
-            _need(
-                _count(piece.get("shard"), len(shards)),
-                f"a piece of {key!r} names shard {piece.get('shard')!r}",
-            )
-            _need(isinstance(piece.get("name"), str), f"a piece of {key!r} has no name")
-            rows = piece.get("rows")
-            ordered = (
-                isinstance(rows, list) and len(rows) == 2 and all(map(_count, rows)) and rows[0] <= rows[1]
-            )
-            _need(ordered, f"a piece of {key!r} has rows {rows!r}")
+        _check_pieces(key, shape, pieces, len(shards))
 
 
-def _check_layout(layout: Any, ranks: int) -> None:
-    """The "sharded" field: a sharded optimizer's rank count and buckets, as load() reads them."""
+def _check_pieces(key: str, shape: list[int], pieces: list[Any], shards: int) -> None:
+    """Raises _Invalid unless the pieces follow each other row by row over the whole tensor, each
+    named as the save names it (load() joins them in the order listed)."""
+    total = shape[0] if shape else 1
+    at = 0
+    for piece in pieces:
+        _need(isinstance(piece, dict), f"a piece of {key!r} is not an object")
+        _need(_count(piece.get("shard"), shards), f"a piece of {key!r} names shard {piece.get('shard')!r}")
+        rows = piece.get("rows")
+        ordered = isinstance(rows, list) and len(rows) == 2 and all(map(_count, rows)) and rows[0] <= rows[1]
+        _need(ordered, f"a piece of {key!r} has rows {rows!r}")
+        _need(
+            rows[0] == at, f"the pieces of {key!r} skip or repeat rows: one has rows {rows}, after row {at}"
+        )
+        name = key if rows == [0, total] else f"{key}[{rows[0]}:{rows[1]}]"
+        _need(
+            piece.get("name") == name, f"the piece of {key!r} at rows {rows} is named {piece.get('name')!r}"
+        )
+        at = rows[1]
+    _need(at == total, f"the pieces of {key!r} end at row {at} of its {total}")
+
+
+def _check_layout(layout: Any, ranks: int, listed: set[int]) -> None:
+    """The "sharded" field: a sharded optimizer's rank count and buckets, as load() reads them; every
+    member is of a listed parameter, and no two cover the same elements of one."""
     _need(isinstance(layout, dict), "sharded is not an object")
     _need(layout.get("ranks") == ranks, f"sharded.ranks is {layout.get('ranks')!r}, the version has {ranks}")
     buckets = layout.get("buckets")
     _need(isinstance(buckets, list), "sharded.buckets is not a list")
+    covered: dict[int, list[tuple[int, int]]] = {}
     for k, bucket in enumerate(buckets):
         _need(isinstance(bucket, dict), f"sharded.buckets[{k}] is not an object")
         padded = bucket.get("padded")
@@ -463,6 +491,25 @@ def _check_layout(layout: Any, ranks: int) -> None:
             _need(isinstance(shape, list) and all(map(_count, shape)), f"{where} has shape {shape!r}")
             _need(_count(member.get("start", 0)), f"{where} has start {member.get('start')!r}")
             _need(isinstance(member.get("state"), bool), f"{where} has state {member.get('state')!r}")
+            _need(member["index"] in listed, f"{where} is of a parameter no group lists")
+            covered.setdefault(member["index"], []).append((member.get("start", 0), member["numel"]))
+        _need(
+            _disjoint((m["offset"], m["numel"]) for m in members), f"members of sharded.buckets[{k}] overlap"
+        )
+    for index, spans in covered.items():
+        _need(
+            _disjoint(spans), f"two members of sharded.buckets cover the same elements of parameter {index}"
+        )
+
+
+def _disjoint(spans: Iterable[tuple[int, int]]) -> bool:
+    """True when no two (start, length) spans share an element."""
+    at = 0
+    for start, length in sorted(spans):
+        if start < at:
+            return False
+        at = start + length
+    return True
 
 
 def remove_version(version: Version) -> None:

@@ -54,6 +54,7 @@ class Contents:
     extra: dict[str, Any]
     sharded: dict[str, Any] | None = None  # the layout of a sharded optimizer's version
     shards: dict[tuple[int, int], dict[str, torch.Tensor]] | None = None  # (rank, bucket) -> key -> flat
+    optimizer_class: str | None = None  # the wrapped optimizer's class name, as saved
 
     def rank_shard(self, rank: int) -> list[dict[str, torch.Tensor]]:
         """Per bucket, the per-element state tensors `rank` saved."""
@@ -99,18 +100,24 @@ def read_version(version: fmt.Version) -> Contents:
             for name, tensor in fmt.shard_tensors(data).items():
                 pieces[f"{shard['file']}/{name}"] = tensor
         tensors = {}
+        named = set()
         for key, record in manifest["tensors"].items():
-            parts = [
-                pieces[f"{manifest['shards'][p['shard']]['file']}/{p['name']}"] for p in record["pieces"]
-            ]
+            places = [f"{manifest['shards'][p['shard']]['file']}/{p['name']}" for p in record["pieces"]]
+            named.update(places)
+            parts = [pieces[place] for place in places]
             tensor = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-            if list(tensor.shape) != record["shape"]:
+            if list(tensor.shape) != record["shape"] or fmt.DTYPES[tensor.dtype] != record["dtype"]:
                 raise fmt.DamagedVersion(
-                    f"'{key}' has shape {list(tensor.shape)}, the manifest says {record['shape']}"
+                    f"'{key}' is a {fmt.DTYPES[tensor.dtype]} tensor of shape {list(tensor.shape)}, the "
+                    f"manifest says {record['dtype']} of {record['shape']}"
                 )
             tensors[key] = tensor
-    except (KeyError, IndexError, ValueError) as error:
+    except (KeyError, IndexError, ValueError, RuntimeError) as error:  # cat of unlike pieces: RuntimeError
         raise fmt.DamagedVersion(f"its shards do not match the manifest ({error!r})") from None
+    unnamed = sorted(set(pieces) - named)
+    if unnamed:
+        # A tensor record taken out of a manifest: the state would load without it.
+        raise fmt.DamagedVersion(f"its shards hold {unnamed[0]!r}, which the manifest does not name")
     optimizer_state: dict[int, dict[str, Any]] = {}
     shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
@@ -131,7 +138,7 @@ def read_version(version: fmt.Version) -> Contents:
     extra.update({k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")})
     sharded = manifest.get("sharded")
     if sharded is not None:
-        _check_shards(sharded, shards)
+        _check_shards(sharded, shards, set(optimizer_state))
     return Contents(
         step=manifest["step"],
         verified=fmt.CHECKSUM in manifest,
@@ -142,12 +149,28 @@ def read_version(version: fmt.Version) -> Contents:
         extra=extra,
         sharded=sharded,
         shards=shards if sharded is not None else None,
+        optimizer_class=manifest["optimizer"]["class"],
     )
 
 
-def _check_shards(layout: dict[str, Any], shards: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
-    """Raises DamagedVersion unless every rank saved the same keys of every bucket, each of its shard length."""
+def _check_shards(
+    layout: dict[str, Any], shards: dict[tuple[int, int], dict[str, torch.Tensor]], valued: set[int]
+) -> None:
+    """Raises DamagedVersion unless every rank saved the same keys of every bucket, each of its shard
+    length, and the members with state cover every element of each parameter with per-parameter values."""
     ranks = layout["ranks"]
+    held: dict[int, int] = {}
+    for bucket in layout["buckets"]:
+        for member in bucket["members"]:
+            if member["state"]:
+                held[member["index"]] = held.get(member["index"], 0) + member["numel"]
+    for bucket in layout["buckets"]:
+        for member in bucket["members"]:
+            if member["index"] in valued and held.get(member["index"], 0) != math.prod(member["shape"]):
+                raise fmt.DamagedVersion(f"its layout holds part of parameter {member['index']}'s state")
+    unplaced = sorted(valued - set(held))
+    if unplaced:
+        raise fmt.DamagedVersion(f"its layout has no place for parameter {unplaced[0]}'s state")
     for k, bucket in enumerate(layout["buckets"]):
         keys = sorted(shards.get((0, k), {}))
         for r in range(ranks):
