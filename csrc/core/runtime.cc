@@ -270,8 +270,7 @@ std::vector<std::shared_ptr<HandleState>> Runtime::submit(const std::vector<Grou
     if (stopped_ || shutdown_requested_) {
       const FailureKind kind = stopped_ ? stop_kind_ : FailureKind::kNotRunning;
       const int rank = stopped_ ? stop_rank_ : -1;
-      const std::string message = "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
-                                  "; call commsched.init() before submitting '" + members.front().spec.name + "'";
+      const std::string message = not_running_message("submitting '" + members.front().spec.name + "'");
       lock.unlock();
       forget_prepared();
       throw Failure(kind, message, rank);
@@ -335,9 +334,7 @@ std::shared_ptr<HandleState> Runtime::join() {
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     if (stopped_ || shutdown_requested_) {
-      throw Failure(stopped_ ? stop_kind_ : FailureKind::kNotRunning,
-                    "commsched is not running" + (stop_reason_.empty() ? "" : " (" + stop_reason_ + ")") +
-                        "; call commsched.init() before join()",
+      throw Failure(stopped_ ? stop_kind_ : FailureKind::kNotRunning, not_running_message("join()"),
                     stopped_ ? stop_rank_ : -1);
     }
     if (join_handle_) {
@@ -406,8 +403,7 @@ void Runtime::shutdown() {
 void Runtime::request_settings(const SchedulingSettings& settings) {
   std::lock_guard<std::mutex> lock(inbox_mutex_);
   if (stopped_) {
-    throw Failure(stop_kind_, "commsched is not running (" + stop_reason_ + "); call commsched.init() before reconfigure()",
-                  stop_rank_);
+    throw Failure(stop_kind_, not_running_message("reconfigure()"), stop_rank_);
   }
   ++requested_epoch_;
   requested_settings_ = settings;
@@ -437,6 +433,17 @@ RuntimeStats LiveStats::snapshot() const {
 }
 
 RuntimeStats Runtime::stats() const { return stats_.snapshot(); }
+
+std::string Runtime::not_running_message(const std::string& what) const {
+  const std::string reason = stop_reason_.empty() ? "" : " (" + stop_reason_ + ")";
+  if (stopped_ && stop_kind_ == FailureKind::kRankFailure) {
+    // init() again would not help: the failed rank is gone, and the others must agree to go on.
+    return "commsched is not running" + reason + ", so " + what +
+           " is refused; a job whose rank failed ends here, unless it trains under commsched.elastic.run, which "
+           "goes on with the ranks that are left";
+  }
+  return "commsched is not running" + reason + "; call commsched.init() before " + what;
+}
 
 std::string Runtime::describe(const std::string& name) const {
   std::lock_guard<std::mutex> lock(inbox_mutex_);

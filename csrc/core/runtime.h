@@ -271,6 +271,8 @@ class Runtime {
   void finish_failed(const TensorFailure& failure);
   // `failed_rank`: the rank whose failure stops everything (-1: unknown); ignored for shutdown().
   void stop_everything(const std::string& reason, int failed_rank = -1);
+  // Why a call cannot run now that commsched stopped or never started, and what to do; inbox_mutex_ held.
+  std::string not_running_message(const std::string& what) const;
   void drain_in_flight(double timeout_s);
 
   const RuntimeSettings settings_;
