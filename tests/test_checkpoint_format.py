@@ -6,6 +6,7 @@ import errno
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,3 +188,48 @@ def test_manifest_layout_of_a_sharded_optimizer_is_checked(tmp_path: Path) -> No
     (folder / fmt.MANIFEST).write_bytes(fmt.manifest_bytes(_sharded_manifest(7)))
     with pytest.raises(fmt.DamagedVersion, match=r"sharded.buckets\[0\].padded is 7"):
         fmt.read_manifest(version)
+
+
+def test_lbfgs_state_with_tensors_inside_lists_round_trips(tmp_path: Path) -> None:
+    """LBFGS keeps its history as lists of tensors: they are saved beside the JSON and come back as
+    the same lists, so the next step after a load equals the next step without one."""
+    import commsched.torch as ct
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.LBFGS(model.parameters(), history_size=4, line_search_fn="strong_wolfe")
+
+    x = torch.randn(8, 3)
+
+    def closure(model: Any, optimizer: Any) -> Any:
+        optimizer.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    model, optimizer = build()
+    checkpointer = ct.Checkpointer(model, optimizer, tmp_path)
+    for step in range(3):
+        optimizer.step(lambda: closure(model, optimizer))
+        checkpointer.save(step)
+    checkpointer.close()
+    assert len(optimizer.state[next(model.parameters())]["old_dirs"]) > 1
+    fresh, fresh_optimizer = build()
+    restored = ct.Checkpointer(fresh, fresh_optimizer, tmp_path).load()
+    assert restored is not None and restored.step == 2
+    saved, loaded = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        if isinstance(value, list):
+            assert len(loaded[key]) == len(value) and all(
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                for a, b in zip(loaded[key], value)
+            ), key
+        else:
+            assert (
+                torch.equal(loaded[key], value) if isinstance(value, torch.Tensor) else loaded[key] == value
+            )
+    optimizer.step(lambda: closure(model, optimizer))
+    fresh_optimizer.step(lambda: closure(fresh, fresh_optimizer))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))

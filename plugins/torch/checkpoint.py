@@ -223,12 +223,21 @@ class Checkpointer:
             )
             entries.extend(found)
             sources.update(shard_sources)
+        if layout is None and any(self._nested(p) for p in params if id(p) in pending):
+            # The update still to come may add to or replace the tensors inside those values (LBFGS's
+            # history): apply it now, so what is planned here is what the capture copies.
+            self._optimizer.apply_pending_updates()
+            pending = set()
         for i, param in enumerate(params if layout is None else []):
             for name, value in self._inner.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     key = f"optimizer.{i}.{name}"
                     entries.append(fmt.Entry(key, value.dtype, tuple(value.shape)))
                     sources[key] = (param, lambda p=param, n=name: self._inner.state[p][n])
+            for position, tensor in enumerate(self._nested(param)):
+                key = fmt.nested_key(i, position)
+                entries.append(fmt.Entry(key, tensor.dtype, tuple(tensor.shape)))
+                sources[key] = (param, lambda t=tensor: t)  # no update comes before its copy
         manifest = self._manifest_skeleton(step, params, layout)
         for name, value in sorted((extra or {}).items()):
             if not isinstance(name, str):
@@ -336,11 +345,23 @@ class Checkpointer:
         ordered = sorted(units.values(), key=lambda u: order.get(id(u.param), len(order)))
         return loose + ordered
 
+    def _plain_values(self, param: torch.Tensor) -> dict[str, Any]:
+        """The parameter's optimizer state that is not a tensor itself (numbers, LBFGS's lists)."""
+        return {k: v for k, v in self._inner.state.get(param, {}).items() if not isinstance(v, torch.Tensor)}
+
+    def _nested(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors inside the parameter's non-tensor optimizer state, in the order they are keyed."""
+        return fmt.nested_tensors(self._plain_values(param))
+
     def _keep_values(self, job: Job, index: int, param: torch.Tensor) -> None:
-        state = self._inner.state.get(param, {})
-        values = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        values = self._plain_values(param)
         if values:
-            job.state_values[str(index)] = fmt.to_json(values, f"optimizer state of parameter {index}")
+            positions = itertools.count()
+            job.state_values[str(index)] = fmt.to_json(
+                values,
+                f"optimizer state of parameter {index}",
+                lambda tensor: fmt.nested_key(index, next(positions)),
+            )
 
     def _host_buffer(self, nbytes: int, params: list[torch.Tensor]) -> torch.Tensor:
         """The reused host buffer; pinned when the state lives on a GPU, so copies run asynchronously."""

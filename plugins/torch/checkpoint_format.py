@@ -5,9 +5,11 @@ rank that saved it and ``manifest.json``, written last. Each shard is a plain sa
 (8-byte little-endian header length, JSON header, packed bytes), so ``safetensors.safe_open``,
 Hugging Face tools or any reader of the format open it; a tensor cut between ranks appears as
 ``name[a:b]`` (rows a to b). The manifest names every piece, each shard's size and CRC-32, and
-holds what is not a tensor (optimizer hyper-parameters, LR scheduler state, extras) as JSON; its
-``checksum`` field, computed last, is the sha256 of the rest in canonical JSON, so a manifest
-changed after the save (a flipped byte, an edited step or learning rate) is never trusted.
+holds what is not a tensor (optimizer hyper-parameters, LR scheduler state, extras) as JSON; a
+tensor inside such a value (LBFGS's history lists) is stored as ``nested.<index>.<n>`` and named
+in the JSON by ``{"__tensor__": key}``. Its ``checksum`` field, computed last, is the sha256 of the
+rest in canonical JSON, so a manifest changed after the save (a flipped byte, an edited step or
+learning rate) is never trusted.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 import shutil
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,8 @@ _UNSEALED_KEYS = frozenset(
 )
 _SHARD_NAME = re.compile(r"shard-\d+-of-\d+\.safetensors")  # a plain name: nothing outside the folder is read
 _TENSOR_KEY = re.compile(
-    r"model\..+|optimizer\.\d+\..+|optimizer\.shard\.\d+\.\d+\..+|extra\..+", re.DOTALL | re.ASCII
+    r"model\..+|optimizer\.\d+\..+|optimizer\.shard\.\d+\.\d+\..+|nested\.\d+\.\d+|extra\..+",
+    re.DOTALL | re.ASCII,
 )
 _PARAMETER_STATE_KEY = re.compile(r"optimizer\.\d+\..+", re.DOTALL | re.ASCII)
 _WRITE_CHUNK = 8 * 1024 * 1024
@@ -254,34 +257,58 @@ def shard_tensors(data: bytearray) -> dict[str, torch.Tensor]:
 
 
 # -- JSON for what is not a tensor (tuples survive the round trip: Adam's betas stay a tuple) --
-def to_json(value: Any, where: str) -> Any:
-    """`value` in JSON form; raises TypeError naming `where` for what JSON cannot hold."""
+def to_json(value: Any, where: str, tensor_key: Callable[[torch.Tensor], str] | None = None) -> Any:
+    """`value` in JSON form; raises TypeError naming `where` for what JSON cannot hold. With
+    `tensor_key`, a tensor inside it (LBFGS's history lists) becomes {"__tensor__": tensor_key(t)},
+    called in a fixed order, and the tensor is saved beside the JSON under that key."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, tuple):
-        return {"__tuple__": [to_json(v, where) for v in value]}
+        return {"__tuple__": [to_json(v, where, tensor_key) for v in value]}
     if isinstance(value, list):
-        return [to_json(v, where) for v in value]
+        return [to_json(v, where, tensor_key) for v in value]
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
-            return {"__items__": [[to_json(k, where), to_json(v, where)] for k, v in value.items()]}
-        return {k: to_json(v, where) for k, v in value.items()}
+            pairs = [[to_json(k, where, tensor_key), to_json(v, where, tensor_key)] for k, v in value.items()]
+            return {"__items__": pairs}
+        return {k: to_json(v, where, tensor_key) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and tensor_key is not None:
+        return {"__tensor__": tensor_key(value)}
     raise TypeError(
         f"{where} holds a {type(value).__name__}, which a checkpoint keeps only as a tensor or as JSON "
         "(numbers, strings, lists, tuples, dicts)"
     )
 
 
-def from_json(value: Any) -> Any:
-    """Undoes to_json."""
+def nested_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a JSON-like value, in the order to_json meets them."""
+    found: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> str:
+        found.append(tensor)
+        return ""
+
+    to_json(value, "", keep)
+    return found
+
+
+def nested_key(index: int, position: int) -> str:
+    """The key of the `position`-th tensor inside parameter `index`'s non-tensor optimizer state."""
+    return f"nested.{index}.{position}"
+
+
+def from_json(value: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    """Undoes to_json; `tensors` gives the tensors its placeholders name (KeyError for a missing one)."""
     if isinstance(value, list):
-        return [from_json(v) for v in value]
+        return [from_json(v, tensors) for v in value]
     if isinstance(value, dict):
         if set(value) == {"__tuple__"}:
-            return tuple(from_json(v) for v in value["__tuple__"])
+            return tuple(from_json(v, tensors) for v in value["__tuple__"])
         if set(value) == {"__items__"}:
-            return {from_json(k): from_json(v) for k, v in value["__items__"]}
-        return {k: from_json(v) for k, v in value.items()}
+            return {from_json(k, tensors): from_json(v, tensors) for k, v in value["__items__"]}
+        if set(value) == {"__tensor__"}:
+            return (tensors or {})[value["__tensor__"]]
+        return {k: from_json(v, tensors) for k, v in value.items()}
     return value
 
 
@@ -432,7 +459,7 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
             not key.startswith("optimizer.shard.") or "sharded" in manifest,
             f"tensor {key!r} is a sharded optimizer's, and the manifest has no sharded layout",
         )
-        if _PARAMETER_STATE_KEY.fullmatch(key):
+        if _PARAMETER_STATE_KEY.fullmatch(key) or key.startswith("nested."):
             index = int(key.split(".", 2)[1])
             _need(index in listed, f"tensor {key!r} is of a parameter no group lists")
         _need(isinstance(record, dict), f"tensors[{key!r}] is not an object")

@@ -129,12 +129,12 @@ def read_version(version: fmt.Version) -> Contents:
             optimizer_state.setdefault(int(index), {})[name] = value
     try:
         for index, values in manifest["optimizer"]["values"].items():
-            optimizer_state.setdefault(int(index), {}).update(fmt.from_json(values))
+            optimizer_state.setdefault(int(index), {}).update(fmt.from_json(values, tensors))
         groups = [fmt.from_json(group) for group in manifest["optimizer"]["param_groups"]]
         scheduler = None if manifest["lr_scheduler"] is None else fmt.from_json(manifest["lr_scheduler"])
         extra = {k: fmt.from_json(v) for k, v in manifest["extra"].items()}
-    except (TypeError, ValueError) as error:  # a malformed tuple or item list (only without a checksum)
-        raise fmt.DamagedVersion(f"its manifest holds a value that cannot be read ({error})") from None
+    except (TypeError, ValueError, KeyError) as error:  # a malformed tuple or item list, a tensor not saved
+        raise fmt.DamagedVersion(f"its manifest holds a value that cannot be read ({error!r})") from None
     extra.update({k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")})
     sharded = manifest.get("sharded")
     if sharded is not None:

@@ -32,9 +32,38 @@ import torch.nn.functional as F
 import commsched
 
 FEATURES, CLASSES, PER_RANK = 8, 3, 4
+
+
+class HistorySGD(torch.optim.Optimizer):
+    """Momentum SGD that keeps its state inside containers, as LBFGS and Shampoo-style optimizers do:
+    the buffer in a list that grows to hold the last gradient too, and a scale tensor, replaced at
+    every step, in a dict beside a step count."""
+
+    def __init__(self, params: Any, lr: float = 0.05, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """One update of every parameter with a gradient."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["history"] = [torch.zeros_like(param)]
+                    state["counts"] = {"steps": 0, "scale": torch.ones(())}
+                buffer = state["history"][0].mul_(group["momentum"]).add_(param.grad)
+                state["history"] = [buffer, param.grad.clone()]
+                state["counts"]["steps"] += 1
+                state["counts"]["scale"] = state["counts"]["scale"] * 0.99
+                param.add_(buffer, alpha=-group["lr"] * float(state["counts"]["scale"]))
+
+
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-2),
+    "history": HistorySGD,
 }
 
 
@@ -98,10 +127,25 @@ def assert_equal_state(got: dict[str, Any], want: dict[str, Any], what: str, buf
     assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys(), f"{what}: state keys differ"
     for index, state in want["optimizer"]["state"].items():
         for key, value in state.items():
-            mine = got["optimizer"]["state"][index][key]
-            same = torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value
-            assert same, f"{what}: optimizer state {index}.{key} differs"
+            assert same(got["optimizer"]["state"][index][key], value), (
+                f"{what}: optimizer state {index}.{key} differs"
+            )
     assert got["scheduler"] == want["scheduler"], f"{what}: LR scheduler state differs"
+
+
+def same(mine: Any, value: Any) -> bool:
+    """Equality of state values, tensors bit for bit, inside lists, tuples and dicts too."""
+    if isinstance(value, torch.Tensor):
+        return isinstance(mine, torch.Tensor) and torch.equal(mine, value)
+    if isinstance(value, (list, tuple)):
+        return type(mine) is type(value) and len(mine) == len(value) and all(map(same, mine, value))
+    if isinstance(value, dict):
+        return (
+            isinstance(mine, dict)
+            and mine.keys() == value.keys()
+            and all(same(mine[k], value[k]) for k in value)
+        )
+    return bool(mine == value)
 
 
 # -- fault injection: SIGKILL at a chosen point of one save ------------------------------------
@@ -242,7 +286,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["reference", "train", "resume"])
     parser.add_argument("--dir", type=Path, required=True)
-    parser.add_argument("--combos", default="sgd-barrier,sgd-overlap,adamw-barrier,adamw-overlap")
+    parser.add_argument(
+        "--combos", default="sgd-barrier,sgd-overlap,adamw-barrier,adamw-overlap,history-overlap"
+    )
     parser.add_argument("--resume-dirs", default="", help="resume: comma-separated folders under --dir")
     parser.add_argument("--iterations", type=int, default=16, help="reference and resume train this far")
     parser.add_argument("--train-iterations", type=int, default=12, help="the checkpointed run stops here")
