@@ -298,7 +298,8 @@ def nested_key(index: int, position: int) -> str:
 
 
 def from_json(value: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any:
-    """Undoes to_json; `tensors` gives the tensors its placeholders name (KeyError for a missing one)."""
+    """Undoes to_json; `tensors` (for optimizer state) gives the tensors its placeholders name (KeyError
+    for a missing one)."""
     if isinstance(value, list):
         return [from_json(v, tensors) for v in value]
     if isinstance(value, dict):
@@ -306,8 +307,8 @@ def from_json(value: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any
             return tuple(from_json(v, tensors) for v in value["__tuple__"])
         if set(value) == {"__items__"}:
             return {from_json(k, tensors): from_json(v, tensors) for k, v in value["__items__"]}
-        if set(value) == {"__tensor__"}:
-            return (tensors or {})[value["__tensor__"]]
+        if tensors is not None and set(value) == {"__tensor__"}:  # only where to_json put tensors
+            return tensors[value["__tensor__"]]
         return {k: from_json(v, tensors) for k, v in value.items()}
     return value
 
