@@ -60,6 +60,50 @@ def test_owners_are_released_once_collectives_finish(runtime: None) -> None:
     assert _core.kept_owners() == 0
 
 
+def test_an_owner_whose_release_runs_collectives_leaves_the_table_whole() -> None:
+    """Releasing a finished owner may run Python code that submits and waits itself (here a
+    finalizer, while another thread waits too): every collective completes, every owner goes, and
+    the heap stays whole (releasing owners from inside the table's compaction crashed the process)."""
+    code = """
+import itertools, threading
+import numpy as np
+import commsched
+
+commsched.init(transport="loopback")
+numbers = itertools.count()
+finalized = []
+
+class Reentrant(np.ndarray):
+    def __del__(self):
+        finalized.append(float(commsched.allreduce(np.ones(2), name=f"inner.{next(numbers)}")[0]))
+
+stop = threading.Event()
+def other():
+    while not stop.is_set():
+        commsched.allreduce_async(np.ones(4), name=f"other.{next(numbers)}").wait()
+
+thread = threading.Thread(target=other)
+thread.start()
+for round_ in range(100):
+    handles = []
+    for i in range(40):
+        commsched.allreduce_async(np.zeros(8).view(Reentrant), name=f"dropped.{round_}.{i}")
+        handles.append(commsched.allreduce_async(np.ones(3), name=f"kept.{round_}.{i}"))
+    for handle in handles:
+        handle.wait()
+stop.set()
+thread.join()
+commsched.allreduce(np.ones(1), name="settle")
+print("finalized", len(finalized), sum(finalized), "kept", commsched._core.kept_owners())
+commsched.shutdown()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.split() == ["finalized", "4000", "4000.0", "kept", "0"], done.stdout
+
+
 # 2. A refusal on one rank reaches every rank
 
 

@@ -45,9 +45,23 @@ class OwnerTable {
 
   // Releases the owners of finished collectives.
   void prune() {
-    entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const auto& entry) { return entry.first->done(); }),
-                   entries_.end());
-  }
+    // The owners go only once the table is whole again: releasing one may run Python code (a
+    // finalizer, a weakref callback) that submits or waits on a collective and so keeps or prunes
+    // here, on this thread or on another that takes the GIL meanwhile. Releasing them from inside
+    // the compaction corrupted the heap.
+    std::vector<pybind11::object> finished;
+    size_t kept = 0;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (entries_[i].first->done()) {
+        finished.push_back(std::move(entries_[i].second));
+      } else {
+        // Every slot written to was emptied first (moved from): the assignment releases nothing.
+        if (kept != i) entries_[kept] = std::move(entries_[i]);
+        ++kept;
+      }
+    }
+    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(kept), entries_.end());
+  }  // `finished` releases the owners here
 
   // Owners still held once finished ones are released.
   size_t held() {
