@@ -46,9 +46,9 @@ class OwnerTable {
   // Releases the owners of finished collectives.
   void prune() {
     // The owners go only once the table is whole again: releasing one may run Python code (a
-    // finalizer, a weakref callback) that submits or waits on a collective and so keeps or prunes
-    // here, on this thread or on another that takes the GIL meanwhile. Releasing them from inside
-    // the compaction corrupted the heap.
+    // finalizer, a weakref callback) or let another thread take the GIL, and either may submit or
+    // wait on a collective and so keep or prune here. Releasing them from inside the compaction
+    // corrupted the heap.
     std::vector<pybind11::object> finished;
     size_t kept = 0;
     for (size_t i = 0; i < entries_.size(); ++i) {
