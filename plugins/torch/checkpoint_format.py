@@ -426,8 +426,9 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
         _need(isinstance(params, list) and all(map(_count, params)), f"optimizer.param_groups[{g}].params")
     # load_state_dict() pairs saved indices with parameters by position: an index listed twice
     # would give two parameters one state and another none.
-    listed = [index for group in groups for index in group["params"]]
-    _need(len(set(listed)) == len(listed), "optimizer.param_groups list a parameter twice")
+    indices = [index for group in groups for index in group["params"]]
+    listed = set(indices)
+    _need(len(listed) == len(indices), "optimizer.param_groups list a parameter twice")
     values = optimizer.get("values")
     _need(isinstance(values, dict), "optimizer.values is not an object")
     for index, state in values.items():
@@ -451,7 +452,7 @@ def _check_manifest(manifest: dict[str, Any], version: Version) -> None:
         _need(_count(shard.get("bytes")), f"shards[{r}].bytes is {shard.get('bytes')!r}")
         _need(_count(shard.get("crc32"), 2**32), f"shards[{r}].crc32 is {shard.get('crc32')!r}")
     if "sharded" in manifest:
-        _check_layout(manifest["sharded"], manifest["ranks"], set(listed))
+        _check_layout(manifest["sharded"], manifest["ranks"], listed)
     tensors = manifest.get("tensors")
     _need(isinstance(tensors, dict), "tensors is not an object")
     for key, record in tensors.items():

@@ -159,18 +159,18 @@ def _check_shards(
     """Raises DamagedVersion unless every rank saved the same keys of every bucket, each of its shard
     length, and the members with state cover every element of each parameter with per-parameter values."""
     ranks = layout["ranks"]
-    held: dict[int, int] = {}
+    held: dict[int, int] = {}  # parameter index -> elements of its state the members hold
+    elements: dict[int, int] = {}
     for bucket in layout["buckets"]:
         for member in bucket["members"]:
+            elements[member["index"]] = math.prod(member["shape"])
             if member["state"]:
                 held[member["index"]] = held.get(member["index"], 0) + member["numel"]
-    for bucket in layout["buckets"]:
-        for member in bucket["members"]:
-            if member["index"] in valued and held.get(member["index"], 0) != math.prod(member["shape"]):
-                raise fmt.DamagedVersion(f"its layout holds part of parameter {member['index']}'s state")
-    unplaced = sorted(valued - set(held))
-    if unplaced:
-        raise fmt.DamagedVersion(f"its layout has no place for parameter {unplaced[0]}'s state")
+    for index in sorted(valued):
+        if index not in held:
+            raise fmt.DamagedVersion(f"its layout has no place for parameter {index}'s state")
+        if held[index] != elements[index]:
+            raise fmt.DamagedVersion(f"its layout holds part of parameter {index}'s state")
     for k, bucket in enumerate(layout["buckets"]):
         keys = sorted(shards.get((0, k), {}))
         for r in range(ranks):
