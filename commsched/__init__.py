@@ -167,6 +167,8 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
         _state.launcher = info.launcher
         _state.unnamed = itertools.count()
         _process_sets._reset()
+        # Sets built from MPI communicators are read as ranks of this one (Horovod's global_process_set.mpi_comm).
+        _process_sets.global_process_set.mpi_comm = comm if _process_sets._is_communicator(comm) else None
         _state.user_given = _config.user_given(settings)
         defer = resolved.device == "auto" and resolved.transport == "auto" and comm is None
         if defer and process_group is None and info.size > 0 and _gpu_visible():

@@ -204,8 +204,8 @@ def resolve_op(op: Any, average: bool | None = None, default: Any = Average, ada
         if adasum:
             return Adasum  # type: ignore[no-any-return]
         raise NotImplementedError(
-            "op=Adasum is not supported by this call; commsched.torch runs Adasum in allreduce_async, "
-            "allreduce_async_ and allreduce_; use op=hvd.Average or op=hvd.Sum here"
+            "op=Adasum is not supported by this call; Adasum runs in allreduce (commsched.torch: also "
+            "allreduce_async, allreduce_async_ and allreduce_); use op=hvd.Average or op=hvd.Sum here"
         )
     if key not in _OPS:
         raise ValueError(f"op must be hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product, not {op!r}")

@@ -23,13 +23,19 @@ from commsched import submission as _submission
 class ProcessSet:
     """A set of ranks that runs collectives among themselves (Horovod's hvd.ProcessSet).
 
-    `ranks`: the global ranks in the set (an mpi4py communicator is read as its ranks in
-    COMM_WORLD). The set is usable once add_process_set() registered it on every rank.
+    `ranks_or_comm`: the global ranks in the set, or an mpi4py communicator, whose members are
+    the set. As in Horovod, a communicator's ranks are known once init(process_sets=...) or
+    add_process_set() registered it; the set is usable from then on.
     """
 
-    def __init__(self, ranks: Sequence[int] | Any) -> None:
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         self.process_set_id: int | None = None
-        self.ranks: list[int] | None = None if ranks is None else _ranks_of(ranks)
+        self.mpi_comm: Any = None
+        self.ranks: list[int] | None = None
+        if _is_communicator(ranks_or_comm):
+            self.mpi_comm = ranks_or_comm
+        elif ranks_or_comm is not None:
+            self.ranks = _ranks_of(ranks_or_comm)
 
     def size(self) -> int:
         """The number of ranks in the set."""
@@ -54,18 +60,37 @@ class ProcessSet:
         return self.ranks
 
     def __repr__(self) -> str:
-        if self.process_set_id == 0:
-            return "ProcessSet(global)"
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        # Horovod's spelling: scripts and Horovod's own tests print and compare it.
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+        )
+
+
+def _is_communicator(value: Any) -> bool:
+    return hasattr(value, "Get_group") and hasattr(value, "Allgather")
+
+
+def _communicator_ranks(comm: Any) -> list[int]:
+    """The members of mpi4py communicator `comm` as ranks of the job's global communicator."""
+    if not _api.is_initialized() or not _api.mpi_enabled():
+        raise NotImplementedError(
+            "a ProcessSet built from an MPI communicator needs commsched running on MPI (launched with "
+            "mpiexec, as Horovod requires); build the set from a list of ranks instead"
+        )
+    from mpi4py import MPI
+
+    outer = global_process_set.mpi_comm or MPI.COMM_WORLD
+    group, whole = comm.Get_group(), outer.Get_group()
+    translated = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), whole)
+    if any(rank == MPI.UNDEFINED for rank in translated):
+        raise ValueError(
+            f"the communicator of a ProcessSet has members outside the job's global communicator ({outer}); "
+            "build process sets from sub-communicators of the communicator given to init()"
+        )
+    return sorted(int(rank) for rank in translated)
 
 
 def _ranks_of(ranks: Any) -> list[int]:
-    if hasattr(ranks, "Get_group"):  # an mpi4py communicator: its members' ranks in COMM_WORLD
-        from mpi4py import MPI
-
-        group = ranks.Get_group()
-        world = MPI.COMM_WORLD.Get_group()
-        return sorted(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
     try:
         values = [_submission._integer(rank, "a process set rank", "a rank number") for rank in ranks]
     except TypeError:
@@ -80,6 +105,7 @@ class _GlobalProcessSet(ProcessSet):
 
     def __init__(self) -> None:
         self.process_set_id = 0
+        self.mpi_comm: Any = None  # the communicator given to init(comm=...), as Horovod's
 
     @property  # type: ignore[override]
     def ranks(self) -> list[int] | None:
@@ -107,18 +133,24 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is registered already; remove it first, or make a new ProcessSet")
+    if process_set.ranks is None and process_set.mpi_comm is not None:
+        process_set.ranks = _communicator_ranks(process_set.mpi_comm)
     if process_set.ranks is None:
         raise ValueError("the global process set exists from init(); add_process_set takes a list of ranks")
     size = _api.size()
     ranks = process_set.ranks
     if not ranks or ranks[0] < 0 or ranks[-1] >= size:
         raise ValueError(f"process set ranks {ranks} must be between 0 and {size - 1}, at least one of them")
+    if ranks == list(range(size)):
+        raise ValueError(
+            f"process set ranks {ranks} are every rank: that is hvd.global_process_set, which exists from init()"
+        )
     for other in _registered.values():
         if other.ranks == ranks:
             raise ValueError(f"a process set with ranks {ranks} exists already: {other!r}")
     import numpy as np
 
-    set_id = max(_registered, default=0) + 1
+    set_id = next(i for i in itertools.count(1) if i not in _registered)  # a freed id is reused, as Horovod's
     # Every rank must add the same ranks under the same id: checked over every rank before any
     # communicator is built, so a mismatch fails on every rank alike instead of hanging.
     mine = np.array([set_id, *ranks], dtype=np.int64)
@@ -145,25 +177,36 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 def register_at_init(process_sets: Sequence[ProcessSet]) -> None:
     """Registers hvd.init(process_sets=...)'s sets as Horovod does, on every rank in the same order.
 
-    A set whose ranks are registered already (an earlier init() in this job) takes over that id; a
-    set that repeats another in the list, or the global set, is left unregistered and fails the call
-    with ValueError after the others are registered, as in Horovod (commsched keeps running).
+    Sets built from MPI communicators come first: every rank's communicator is gathered (one
+    allgather), and each distinct set of ranks is registered in sorted order, so ranks passing the
+    halves of a split communicator register both halves. Sets of listed ranks follow, in list
+    order. A set whose ranks are registered already (an earlier init() in this job) takes over that
+    id; a set that repeats another in the list, or the global set, is left unregistered and fails
+    the call with ValueError after the others are registered, as in Horovod (commsched keeps running).
     """
+    for process_set in process_sets:
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"init(process_sets=...) takes hvd.ProcessSet objects, not {process_set!r}")
+    from_comms = [s for s in process_sets if s.ranks is None and s.mpi_comm is not None]
+    own_ranks = {id(s): _communicator_ranks(s.mpi_comm) for s in from_comms}
     known = {tuple(ranks): set_id for set_id, ranks in get_process_sets().items()}
+    wanted = _gathered_communicator_sets([own_ranks[id(s)] for s in from_comms])
+    wanted += [tuple(s.ranks) for s in process_sets if s.ranks is not None]
+    for ranks in wanted:
+        if ranks not in known:
+            known[ranks] = add_process_set(list(ranks)).process_set_id  # type: ignore[assignment]
     taken = {0}
     duplicates = []
     for index, process_set in enumerate(process_sets):
-        if not isinstance(process_set, ProcessSet):
-            raise TypeError(f"init(process_sets=...) takes hvd.ProcessSet objects, not {process_set!r}")
-        key = tuple(process_set.ranks or ())
-        set_id = known.get(key)
-        if set_id is None:
-            add_process_set(process_set)
-            known[key] = set_id = process_set.process_set_id  # type: ignore[assignment]
-        elif set_id in taken:
+        if id(process_set) in own_ranks:
+            process_set.ranks = own_ranks[id(process_set)]
+        set_id = known[tuple(process_set.ranks or ())]
+        if set_id in taken:
+            if _registered.get(process_set.process_set_id or 0) is not process_set:
+                process_set.process_set_id = None
             duplicates.append(f"entry number {index} ({process_set.ranks})")
             continue
-        elif _registered[set_id] is not process_set:
+        if _registered[set_id] is not process_set:
             _registered[set_id].process_set_id = None  # the older object no longer names the set
             process_set.process_set_id = set_id
             _registered[set_id] = process_set
@@ -173,6 +216,33 @@ def register_at_init(process_sets: Sequence[ProcessSet]) -> None:
             f"init(process_sets=...): {', '.join(duplicates)} repeats the ranks of an earlier entry or of the "
             "global set; give each set of ranks once (hvd.global_process_set always exists)"
         )
+
+
+def _gathered_communicator_sets(mine: list[list[int]]) -> list[tuple[int, ...]]:
+    """Every rank's communicator sets, gathered in one allgather: the distinct ones, sorted, per position."""
+    import numpy as np
+
+    flat = [len(mine)] + [value for ranks in mine for value in (len(ranks), *ranks)]
+    handle = _api.allgather_async(np.array(flat, dtype=np.int64), name="process_set.init.communicators")
+    gathered = handle.wait().tolist()
+    per_rank, offset = [], 0
+    for length in handle.layout_rows():
+        row, offset = gathered[offset : offset + length], offset + length
+        sets, at = [], 1
+        for _ in range(row[0]):
+            sets.append(tuple(row[at + 1 : at + 1 + row[at]]))
+            at += 1 + row[at]
+        per_rank.append(sets)
+    counts = [len(sets) for sets in per_rank]
+    if len(set(counts)) != 1:
+        raise ValueError(
+            f"init(process_sets=...) was given different numbers of sets built from MPI communicators by rank "
+            f"({counts}); every rank must pass one communicator per position (as Horovod requires)"
+        )
+    every: list[tuple[int, ...]] = []
+    for position in range(counts[0]):
+        every += sorted({sets[position] for sets in per_rank})
+    return every
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
@@ -213,10 +283,16 @@ def resolve(process_set: Any) -> int:
             f"{process_set!r} is not registered; call add_process_set() with it on every rank first"
         )
     if _api.rank() not in (process_set.ranks or []):
-        raise ValueError(
-            f"rank {_api.rank()} is not a member of {process_set!r}; only its ranks may call collectives on it"
-        )
+        raise ValueError(not_a_member(process_set))
     return set_id
+
+
+def not_a_member(process_set: ProcessSet) -> str:
+    """The refusal of a collective on a set this rank is not in, worded as the core words it."""
+    return (
+        f"rank {_api.rank()} is not a member of ProcessSet(process_set_id={process_set.process_set_id}, "
+        f"ranks={process_set.ranks}); only its ranks may call collectives on it"
+    )
 
 
 @contextmanager

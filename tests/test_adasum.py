@@ -70,5 +70,11 @@ def test_torch_allreduce_adasum_two_ranks() -> None:
     output = unglue(result.stdout, "PASS ", "FAIL ")
     assert "FAIL" not in output and result.returncode == 0, output[-6000:]
     passes = sorted(re.findall(r"^PASS ([\w-]+)", output, re.MULTILINE))
-    labels = ["adasum-async-scaled", "adasum-in-place", "adasum-parallel-averages", "adasum-refused"]
+    labels = [
+        "adasum-async-scaled",
+        "adasum-differentiable",
+        "adasum-in-place",
+        "adasum-parallel-averages",
+        "adasum-refused",
+    ]
     assert passes == sorted(labels * 2), output[-6000:]

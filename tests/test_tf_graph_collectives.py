@@ -25,6 +25,7 @@ CHECKS = [
     "alltoall",
     "broadcast-barrier",
     "gradients",
+    "adasum",
 ]
 
 

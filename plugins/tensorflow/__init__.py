@@ -101,6 +101,7 @@ from commsched._horovod import (
     start_timeline,
     stop_timeline,
 )
+from commsched._horovod_util import check_extension, gpu_available, split_list
 
 __all__ = [
     "Adasum",
@@ -132,6 +133,7 @@ __all__ = [
     "broadcast_variables",
     "callbacks",
     "ccl_built",
+    "check_extension",
     "cross_rank",
     "cross_size",
     "cuda_built",
@@ -141,6 +143,7 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "gpu_available",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
@@ -165,6 +168,7 @@ __all__ = [
     "shutdown",
     "size",
     "size_op",
+    "split_list",
     "start_timeline",
     "stop_timeline",
     "util",

@@ -80,12 +80,7 @@ def set_id_of(process_set: Any) -> int:
 
     if process_sets.is_registered(process_set) and commsched.rank() not in (process_set.ranks or []):
         # Horovod's ops refuse a non-member with InvalidArgumentError (an unregistered set: ValueError).
-        raise tf.errors.InvalidArgumentError(
-            None,
-            None,
-            f"rank {commsched.rank()} is not a member of {process_set!r}; only its ranks may call "
-            "collectives on it",
-        )
+        raise tf.errors.InvalidArgumentError(None, None, process_sets.not_a_member(process_set))
     return process_sets.resolve(process_set)
 
 
@@ -153,14 +148,19 @@ def allreduce(
     if isinstance(tensor, tf.IndexedSlices):
         name = f"tf.allreduce.{name}" if name is not None else unnamed("allreduce")
         return sparse_allreduce(tensor, op, average, prescale_factor, postscale_factor, name, process_set)
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     value = tf.convert_to_tensor(densify(tensor))
     if name is None:
         # Numbered in call (or trace) order, which must then match on every rank, as in commsched.allreduce.
         name = unnamed("allreduce")
-    set_id = set_id_of(process_set)
     chosen = compressor(compression)
     compressed, context = chosen.compress(value)
+    if op == _horovod.Adasum:
+        from commsched.tensorflow import adasum
+
+        reduced = adasum.allreduce(compressed, name, prescale_factor, postscale_factor, process_set)
+        return chosen.decompress(reduced, context)
+    set_id = set_id_of(process_set)
     op, postscale_factor = _horovod.integer_average(
         op, compressed.dtype.is_integer, postscale_factor, process_set
     )

@@ -94,6 +94,7 @@ from commsched._horovod import (
     start_timeline,
     stop_timeline,
 )
+from commsched._horovod_util import check_extension
 
 # What usually leaves this plug-in's own collectives waiting, added to stall warnings and failures.
 # Here, not in each module: a rank that never imported the module (ranks wrapped alike or not) warns too.
@@ -140,6 +141,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "ccl_built",
+    "check_extension",
     "cross_rank",
     "cross_size",
     "cuda_built",

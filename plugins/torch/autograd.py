@@ -2,8 +2,8 @@
 
 Gradients follow Horovod's rules, each computed by commsched collectives in backward:
 
-* allreduce (average or sum, with scale factors): the gradient is the same allreduce of the
-  incoming gradient, i.e. the derivative of the sum of every rank's loss;
+* allreduce (average, sum or Adasum, with scale factors): the gradient is the same allreduce of
+  the incoming gradient, i.e. for a sum the derivative of the sum of every rank's loss;
 * allgather: the average over ranks of the incoming gradients, this rank's rows of it;
 * broadcast: the average over ranks of the incoming gradients on the root, zeros elsewhere;
 * reducescatter: the allgather of the incoming gradients times the scale factors, and times
@@ -29,9 +29,10 @@ from commsched._horovod import global_process_set
 
 
 def _reduce_backward(op: str) -> None:
-    if op not in (_horovod.Average, _horovod.Sum):
+    if op not in (_horovod.Average, _horovod.Sum, _horovod.Adasum):
         raise RuntimeError(
-            f"allreduce with op={op!r} has no gradient in commsched.torch; only average and sum allreduces do"
+            f"allreduce with op={op!r} has no gradient in commsched.torch; only average, sum and Adasum "
+            "allreduces do"
         )
 
 
@@ -69,7 +70,7 @@ def allreduce(
 
     `process_group`: a torch.distributed group to start commsched over, if it is not running.
     """
-    op = _horovod.resolve_op(op, average)
+    op = _horovod.resolve_op(op, average, adasum=True)
     if process_group is not None:
         _wire.ensure_initialized(process_group, _wire.cuda_device_name([tensor]))
     chosen = compressor(compression)

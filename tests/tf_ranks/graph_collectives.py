@@ -85,12 +85,52 @@ def main() -> int:
             assert "process set 1" in str(refusal), refusal
         else:
             raise AssertionError("the unregistered process_set_id=1 was not refused")
-        try:
-            hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
-        except NotImplementedError as refusal:
-            assert "Adasum" in str(refusal), refusal
-        else:
-            raise AssertionError("Adasum was not refused")
+
+    def adasum() -> None:
+        # Horovod's pairwise formula in float64, computed here from both ranks' inputs (2 ranks: one pair).
+        def formula(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            dot = float(np.dot(a.ravel(), b.ravel()))
+            return (1 - dot / (2 * np.dot(a.ravel(), a.ravel()))) * a + (
+                1 - dot / (2 * np.dot(b.ravel(), b.ravel()))
+            ) * b
+
+        inputs = [values(r, 9, (4, 3)) + 0.5 for r in range(size)]
+        for dtype, tolerance in [("float16", 2e-2), ("float32", 1e-5), ("float64", 1e-12)]:
+            run = tf.function(
+                lambda t: hvd.allreduce(t, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5)
+            )
+            equal(
+                run(tensor(inputs[rank], dtype)),
+                formula(2 * inputs[0], 2 * inputs[1]) * 0.5,
+                tolerance,
+                dtype,
+            )
+        equal(hvd.allreduce(tf.constant(inputs[rank]), op=hvd.Adasum), formula(*inputs), 1e-12, "eager")
+        weights = [values(r, 10, (4, 3)) for r in range(size)]
+
+        @tf.function
+        def gradient(x: tf.Tensor) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(hvd.allreduce(x, op=hvd.Adasum) * tf.constant(weights[rank]))
+            return tape.gradient(loss, x)
+
+        equal(gradient(tf.constant(inputs[rank])), formula(*weights), 1e-12, "gradient")
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            reduced = hvd.allreduce(tf.constant(inputs[rank]), op=hvd.Adasum, name="adasum.graph")
+            equal(session.run(reduced), formula(*inputs), 1e-12, "graph mode")
+        solo = hvd.add_process_set([0])
+        for bad, error in [
+            (lambda: hvd.allreduce(tf.ones(2, tf.int32), op=hvd.Adasum), TypeError),
+            (lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum, process_set=solo), NotImplementedError),
+        ]:
+            try:
+                bad()
+            except error as refusal:
+                assert "Adasum" in str(refusal), refusal
+            else:
+                raise AssertionError(f"Adasum did not raise {error.__name__}")
+        hvd.remove_process_set(solo)
 
     def scale_factors() -> None:
         for dtype in ["float32", "float64", "int32", "int64", "float16"]:
@@ -246,6 +286,7 @@ def main() -> int:
     check("alltoall", alltoall)
     check("broadcast-barrier", broadcast_and_barrier)
     check("gradients", gradients)
+    check("adasum", adasum)
     hvd.shutdown()
     return failures
 

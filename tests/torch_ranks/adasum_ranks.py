@@ -68,6 +68,16 @@ def main() -> int:
         hvd.allreduce_(tensor, op=hvd.Adasum)
         assert torch.allclose(tensor, vector(0, torch.float64) * 1.5, rtol=1e-12)
 
+    def differentiable() -> None:
+        # hvd.allreduce's gradient is the Adasum of the incoming gradients, as Horovod's.
+        x = vector(rank, torch.float64).requires_grad_()
+        reduced = hvd.allreduce(x, op=hvd.Adasum, name="adasum.autograd")
+        assert torch.allclose(reduced.detach(), formula(vector(0, torch.float64), vector(1, torch.float64)))
+        weights = vector(rank + 5, torch.float64)
+        (reduced * weights).sum().backward()
+        expected = formula(vector(5, torch.float64), vector(6, torch.float64))
+        assert torch.allclose(x.grad, expected, rtol=1e-12, atol=1e-12), (x.grad, expected)
+
     def refused() -> None:
         solo = hvd.add_process_set([0])
         for bad, error in [
@@ -89,6 +99,7 @@ def main() -> int:
     check("adasum-in-place", in_place)
     check("adasum-async-scaled", async_and_scaled)
     check("adasum-parallel-averages", parallel_averages)
+    check("adasum-differentiable", differentiable)
     check("adasum-refused", refused)
     hvd.shutdown()
     return failures
