@@ -67,6 +67,12 @@ RENAMES = {
     "horovod.tensorflow.sync_batch_norm": "commsched.tensorflow.sync_batch_norm",
     "horovod.common.util": "commsched._horovod_util",
     "horovod.runner.common.util.env": "commsched._horovod_util",
+    "horovod.runner.common.util.secret": "commsched.compute_service",
+    "horovod.runner.common.util.timeout": "commsched.compute_service",
+    "horovod.runner.common.service.compute_service": "commsched.compute_service",
+    "horovod.tensorflow.data": "commsched.tensorflow.data",
+    "horovod.tensorflow.data.compute_service": "commsched.tensorflow.data.compute_service",
+    "horovod.tensorflow.data.compute_worker": "commsched.tensorflow.data.compute_worker",
 }
 # Test dependencies with a standard-library twin of the same API.
 TWINS = {"mock": "unittest.mock"}
