@@ -131,6 +131,7 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
     "remove_process_set",
+    "run",
     "shutdown",
     "size",
     "start_timeline",
@@ -457,3 +458,15 @@ from commsched.process_sets import (
     remove_process_set,
 )
 from commsched.timeline import start_timeline, stop_timeline
+
+
+def __getattr__(name: str) -> Any:
+    """commsched.run on first use: the launcher's module, callable as Horovod's horovod.run(func, ...).
+
+    Imported lazily, so `python -m commsched.run` does not find it imported already.
+    """
+    if name == "run":
+        import importlib
+
+        return importlib.import_module("commsched.run")
+    raise AttributeError(f"module 'commsched' has no attribute {name!r}")

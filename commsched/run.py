@@ -6,6 +6,8 @@ import functools
 import math
 import os
 import shutil
+import sys
+import types
 from typing import Any
 
 _LOWEST_PORT = 10000  # below this, ports of well-known services cluster
@@ -407,3 +409,18 @@ def _say(message: str) -> None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+class _LauncherModule(types.ModuleType):
+    """commsched.run is this launcher's module and, called, Horovod's horovod.run(func, ...)."""
+
+    def __call__(self, func: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs `func` on ranks of this host and returns their results (commsched.run_function.run)."""
+        from commsched.run_function import run
+
+        return run(func, *args, **kwargs)
+
+
+if __name__ != "__main__":
+    # `import horovod` scripts call horovod.run(func, num_proc=...); here that is commsched.run(...).
+    sys.modules[__name__].__class__ = _LauncherModule

@@ -4,6 +4,7 @@ no ssh launching, so a host that is not this machine is an error naming the scri
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import subprocess
@@ -56,9 +57,7 @@ def parse(script: str, text: str) -> dict[str, int]:
 def discover(script: str) -> int:
     """Runs the discovery script and returns the slots it gives this machine (0 when it lists no host)."""
     try:
-        done = subprocess.run(
-            [script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, check=False, shell=False
-        )
+        done = _run(script)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise DiscoveryError(
             f"--host-discovery-script {script} could not be run ({error}); give an executable file "
@@ -70,3 +69,15 @@ def discover(script: str) -> int:
             f"--host-discovery-script {script} exited with status {done.returncode} ({last[0]})"
         )
     return sum(parse(script, done.stdout).values())
+
+
+def _run(script: str) -> subprocess.CompletedProcess[str]:
+    """Runs the script; one without a `#!` line goes to /bin/sh, as a shell runs it (and Horovod does)."""
+    try:
+        return subprocess.run([script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, check=False)
+    except OSError as error:
+        if error.errno != errno.ENOEXEC:
+            raise
+    return subprocess.run(
+        ["/bin/sh", script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, check=False
+    )
