@@ -56,7 +56,9 @@ def test_bad_requests_are_refused_by_name(service: ComputeService) -> None:
     with pytest.raises(IndexError, match=r"within \[0..1\]: 2"):
         client.register_dispatcher(2, "grpc://x:1")
     client.register_dispatcher(0, "grpc://x:1")
-    with pytest.raises(ValueError, match="already been registered under different address grpc://x:1: grpc://y:2"):
+    with pytest.raises(
+        ValueError, match="already been registered under different address grpc://x:1: grpc://y:2"
+    ):
         client.register_dispatcher(0, "grpc://y:2")
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="dispatcher 1 to register"):
@@ -103,7 +105,15 @@ def test_training_reads_its_pipeline_from_a_compute_job(tmp_path: Path) -> None:
     config = tmp_path / "compute.json"
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     compute = subprocess.Popen(
-        [str(mpiexec()), "-n", "2", sys.executable, "-m", "commsched.tensorflow.data.compute_worker", str(config)],
+        [
+            str(mpiexec()),
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "commsched.tensorflow.data.compute_worker",
+            str(config),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
