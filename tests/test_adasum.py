@@ -72,6 +72,7 @@ def test_torch_allreduce_adasum_two_ranks() -> None:
     passes = sorted(re.findall(r"^PASS ([\w-]+)", output, re.MULTILINE))
     labels = [
         "adasum-async-scaled",
+        "adasum-delta-optimizer",
         "adasum-differentiable",
         "adasum-in-place",
         "adasum-parallel-averages",

@@ -21,6 +21,7 @@ CHECKS = [
     "eager-collectives",
     "optimizer-arguments",
     "tape-arguments",
+    "adasum-gradients",
     "metric-average",
     "learning-rate-callbacks",
 ]

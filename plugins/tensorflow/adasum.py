@@ -1,4 +1,5 @@
-"""Horovod's op=hvd.Adasum for commsched.tensorflow's allreduce, eagerly and in tf.function.
+"""Horovod's op=hvd.Adasum for commsched.tensorflow's allreduce, eagerly and in tf.function, and for
+the gradients of DistributedOptimizer and DistributedGradientTape.
 
 Each rank's tensor travels in one scheduled allgather and every rank combines the rows in
 Horovod's pairwise order with commsched.adasum (the same code and bits as commsched.torch). The
@@ -7,6 +8,7 @@ gradient of an Adasum allreduce is the Adasum allreduce of the incoming gradient
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,32 @@ def allreduce(
             f"op=Adasum reduces float16, float32 or float64 tensors, not {value.dtype.name} ('{name}')"
         )
     return _combined(value, name, float(prescale_factor), float(postscale_factor))
+
+
+def check_gradient_reduction(process_set: Any, gradient_predivide_factor: Any) -> None:
+    """Refuses, when the optimizer or tape is wrapped, what an Adasum reduction of gradients cannot do."""
+    if not _horovod.is_global(process_set):
+        raise NotImplementedError(
+            "op=Adasum does not support process sets other than the global one (as Horovod)"
+        )
+    if gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor is supported only with op=hvd.Average (as in Horovod)")
+    _adasum.check_ranks(commsched.size())
+
+
+def reduce_gradients(
+    grads: Sequence[Any | None], names: Sequence[str], how: Any, densify: Callable[[Any], Any]
+) -> list[tf.Tensor | None]:
+    """Each gradient's Adasum over the ranks, scaled as `how` says (None stays None); sparse ones made dense."""
+    reduced: list[tf.Tensor | None] = []
+    for grad, name in zip(grads, names):
+        if grad is None:
+            reduced.append(None)
+            continue
+        compressed, context = how.compressor.compress(tf.convert_to_tensor(densify(grad)))
+        combined = allreduce(compressed, name, how.prescale, how.postscale, None)
+        reduced.append(how.compressor.decompress(combined, context))
+    return reduced
 
 
 def _combined(value: tf.Tensor, name: str, prescale: float, postscale: float) -> tf.Tensor:

@@ -86,7 +86,12 @@ def set_id_of(process_set: Any) -> int:
 
 def reduction(op: Any, compression: Any, gradient_predivide_factor: Any, process_set: Any) -> Reduction:
     """Checks DistributedOptimizer/DistributedGradientTape arguments against Horovod's rules."""
-    op = _horovod.resolve_op(op)
+    op = _horovod.resolve_op(op, adasum=True)
+    if op == _horovod.Adasum:
+        from commsched.tensorflow import adasum
+
+        adasum.check_gradient_reduction(process_set, gradient_predivide_factor)
+        return Reduction(op, compressor(compression), process_set=process_set)
     _reduce_code(op)
     if not _horovod.is_global(process_set):
         _horovod.core_arguments(process_set)  # a ProcessSet that add_process_set() registered
@@ -252,6 +257,10 @@ def allreduce_many(
     gradients unchanged, and an average divides by the set's size.
     """
     how = how or Reduction(_horovod.resolve_op(op))
+    if how.op == _horovod.Adasum:
+        from commsched.tensorflow import adasum
+
+        return adasum.reduce_gradients(tensors, names, how, densify)
     code = _reduce_code(how.op)
     process_set = how.process_set
     if not _horovod.is_global(process_set) and (not process_set.included() or process_set.size() == 1):

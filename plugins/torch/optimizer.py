@@ -65,7 +65,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` so each gradient is reduced by commsched as soon as backward produces it."""
 
     def __new__(cls, *args: Any, shard: bool | None = None, **kwargs: Any) -> DistributedOptimizer:  # noqa: PYI034
-        """shard=True (or COMMSCHED_SHARD=1 when shard is not given) builds the sharded optimizer (ZeRO-2)."""
+        """shard=True (or COMMSCHED_SHARD=1 when shard is not given) builds the sharded optimizer (ZeRO-2);
+        op=hvd.Adasum builds Horovod's Adasum delta optimizer."""
+        op = kwargs.get("op", args[4] if len(args) > 4 else None)
+        if cls is DistributedOptimizer and isinstance(op, str) and op.lower() == _horovod.Adasum:
+            from commsched.torch._adasum_optimizer import AdasumOptimizer
+
+            return super().__new__(AdasumOptimizer)
         if cls is DistributedOptimizer:
             from commsched.config import shard_setting
 

@@ -78,6 +78,46 @@ def main() -> int:
         expected = formula(vector(5, torch.float64), vector(6, torch.float64))
         assert torch.allclose(x.grad, expected, rtol=1e-12, atol=1e-12), (x.grad, expected)
 
+    def delta_optimizer() -> None:
+        # Horovod's Adasum optimizer: each rank steps SGD with momentum on its own gradients, and the
+        # ranks' parameter deltas are combined with Adasum; the reference tracks each rank's momentum.
+        import numpy as np
+
+        from commsched import adasum
+
+        torch.manual_seed(3)
+        model = torch.nn.Linear(5, 3).double()
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), op=hvd.Adasum)
+        assert repr(optimizer).startswith("DistributedOptimizer(Adasum")
+        buffers = [torch.zeros_like(p) for p in model.parameters()]
+        for step in range(3):
+            x = torch.randn(
+                6, 5, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64
+            )
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            for buffer, param in zip(buffers, model.parameters()):
+                buffer.mul_(0.9 if step else 0.0).add_(param.grad)
+            optimizer.step()
+            every = hvd.allgather_object([(-0.05 * b).reshape(-1).numpy() for b in buffers])
+            for i, param in enumerate(model.parameters()):
+                want = before[i].reshape(-1).numpy() + adasum.combine([deltas[i] for deltas in every])
+                assert np.allclose(param.detach().reshape(-1).numpy(), want, rtol=1e-12, atol=1e-12), (
+                    step,
+                    i,
+                )
+        solo = hvd.add_process_set([0])
+        for wrong in ({"overlap_forward": True, "model": model}, {"process_set": solo}):
+            try:
+                hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, **wrong)
+            except NotImplementedError as refusal:
+                assert "op=hvd.Adasum" in str(refusal), refusal
+            else:
+                raise AssertionError(f"the Adasum optimizer took {wrong}")
+        hvd.remove_process_set(solo)
+
     def refused() -> None:
         solo = hvd.add_process_set([0])
         for bad, error in [
@@ -100,6 +140,7 @@ def main() -> int:
     check("adasum-async-scaled", async_and_scaled)
     check("adasum-parallel-averages", parallel_averages)
     check("adasum-differentiable", differentiable)
+    check("adasum-delta-optimizer", delta_optimizer)
     check("adasum-refused", refused)
     hvd.shutdown()
     return failures

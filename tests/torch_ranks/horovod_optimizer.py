@@ -155,7 +155,9 @@ def main() -> int:
         model = fresh()
         for call, error, match in [
             (
-                lambda: hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Adasum),
+                lambda: hvd.DistributedOptimizer(
+                    sgd(model.parameters()), op=hvd.Adasum, overlap_forward=True, model=model
+                ),
                 NotImplementedError,
                 "Adasum",
             ),
