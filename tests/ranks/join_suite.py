@@ -188,7 +188,8 @@ def shutdown_while_joined(rank: int) -> None:
 def join_in_process_sets(rank: int) -> None:
     """Rank 0 joins; ranks 1 and 2 go on with collectives on the sets rank 0 is a member of."""
     prompt = 20.0  # far below the stall limit: a set collective must not wait for a joined member
-    pair, right, everyone = (commsched.add_process_set(ranks) for ranks in ([0, 1], [1, 2], [0, 1, 2]))
+    pair, right = (commsched.add_process_set(ranks) for ranks in ([0, 1], [1, 2]))
+    everyone = commsched.global_process_set  # a set of every rank is the global set (as in Horovod)
     small, large = contribution(rank, 0, 5, 31), contribution(rank, 0, LARGE, 32)
     if rank == 0:
         last = commsched.join(timeout=60)
