@@ -108,7 +108,7 @@ def run(
         raise ValueError(
             "an elastic run (min_num_proc, max_num_proc, host_discovery_script) needs use_mpi=False"
         )
-    _check_hosts(_host_slots(hosts, hostfile, slots), num_proc, max_num_proc)
+    _check_hosts(_host_slots(hosts, hostfile, slots), num_proc)
     with tempfile.TemporaryDirectory(prefix="commsched-run-") as folder:
         payload, results = Path(folder) / "payload.pkl", Path(folder) / "results"
         results.mkdir()
@@ -175,7 +175,7 @@ def _host_slots(hosts: str | None, hostfile: str | None, slots: int | None) -> d
     return found
 
 
-def _check_hosts(found: dict[str, int] | None, num_proc: int, max_num_proc: int | None) -> None:
+def _check_hosts(found: dict[str, int] | None, num_proc: int) -> None:
     if found is None:
         return
     from commsched.elastic import discovery
