@@ -344,6 +344,11 @@ class _Job:
                 _say(f"{_listed(running)} still there {self._grace_s:g}s after the failure: SIGTERM")
                 self._end(signal.SIGTERM)
                 sent = 1
+            elif sent == 0 and failed_at is not None and all(map(_stopped, running.values())):
+                # A stopped rank cannot exit by itself, so the grace would only delay the job's end.
+                _say(f"{_listed(running)} stopped (SIGSTOP) after the failure: SIGTERM and SIGCONT")
+                self._end(signal.SIGTERM)
+                failed_at, sent = now - self._grace_s, 1  # SIGKILL one grace period from now
             elif sent == 1 and (waited >= 2 * self._grace_s or len(self._signals) > 1):
                 _say(f"{_listed(running)} still there: SIGKILL")
                 self._send_all(signal.SIGKILL)
@@ -379,6 +384,16 @@ def _start_rank(cpus: set[int] | None) -> None:
         pass  # not Linux: the launcher's own signal handling is all there is
     if cpus:
         os.sched_setaffinity(0, cpus)
+
+
+def _stopped(process: Any) -> bool:
+    """Whether the process is stopped by a signal (state T in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{process.pid}/stat", "rb") as stat:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"T"
+    except (OSError, IndexError):
+        return False
 
 
 def _exit_status(code: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # One write per line: the ranks share the launcher's output, and print() of several arguments
@@ -47,3 +48,23 @@ def test_a_name_that_is_neither_file_nor_command_is_named() -> None:
     done = _launch("-n", "2", "no-such-command-here")
     assert done.returncode == 2
     assert "no-such-command-here: no such file or command" in done.stderr, done.stderr
+
+
+def test_a_stopped_rank_is_ended_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP) and rank 0 then fails: the stopped rank cannot exit by itself, so
+    the launcher sends SIGTERM and SIGCONT at once instead of after --grace, and the job ends."""
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "    time.sleep(60)\n"
+        "time.sleep(1)\n"
+        "sys.exit(3)\n"
+    )
+    started = time.monotonic()
+    done = _launch("-n", "2", "--grace", "30", str(program))
+    took = time.monotonic() - started
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "rank 1 stopped (SIGSTOP) after the failure: SIGTERM and SIGCONT" in done.stderr, done.stderr
+    assert took < 20, f"{took:.1f}s: the launcher waited out the 30 s grace"

@@ -9,7 +9,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // the at::Tensor caster; torch/extension.h would add 25 s of headers
 
 #include <cstdint>
 #include <mutex>
