@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv beside the repository with everything commsched, its tests and its
-# benchmarks need, then builds commsched into it (editable). Safe to run again: the pip
-# installs and the C++ build are skipped while their inputs are unchanged (stamp files
-# under .venv hold a hash of them), so a re-run takes seconds. One line per step.
+# benchmarks need, then builds commsched into it (editable). torch and requirements-build.txt go
+# first; the C++ build then runs in the background while the rest of requirements-dev.txt installs.
+# Safe to run again: the pip installs and the C++ build are skipped while their inputs are unchanged
+# (stamp files under .venv hold a hash of them), so a re-run takes seconds. One line per step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -29,18 +30,19 @@ deps_hash="$(
   {
     echo "$torch_pin"
     python --version
-    inputs_hash requirements-dev.txt pyproject.toml
+    inputs_hash requirements-build.txt requirements-dev.txt pyproject.toml
   } | sha256sum | cut -d' ' -f1
 )"
+deps_ok=0
 if [ -f "$deps_stamp" ] && [ "$(cat "$deps_stamp")" = "$deps_hash" ]; then
-  step "pip packages up to date (requirements-dev.txt and pyproject.toml unchanged)"
+  deps_ok=1
+  step "pip packages up to date (requirements-*.txt and pyproject.toml unchanged)"
 else
-  step "installing pip, the CPU build of $torch_pin, then requirements-dev.txt (several minutes the first time)"
+  step "installing pip, the CPU build of $torch_pin, then requirements-build.txt"
   pip install -q --upgrade pip
   # The CPU build of torch first, so nothing later pulls a multi-GB CUDA build for a `torch>=` range.
   pip install -q "$torch_pin"
-  pip install -q -r requirements-dev.txt
-  echo "$deps_hash" > "$deps_stamp"
+  pip install -q -r requirements-build.txt
 fi
 
 # The build's inputs: its scripts, the C++ sources and headers, and the torch it builds against.
@@ -49,7 +51,7 @@ build_hash="$(
   {
     python --version
     ls -d .venv/lib/python*/site-packages/torch-*.dist-info 2> /dev/null || true
-    inputs_hash setup.py pyproject.toml requirements-dev.txt csrc commsched/include plugins/tensorflow/ops
+    inputs_hash setup.py pyproject.toml requirements-build.txt csrc commsched/include plugins/tensorflow/ops
   } | sha256sum | cut -d' ' -f1
 )"
 # The stamp also lists the extension modules the build made: one missing means rebuilding.
@@ -61,13 +63,41 @@ built_ok() {
     [ -f "commsched/$module" ] || return 1
   done < <(tail -n +2 "$build_stamp")
 }
+build_pid=""
 if built_ok; then
   step "commsched's C++ extensions up to date (sources unchanged since the last build)"
 else
-  step "building commsched's C++ extensions (about 1.5 minutes on 2 CPUs; log in .venv/build.log)"
+  step "building commsched's C++ extensions in the background (about 2 minutes on 2 CPUs; log in .venv/build.log)"
   rm -f "$build_stamp"
-  # The build's own chatter goes to a log; it is shown only when the build fails.
-  if ! pip install -q -e . --no-build-isolation > .venv/build.log 2>&1; then
+  # --no-deps: the build needs only torch and requirements-build.txt, both in place; the build's own
+  # chatter goes to a log, shown only when it fails.
+  pip install -q --no-deps -e . --no-build-isolation > .venv/build.log 2>&1 &
+  build_pid=$!
+  # A failed install below ends the script: the build goes with it.
+  trap '[ -z "$build_pid" ] || kill "$build_pid" 2> /dev/null || true' EXIT
+fi
+
+if [ "$deps_ok" = 0 ]; then
+  step "installing the rest of requirements-dev.txt beside the build"
+  # The packages the build uses stay as they are while it runs: pinned to their installed versions.
+  constraints=.venv/build-constraints.txt
+  pip freeze --all | grep -iE '^(torch|setuptools|wheel|pybind11|numpy|mpich|mpi4py)==' > "$constraints"
+  if ! pip install -q -r requirements-dev.txt -c "$constraints"; then
+    step "requirements-dev.txt needs other versions of the build's packages: installing after the build"
+    [ -z "$build_pid" ] || wait "$build_pid" || true
+    pip install -q -r requirements-dev.txt
+    step "building again, against the packages installed now"
+    rm -f "$build_stamp"
+    exec scripts/setup_env.sh
+  fi
+  echo "$deps_hash" > "$deps_stamp"
+fi
+
+if [ -n "$build_pid" ]; then
+  build_status=0
+  wait "$build_pid" || build_status=$?
+  build_pid=""
+  if [ "$build_status" != 0 ]; then
     cat .venv/build.log
     exit 1
   fi
