@@ -81,7 +81,8 @@ if [ "$deps_ok" = 0 ]; then
   step "installing the rest of requirements-dev.txt beside the build"
   # The packages the build uses stay as they are while it runs: pinned to their installed versions.
   constraints=.venv/build-constraints.txt
-  pip freeze --all | grep -iE '^(torch|setuptools|wheel|pybind11|numpy|mpich|mpi4py)==' > "$constraints"
+  build_packages="$(sed -E 's/#.*//; s/[<>=!~ ].*//' requirements-build.txt | grep -v '^$' | paste -sd '|')"
+  pip freeze --all | grep -iE "^(torch|$build_packages)==" > "$constraints"
   if ! pip install -q -r requirements-dev.txt -c "$constraints"; then
     step "requirements-dev.txt needs other versions of the build's packages: installing after the build"
     [ -z "$build_pid" ] || wait "$build_pid" || true
