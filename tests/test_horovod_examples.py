@@ -1,5 +1,6 @@
 """The Horovod-style examples (examples/pytorch_*.py, examples/keras_mnist.py) run unchanged but for their
-import, on 2 ranks under mpiexec and under torchrun or commsched-run, a few iterations each.
+import, on 2 ranks, a few iterations each. Each run goes under one launcher, and together they cover
+mpiexec, torchrun and commsched-run: a launcher's own paths are tested in the files on that launcher.
 
 The digits examples must learn: the test accuracy they print (averaged over ranks with
 hvd.allreduce) is well above chance (10%).
@@ -60,36 +61,35 @@ def _run(launcher: str, script: str, *args: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "commsched-run"])
-def test_pytorch_synthetic_benchmark(launcher: str) -> None:
-    """Both models; the totals line names both ranks."""
+@pytest.mark.parametrize(
+    ("launcher", "model"),
+    [("mpiexec", ["--image-size", "32"]), ("commsched-run", ["--model", "mlp", "--fp16-allreduce"])],
+)
+def test_pytorch_synthetic_benchmark(launcher: str, model: list[str]) -> None:
+    """The default ResNet under mpiexec, the MLP with fp16 compression under commsched-run; the
+    totals line names both ranks."""
     pytest.importorskip("torch")
-    output = _run(launcher, "pytorch_synthetic_benchmark.py", *BENCHMARK, "--image-size", "32")
-    assert re.search(r"Total img/sec on 2 CPU\(s\): \d", output), output[-3000:]
-    output = _run(
-        launcher, "pytorch_synthetic_benchmark.py", *BENCHMARK, "--model", "mlp", "--fp16-allreduce"
-    )
+    output = _run(launcher, "pytorch_synthetic_benchmark.py", *BENCHMARK, *model)
     assert re.search(r"Total img/sec on 2 CPU\(s\): \d", output), output[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_pytorch_mnist(launcher: str) -> None:
-    """Two epochs on the digits learn well above chance."""
+def test_pytorch_mnist() -> None:
+    """Two epochs on the digits under torchrun learn well above chance."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    output = _run(launcher, "pytorch_mnist.py", "--epochs", "2")
+    output = _run("torchrun", "pytorch_mnist.py", "--epochs", "2")
     accuracies = [
         float(a) for a in re.findall(r"Test set: Average loss: [\d.]+, Accuracy: ([\d.]+)%", output)
     ]
     assert len(accuracies) == 2 and accuracies[-1] > 30.0, output[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "commsched-run"])
-def test_keras_mnist(launcher: str) -> None:
-    """Three epochs with the broadcast, metric-average and warmup callbacks learn well above chance."""
+def test_keras_mnist() -> None:
+    """Three epochs under mpiexec with the broadcast, metric-average and warmup callbacks learn well
+    above chance."""
     pytest.importorskip("tensorflow")
     pytest.importorskip("sklearn")
-    output = _run(launcher, "keras_mnist.py", "--epochs", "3")
+    output = _run("mpiexec", "keras_mnist.py", "--epochs", "3")
     assert "finished gradual learning rate warmup" in output, output[-3000:]
     accuracy = re.findall(r"Test accuracy: ([\d.]+)", output)
     assert accuracy and float(accuracy[-1]) > 0.3, output[-3000:]
