@@ -76,13 +76,18 @@ def run_agents(
             return f"127.0.0.{node + 1}"
         return "127.0.0.1" if node == nodes else f"127.0.0.{node + 2}"
 
+    # A job that starts below its maximum closes its first round 1 s after the minimum arrived, not
+    # after torch's 30 s of last call. A job that starts at its maximum closes it as the last agent
+    # arrives, so it keeps the 30 s: on a loaded host an agent can start more than 1 s after the
+    # others, and a round closed without it would make it a joining node.
+    last_call_s = 1 if nodes < most else 30
+
     def start(node: int) -> None:
         command = [
             *(sys.executable, "-m", "torch.distributed.run"),
             *("--nnodes", f"{min_nodes}:{most}", "--nproc-per-node", "1", "--max-restarts", "0"),
             *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", out.name),
-            # A round below the maximum closes after 1 s, not torch's 30 s of last call.
-            *("--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=1"),
+            *("--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout={last_call_s}"),
             *("--local-addr", address(node)),
             *("--monitor-interval", "0.1", str(script)),
         ]
