@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Sets up the environment (scripts/setup_env.sh) and runs the whole test suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k torch -x
+# The test files run on one pytest-xdist worker per core (at most 4; COMMSCHED_TEST_JOBS sets the
+# number, 1 runs them in this process, as -s and --pdb need). A file stays on one worker, so its
+# module fixtures are built once: most tests wait on ranks they launched, and a second worker fills
+# the cores while one waits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pytest "$@"
+jobs="${COMMSCHED_TEST_JOBS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+if [ "$jobs" -gt 1 ]; then
+    exec python -m pytest -n "$jobs" --dist loadfile "$@"
+fi
+exec python -m pytest "$@"
