@@ -7,11 +7,18 @@
 # the cores while one waits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+jobs="${COMMSCHED_TEST_JOBS-$(nproc)}"
+case "$jobs" in
+  '' | *[!0-9]* | 0)
+    echo "scripts/test.sh: COMMSCHED_TEST_JOBS=$jobs: give a whole number, 1 or more (1 runs the tests in one process)" >&2
+    exit 2
+    ;;
+esac
+[ -n "${COMMSCHED_TEST_JOBS-}" ] || [ "$jobs" -le 4 ] || jobs=4
 scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-jobs="${COMMSCHED_TEST_JOBS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
 if [ "$jobs" -gt 1 ]; then
-    exec python -m pytest -n "$jobs" --dist loadfile "$@"
+  exec python -m pytest -n "$jobs" --dist loadfile "$@"
 fi
 exec python -m pytest "$@"
