@@ -284,7 +284,7 @@ def resume(args: argparse.Namespace, combo: str, directory: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["reference", "train", "resume"])
+    parser.add_argument("phase", help="reference, train or resume; several comma-separated run in turn")
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument(
         "--combos", default="sgd-barrier,sgd-overlap,adamw-barrier,adamw-overlap,history-overlap"
@@ -300,15 +300,20 @@ def main() -> None:
     parser.add_argument("--kill-window", type=float, default=0.05)
     parser.add_argument("--timeline", default="", help="COMMSCHED_TIMELINE for this job")
     args = parser.parse_args()
+    phases = args.phase.split(",")
+    unknown = [phase for phase in phases if phase not in ("reference", "train", "resume")]
+    if unknown:
+        parser.error(f"phase {unknown[0]!r}: choose reference, train or resume")
     commsched.init(timeline=args.timeline or None)
-    for combo in args.combos.split(","):
-        if args.phase == "reference":
-            reference(args, combo)
-        elif args.phase == "train":
-            train(args, combo)
-        else:
-            for folder in args.resume_dirs.split(",") if args.resume_dirs else [combo]:
-                resume(args, combo, args.dir / folder)
+    for phase in phases:
+        for combo in args.combos.split(","):
+            if phase == "reference":
+                reference(args, combo)
+            elif phase == "train":
+                train(args, combo)
+            else:
+                for folder in args.resume_dirs.split(",") if args.resume_dirs else [combo]:
+                    resume(args, combo, args.dir / folder)
 
 
 if __name__ == "__main__":
