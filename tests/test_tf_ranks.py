@@ -3,8 +3,9 @@
 Each run covers collectives of every dtype, Keras fit() with DistributedOptimizer and the
 broadcast callback, a tf.function loop with DistributedOptimizer, and tf.function loops
 with DistributedGradientTape on an embedding model (IndexedSlices gradients) in float32,
-float64 and float16; under the priority and the fifo policy (3 ranks: priority). A timeline test shows that
-inside tf.function the first gradient is on the wire before the backward pass ends.
+float64 and float16; under the priority and the fifo policy (3 ranks: priority). A timeline
+test shows that inside tf.function the first gradient is on the wire before the backward pass
+ends.
 """
 
 from __future__ import annotations
