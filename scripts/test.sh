@@ -7,14 +7,14 @@
 # the cores while one waits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-jobs="${COMMSCHED_TEST_JOBS-$(nproc)}"
+cores="$(nproc)"
+jobs="${COMMSCHED_TEST_JOBS-$((cores < 4 ? cores : 4))}"
 case "$jobs" in
   '' | *[!0-9]* | 0)
     echo "scripts/test.sh: COMMSCHED_TEST_JOBS=$jobs: give a whole number, 1 or more (1 runs the tests in one process)" >&2
     exit 2
     ;;
 esac
-[ -n "${COMMSCHED_TEST_JOBS-}" ] || [ "$jobs" -le 4 ] || jobs=4
 scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -282,9 +282,12 @@ def resume(args: argparse.Namespace, combo: str, directory: Path) -> None:
     print(f"PASS resume {combo} {directory.relative_to(args.dir)} step={restored.step}", flush=True)
 
 
+PHASES = ("reference", "train", "resume")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", help="reference, train or resume; several comma-separated run in turn")
+    parser.add_argument("phase", help=f"{', '.join(PHASES)}; several comma-separated run in turn")
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument(
         "--combos", default="sgd-barrier,sgd-overlap,adamw-barrier,adamw-overlap,history-overlap"
@@ -301,9 +304,9 @@ def main() -> None:
     parser.add_argument("--timeline", default="", help="COMMSCHED_TIMELINE for this job")
     args = parser.parse_args()
     phases = args.phase.split(",")
-    unknown = [phase for phase in phases if phase not in ("reference", "train", "resume")]
+    unknown = [phase for phase in phases if phase not in PHASES]
     if unknown:
-        parser.error(f"phase {unknown[0]!r}: choose reference, train or resume")
+        parser.error(f"phase {unknown[0]!r}: choose one of {', '.join(PHASES)}")
     commsched.init(timeline=args.timeline or None)
     for phase in phases:
         for combo in args.combos.split(","):
