@@ -33,6 +33,10 @@ from commsched.transports.grpc_tls_check import door_refusal, open_door
 log = logging.getLogger("commsched")
 
 _PROBE_EVERY_S = 1.0  # a channel not up after this long may never come up: ask the peer why
+# A rank that found a TLS refusal keeps its server up this long before it raises, so a peer probing
+# every _PROBE_EVERY_S still reaches it and names the refusal too. With 0.5 s, a peer started first
+# once probed only after the server had gone, and waited out the join limit (a loaded host).
+TLS_VERDICT_HOLD_S = _PROBE_EVERY_S + 0.5
 _VERDICT_GRACE_S = 2.0  # how long past its own join limit a rank waits for rank 0's word on the others
 
 
@@ -172,7 +176,7 @@ class Rendezvous:
         if not problem and node.tls is not None:
             problem = handshake_refusal(address, node.tls, peer)
         if problem:
-            time.sleep(0.5)  # the peer's own check of this rank's server gets its answer first
+            time.sleep(TLS_VERDICT_HOLD_S)  # the peer's own check of this rank's server gets its answer first
             raise GrpcError(f"rank {node.rank}: {problem}")
 
     def _unreachable(self, pending: list[int], addresses: list[str]) -> str:

@@ -34,7 +34,7 @@ from commsched.transports.grpc_frames import deserialize, encode_frame
 from commsched.transports.grpc_lanes import Lane, set_stream_kind
 from commsched.transports.grpc_net import DaemonExecutor, Endpoint
 from commsched.transports.grpc_ops import GrpcError, PendingOp
-from commsched.transports.grpc_rendezvous import JoinLimit, Rendezvous
+from commsched.transports.grpc_rendezvous import TLS_VERDICT_HOLD_S, JoinLimit, Rendezvous
 from commsched.transports.grpc_reports import ReportBoard
 from commsched.transports.grpc_ring import FrameError, check_payload
 from commsched.transports.grpc_stream import CHANNEL_OPTIONS, JOIN_METHOD, STREAM_METHOD, Outbox, stream_kinds
@@ -134,7 +134,9 @@ class _Node:
         if self.tls is not None and self.size > 1:
             refusals = peer_refusals(self.addresses, self.rank, self.tls)
             if refusals:
-                time.sleep(0.5)  # the peers' own checks of this rank's server get their answer first
+                time.sleep(
+                    TLS_VERDICT_HOLD_S
+                )  # the peers' own checks of this rank's server get their answer first
                 raise GrpcError(f"rank {self.rank}: " + "; ".join(refusals))
         self._rendezvous.reach(self.addresses)
         self._watchdog.start()
