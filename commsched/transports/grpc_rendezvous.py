@@ -176,7 +176,8 @@ class Rendezvous:
         if not problem and node.tls is not None:
             problem = handshake_refusal(address, node.tls, peer)
         if problem:
-            time.sleep(TLS_VERDICT_HOLD_S)  # the peer's own check of this rank's server gets its answer first
+            # The peer's own check of this rank's server gets its answer first.
+            time.sleep(TLS_VERDICT_HOLD_S)
             raise GrpcError(f"rank {node.rank}: {problem}")
 
     def _unreachable(self, pending: list[int], addresses: list[str]) -> str:

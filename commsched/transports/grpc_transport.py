@@ -134,9 +134,8 @@ class _Node:
         if self.tls is not None and self.size > 1:
             refusals = peer_refusals(self.addresses, self.rank, self.tls)
             if refusals:
-                time.sleep(
-                    TLS_VERDICT_HOLD_S
-                )  # the peers' own checks of this rank's server get their answer first
+                # The peers' own checks of this rank's server get their answer first.
+                time.sleep(TLS_VERDICT_HOLD_S)
                 raise GrpcError(f"rank {self.rank}: " + "; ".join(refusals))
         self._rendezvous.reach(self.addresses)
         self._watchdog.start()
