@@ -149,8 +149,9 @@ def mpi_enabled() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """True while commsched runs on Gloo."""
-    return commsched.is_initialized() and commsched.config().get("transport") == "gloo"
+    """True from init() on Gloo to this rank's own shutdown(), as mpi_enabled()."""
+    state = commsched._state
+    return state.settings is not None and state.pending is None and state.transport == "gloo"
 
 
 def mpi_threads_supported() -> bool:

@@ -503,5 +503,8 @@ def nccl_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """True while commsched runs on the MPI transport."""
-    return _api.is_initialized() and _api._state.transport == "mpi"
+    """True from init() on the MPI transport to this rank's own shutdown()."""
+    # Not is_initialized(): that turns false when a peer shuts down first, and as in Horovod the
+    # answer must not change under a rank still finishing its own work.
+    state = _api._state
+    return state.settings is not None and state.pending is None and state.transport == "mpi"

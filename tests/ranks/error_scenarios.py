@@ -156,6 +156,8 @@ def shutdown_pending() -> None:
         deadline = time.monotonic() + 30
         while commsched.is_initialized() and time.monotonic() < deadline:
             time.sleep(0.02)
+        # What this rank was started on stays true until its own shutdown(), as in Horovod.
+        assert commsched.mpi_enabled() == (commsched.config()["transport"] == "mpi"), commsched.config()
         try:
             commsched.allreduce_async(np.ones(2), "orphan")
         except commsched.NotRunningError as error:
