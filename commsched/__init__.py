@@ -176,6 +176,7 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
             # Every rank submits the same first tensor, so every rank makes the same choice.
             _state.pending = (info, info.rank, info.size)
             _state.local_rank = info.local_rank
+            _state.local_size = _launch.local_size(info.size)
             log.info(
                 "COMMSCHED_TRANSPORT=auto with a GPU visible: the transport is chosen when the first tensor "
                 "is submitted (init(device='cuda' or 'cpu') chooses now)"
@@ -258,7 +259,7 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
     _state.settings = resolved
     _state.transport = kind
     _state.device_memory = core_kind == "device"
-    _state.local_rank = _mpi_local_rank(comm) if kind == "mpi" else info.local_rank
+    _state.local_rank, _state.local_size = _local_rank_and_size(kind, comm, info, size)
     _state.pending = None
     if _state.timeline_request is not None:
         from commsched.timeline import apply_pending_request
@@ -290,10 +291,14 @@ def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) ->
     return 0, 1
 
 
-def _mpi_local_rank(comm: Any) -> int:
-    from commsched.transports.mpi import local_rank
+def _local_rank_and_size(kind: str, comm: Any, info: _launch.LaunchInfo, size: int) -> tuple[int, int]:
+    """Rank and rank count on this host, asked once at start: under MPI it is a collective call, which
+    a later local_size() on one rank alone would leave waiting."""
+    if kind == "mpi":
+        from commsched.transports.mpi import local_rank_and_size
 
-    return local_rank(comm)
+        return local_rank_and_size(comm)
+    return info.local_rank, _launch.local_size(size)
 
 
 def shutdown() -> None:

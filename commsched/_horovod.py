@@ -78,8 +78,9 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """True between init() and shutdown()."""
-    return commsched.is_initialized()
+    """True from init() to this rank's own shutdown(), as Horovod's (a peer's shutdown leaves it true)."""
+    state = commsched._state
+    return state.settings is not None
 
 
 def size() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 import pickle
 import time
 from collections.abc import Sequence
@@ -459,17 +458,10 @@ def grouped_allreduce(
 
 
 def local_size() -> int:
-    """The number of ranks on this host."""
-    if _api._state.transport == "mpi":
-        from mpi4py import MPI
-
-        shared = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            return int(shared.Get_size())
-        finally:
-            shared.Free()
-    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return int(value) if value else _api.size()
+    """The number of ranks on this host (found once, at init())."""
+    if _api._state.settings is None:
+        _api.size()  # raises the not-initialised error
+    return _api._state.local_size
 
 
 def cross_size() -> int:

@@ -37,6 +37,26 @@ def _integer(environ: dict[str, str], name: str, default: int | None = None) -> 
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+_LOCAL_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "PMIX_LOCAL_SIZE",
+)
+
+
+def local_size(size: int, environ: dict[str, str] | None = None) -> int:
+    """The ranks on this host as the launcher counts them; all `size` ranks when it does not say."""
+    env = os.environ if environ is None else environ
+    for name in _LOCAL_SIZE_VARIABLES:
+        if env.get(name):
+            value = _integer(dict(env), name)
+            if not 1 <= value <= max(size, 1):
+                raise ValueError(f"{name}={value} is outside 1..{size} (the job's size); fix or unset it")
+            return value
+    return max(size, 1)
+
+
 def detect(environ: dict[str, str] | None = None) -> LaunchInfo:
     """Reads the launcher's variables; a plain `python` run is a single rank."""
     env = dict(os.environ) if environ is None else environ

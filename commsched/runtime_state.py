@@ -20,6 +20,7 @@ class _State:
         self.settings: _config.Settings | None = None
         self.transport = ""
         self.local_rank = 0
+        self.local_size = 1
         self.launcher = ""
         self.unnamed = itertools.count()
         self.user_given: frozenset[str] = frozenset()  # settings the auto-tuner must leave alone

@@ -121,6 +121,18 @@ def test_rank_discovery_from_launchers() -> None:
         launch.detect({"RANK": "0", "WORLD_SIZE": "two"})
 
 
+def test_local_size_from_launchers() -> None:
+    """torchrun's, Open MPI's and hydra's count of ranks on the host; all ranks when none says."""
+    assert launch.local_size(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert launch.local_size(8, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
+    assert launch.local_size(8, {"MPI_LOCALNRANKS": "8"}) == 8
+    assert launch.local_size(3, {}) == 3
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=5 is outside 1..4"):
+        launch.local_size(4, {"LOCAL_WORLD_SIZE": "5"})
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='x'"):
+        launch.local_size(4, {"LOCAL_WORLD_SIZE": "x"})
+
+
 def test_single_rank_allreduce_and_broadcast(runtime: None) -> None:
     """One rank: sum and broadcast leave data as it is; average of one rank too."""
     data = np.arange(10, dtype=np.float64)

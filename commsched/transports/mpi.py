@@ -54,13 +54,13 @@ def cuda_aware_build(comm: Any, device: int) -> tuple[str, Any]:
     return "device", (maker.capsule(), "native", mpi_factory, maker)
 
 
-def local_rank(comm: Any) -> int:
-    """The rank among the processes of this host."""
+def local_rank_and_size(comm: Any) -> tuple[int, int]:
+    """This process's rank among the processes of its host, and their number (a collective call)."""
     from mpi4py import MPI
 
     communicator = MPI.COMM_WORLD if comm is None else comm
     shared = communicator.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return shared.Get_rank()
+        return shared.Get_rank(), shared.Get_size()
     finally:
         shared.Free()

@@ -156,7 +156,12 @@ def shutdown_pending() -> None:
         deadline = time.monotonic() + 30
         while commsched.is_initialized() and time.monotonic() < deadline:
             time.sleep(0.02)
-        # What this rank was started on stays true until its own shutdown(), as in Horovod.
+        # What this rank was started on stays true until its own shutdown(), as in Horovod, and
+        # asking for it waits on no peer (local_size() once split MPI's world on every call).
+        from commsched import _horovod as hvd
+
+        assert hvd.is_initialized() and hvd.local_size() == commsched.local_size() == 2
+        assert (hvd.local_rank(), hvd.cross_rank(), hvd.cross_size()) == (1, 0, 1)
         assert commsched.mpi_enabled() == (commsched.config()["transport"] == "mpi"), commsched.config()
         try:
             commsched.allreduce_async(np.ones(2), "orphan")
