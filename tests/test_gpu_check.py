@@ -79,20 +79,27 @@ def test_merge_fails_a_row_when_any_rank_failed() -> None:
 
 
 def test_step_time_dry_run_on_the_cpu(tmp_path: Path) -> None:
-    """Section (e) on the CPU (--quick: tiny models, Gloo for DDP): every variant of every model runs in a
-    process of its own and reports its times, and commsched's launches per step; the compile'd model's
-    losses in barrier mode equal eager's. GPT-2 is a skipped row where transformers is missing."""
+    """Section (e) on the CPU (--quick: tiny models, Gloo for DDP): every variant runs in a process of
+    its own and reports its times, and commsched's launches per step; the compile'd model's losses in
+    barrier mode equal eager's. GPT-2 is a skipped row where transformers is missing. ViT-B/16 runs the
+    same worker code, so its tiny model is only built and stepped here, in this process."""
     import gpu_check
     import gpu_step_time
+    import step_time_models
+    import torch
 
+    module, loss_of, _ = step_time_models.build("vit_b_16", True, torch.device("cpu"))
+    loss = loss_of(module)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in module.parameters() if p.requires_grad)
     out = tmp_path / "gpu_step_time.json"
     result, printed = gpu_check.step_time(
-        clean_rank_env(ROOT), out, "--device", "cpu", "--quick", "--jobs", "2"
+        clean_rank_env(ROOT), out, "--device", "cpu", "--quick", "--jobs", "2", "--models", "resnet50,gpt2"
     )
     assert result["passed"], printed + json.dumps(result, indent=1)[-3000:]
     assert json.loads(out.read_text())["rows"] == result["rows"]
     rows = {(r["model"], r["variant"]): r for r in result["rows"]}
-    expected = [(m, v) for m in ("resnet50", "vit_b_16") for v in gpu_step_time.VARIANTS]
+    expected = [("resnet50", v) for v in gpu_step_time.VARIANTS]
     if gpu_step_time.missing("gpt2"):
         assert "transformers" in rows[("gpt2", None)]["skipped"]
     else:
@@ -121,7 +128,7 @@ def test_step_time_dry_run_on_the_cpu(tmp_path: Path) -> None:
     lines = printed.splitlines()
     assert "median ms" in lines[1] and "vs DDP" in lines[1] and "launches/step" in lines[1]
     for label in gpu_step_time.LABELS.values():
-        assert sum(label in line for line in lines) >= 2, printed
+        assert any(label in line for line in lines), printed
     assert sum(line.startswith("  torch.compile (aot_eager)") for line in lines) == 2, printed
     assert lines == gpu_step_time.table_lines(result) + [lines[-1]] and "step time: PASS" in lines[-1]
 
