@@ -15,6 +15,14 @@ case "$jobs" in
     exit 2
     ;;
 esac
+# COMMSCHED_TEST_FULL=1 also runs the cells marked `full` (tests/conftest.py), which CI's run leaves out.
+case "${COMMSCHED_TEST_FULL-}" in
+  '' | 0 | 1) ;;
+  *)
+    echo "scripts/test.sh: COMMSCHED_TEST_FULL=$COMMSCHED_TEST_FULL: give 1 (every matrix cell) or leave it unset" >&2
+    exit 2
+    ;;
+esac
 scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate

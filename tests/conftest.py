@@ -26,8 +26,30 @@ LONGEST_FILES = (
 )
 
 
+# Cells of a matrix whose path another cell of the default run already takes (the same transport
+# under another launcher, the same check at another rank count) carry @pytest.mark.full: they
+# run with COMMSCHED_TEST_FULL=1 (mpirun.full_matrix()), so that the default run fits the CI's
+# time on 2 cores.
+from mpirun import FULL_VARIABLE, full_matrix
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Registers the `full` marker."""
+    config.addinivalue_line(
+        "markers", f"full: a cell another cell covers the path of; runs only with {FULL_VARIABLE}=1"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, moves the longest files to the front; each file keeps its own order."""
+    """Skips `full` cells unless asked for; under pytest-xdist, moves the longest files to the front
+    (each file keeps its own order)."""
+    if not full_matrix():
+        skip = pytest.mark.skip(
+            reason=f"a cell of the full matrix: {FULL_VARIABLE}=1 scripts/test.sh runs it"
+        )
+        for item in items:
+            if item.get_closest_marker("full") is not None:
+                item.add_marker(skip)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     rank = {name: position for position, name in enumerate(LONGEST_FILES)}

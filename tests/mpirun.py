@@ -17,6 +17,14 @@ def mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+FULL_VARIABLE = "COMMSCHED_TEST_FULL"
+
+
+def full_matrix() -> bool:
+    """True when COMMSCHED_TEST_FULL=1 asks for every cell of the matrices, not only those of CI's run."""
+    return os.environ.get(FULL_VARIABLE, "") == "1"
+
+
 # Launcher and commsched variables of a surrounding job must not leak into the ranks a test starts.
 _LAUNCH_VARIABLES = (
     "COMMSCHED_",

@@ -97,7 +97,7 @@ def test_resume_same_rank_count(trained: Path) -> None:
     assert output.count("step=11") == 2 * len(COMBOS), output[-3000:]
 
 
-@pytest.mark.parametrize("ranks", [3, 1])
+@pytest.mark.parametrize("ranks", [3, pytest.param(1, marks=pytest.mark.full)])
 def test_resume_other_rank_count(trained: Path, ranks: int) -> None:
     """A version saved by 2 ranks loads exactly at 3 ranks and at 1; one saved there loads back too."""
     work = trained.parent / f"resume{ranks}"

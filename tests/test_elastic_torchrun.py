@@ -45,6 +45,7 @@ def test_sigkill_under_torchrun_equals_a_run_started_from_the_commit(tmp_path: P
     killed_equals_reference(tmp_path, "gloo")
 
 
+@pytest.mark.full  # gRPC's re-forming through torchrun's store: the sharded join below takes it too
 def test_sigkill_under_torchrun_over_grpc_equals_a_run_started_from_the_commit(tmp_path: Path) -> None:
     """Over gRPC the same fault re-forms the same way: the survivors meet at new addresses exchanged
     through torchrun's store and end at the parameters of a 2-rank gRPC run from the same commit."""

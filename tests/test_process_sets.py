@@ -52,6 +52,7 @@ def test_process_sets_over_transport(transport: str, tmp_path: Path) -> None:
         assert f"rank {rank}: PROCESS SETS OK" in output and f"over {transport}{path}" in output, output
 
 
+@pytest.mark.full  # the Python Gloo transport's sets; tests/test_gloo_native.py checks its fallback
 def test_process_sets_over_python_gloo(tmp_path: Path) -> None:
     """The Python Gloo transport (commsched._gloo made unimportable) builds member-only groups too."""
     if not TRANSPORTS["gloo"]:

@@ -86,7 +86,7 @@ FAKE_GPU_CASES = {2: ("adamw", "exact", "state"), 3: ("small", "mixed")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="needs grpcio")
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.full), 3])
 def test_grpc_matches_the_unsharded_optimizer(ranks: int) -> None:
     """gRPC transport (commsched-run), 2 and 3 ranks: reduce-scatter and all-gather over its rings give
     the unsharded optimizer's parameters, bit for bit on integer data."""
@@ -108,7 +108,7 @@ def test_grpc_matches_the_unsharded_optimizer(ranks: int) -> None:
 
 
 @needs_mpi
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.full), 3])
 def test_nccl_on_the_fake_gpu_matches_the_unsharded_optimizer(
     ranks: int, fake_nccl: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
