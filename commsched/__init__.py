@@ -343,7 +343,7 @@ def _add_stall_hint(prefix: str, hint: str) -> None:
 
 
 def is_initialized() -> bool:
-    """True between init() and shutdown()."""
+    """True from init() until shutdown() or until the core stops (a peer's shutdown, a rank's failure)."""
     return bool(_core.running()) or _state.pending is not None
 
 
