@@ -51,9 +51,10 @@ def local_size(size: int, environ: dict[str, str] | None = None) -> int:
     for name in _LOCAL_SIZE_VARIABLES:
         if env.get(name):
             value = _integer(dict(env), name)
-            if not 1 <= value <= max(size, 1):
-                raise ValueError(f"{name}={value} is outside 1..{size} (the job's size); fix or unset it")
-            return value
+            if value < 1:
+                raise ValueError(f"{name}={value}: a host runs 1 rank or more; fix or unset it")
+            # More than the job's size is a launcher's count from before an elastic job shrank.
+            return min(value, max(size, 1))
     return max(size, 1)
 
 
