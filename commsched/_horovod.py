@@ -79,8 +79,7 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     """True from init() to this rank's own shutdown(), as Horovod's (a peer's shutdown leaves it true)."""
-    state = commsched._state
-    return state.settings is not None
+    return commsched._state.initialized_here()
 
 
 def size() -> int:
@@ -151,8 +150,7 @@ def mpi_enabled() -> bool:
 
 def gloo_enabled() -> bool:
     """True from init() on Gloo to this rank's own shutdown(), as mpi_enabled()."""
-    state = commsched._state
-    return state.settings is not None and state.pending is None and state.transport == "gloo"
+    return commsched._state.started_on("gloo")
 
 
 def mpi_threads_supported() -> bool:

@@ -459,7 +459,7 @@ def grouped_allreduce(
 
 def local_size() -> int:
     """The number of ranks on this host (found once, at init())."""
-    if _api._state.settings is None:
+    if not _api._state.initialized_here():
         _api.size()  # raises the not-initialised error
     return _api._state.local_size
 
@@ -498,5 +498,4 @@ def mpi_enabled() -> bool:
     """True from init() on the MPI transport to this rank's own shutdown()."""
     # Not is_initialized(): that turns false when a peer shuts down first, and as in Horovod the
     # answer must not change under a rank still finishing its own work.
-    state = _api._state
-    return state.settings is not None and state.pending is None and state.transport == "mpi"
+    return _api._state.started_on("mpi")

@@ -47,10 +47,10 @@ _LOCAL_SIZE_VARIABLES = (
 
 def local_size(size: int, environ: dict[str, str] | None = None) -> int:
     """The ranks on this host as the launcher counts them; all `size` ranks when it does not say."""
-    env = os.environ if environ is None else environ
+    env = dict(os.environ) if environ is None else environ
     for name in _LOCAL_SIZE_VARIABLES:
         if env.get(name):
-            value = _integer(dict(env), name)
+            value = _integer(env, name)
             if value < 1:
                 raise ValueError(f"{name}={value}: a host runs 1 rank or more; fix or unset it")
             # More than the job's size is a launcher's count from before an elastic job shrank.

@@ -32,6 +32,15 @@ class _State:
         # start_timeline() called while pending: (path, mark_cycles), opened when the core starts.
         self.timeline_request: tuple[str, bool] | None = None
 
+    def initialized_here(self) -> bool:
+        """True from this rank's init() to its own shutdown(), whether or not the core still runs
+        (a peer's shutdown stops it): what Horovod's is_initialized() answers."""
+        return self.settings is not None
+
+    def started_on(self, transport: str) -> bool:
+        """True when this rank's init() started `transport` and its own shutdown() has not come yet."""
+        return self.initialized_here() and self.pending is None and self.transport == transport
+
 
 _state = _State()
 # Per thread: whether the collectives it submits now are waited for by it next (_caller_drives).
