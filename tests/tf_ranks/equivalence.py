@@ -13,6 +13,7 @@ launch pays TensorFlow's start once for both.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import commsched.tensorflow as cst
 import keras
@@ -140,12 +141,19 @@ def main() -> None:
     parser.add_argument("--policy", required=True, help="priority, fifo, or both comma-separated")
     parser.add_argument("--configs", default="collectives,fit,optimizer-loop,tape")
     parser.add_argument("--dtypes", default="float32,float64,float16")
+    parser.add_argument(
+        "--overlap", metavar="DIR", help="then overlap.py's check, its timelines in DIR (labels overlap/...)"
+    )
     args = parser.parse_args()
     configs = args.configs.split(",")
     for policy in args.policy.split(","):
         if policy not in ("priority", "fifo"):
             parser.error(f"--policy {policy!r}: choose priority or fifo")
         run_policy(policy, configs, args.dtypes.split(","))
+    if args.overlap:
+        import overlap
+
+        overlap.run(Path(args.overlap), prefix="overlap/")
 
 
 def run_policy(policy: str, configs: list[str], dtypes: list[str]) -> None:

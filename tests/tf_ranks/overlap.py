@@ -103,8 +103,13 @@ def report(label: str, rank: int, measured: list[tuple[float, float]]) -> None:
 
 
 def main() -> None:
-    """Trains both ways with a timeline, then checks this rank's trace."""
-    directory = Path(sys.argv[1])
+    """Trains both ways with a timeline in the folder named first on the command line."""
+    run(Path(sys.argv[1]))
+
+
+def run(directory: Path, prefix: str = "") -> None:
+    """Trains both ways with a timeline in `directory`, then checks this rank's trace; each verdict's
+    label starts with `prefix`."""
     # Inline payloads would take the small gradients off the wire, and this reads wire events.
     commsched.init(timeline=str(directory / "trace.{rank}.json"), inline_bytes=0)
     rank = commsched.rank()
@@ -137,7 +142,7 @@ def main() -> None:
         "fit": steps(trace, "DistributedOptimizer."),
     }
     for label, values in measured.items():
-        report(label, rank, everyone(values))
+        report(prefix + label, rank, everyone(values))
 
 
 if __name__ == "__main__":

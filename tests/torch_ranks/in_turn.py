@@ -1,0 +1,59 @@
+"""Rank script: runs other rank scripts of this folder one after another in this process.
+
+`in_turn.py horovod_collectives horovod_autograd` runs each script's main() (its own init() to
+shutdown()), so a launch pays Python's and torch's start-up once for several scripts. Each script's
+"PASS <check>" and "FAIL <check>" lines come out as "PASS <script>/<check>", since two scripts may
+name a check alike. A script that raises ends the run: the ranks would no longer agree on what comes
+next. Exits 1 when any script failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from typing import TextIO
+
+
+class _Labelled:
+    """stdout that names the script in each PASS and FAIL line written through it."""
+
+    def __init__(self, stream: TextIO, script: str) -> None:
+        self._stream = stream
+        self._script = script
+
+    def write(self, text: str) -> int:
+        """Writes `text`, "PASS x" and "FAIL x" at a line's start becoming "PASS script/x"."""
+        lines = text.split("\n")
+        for index, line in enumerate(lines):
+            for marker in ("PASS ", "FAIL "):
+                if line.startswith(marker):
+                    lines[index] = f"{marker}{self._script}/{line[len(marker) :]}"
+        return self._stream.write("\n".join(lines))
+
+    def flush(self) -> None:
+        """Flushes the real stdout."""
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def main() -> int:
+    """Runs the scripts named on the command line in turn; 1 if any failed."""
+    failed = 0
+    real = sys.stdout
+    for script in sys.argv[1:]:
+        sys.stdout = _Labelled(real, script)
+        try:
+            failed |= importlib.import_module(script).main() != 0
+        except Exception:  # noqa: BLE001 - report which script stopped the run, then stop
+            print(f"FAIL {script}/raised\n{traceback.format_exc()}", flush=True)
+            return 1
+        finally:
+            sys.stdout = real
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
