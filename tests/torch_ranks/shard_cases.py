@@ -18,8 +18,8 @@ through the unsharded optimizer and one sharded, and compares their parameters a
            `step` differing between parameters): full_state_dict() equals the unsharded state; loaded
            into a new sharded optimizer, training goes on to the same parameters
 
-With --recut FILE, the first run (2 ranks) saves full_state_dict() and the model to FILE; the second
-(another rank count) loads it into a sharded optimizer whose shards are laid out already: gathering
+With --recut FILE, after the cases (`--cases ""` for none), the first run (2 ranks) saves
+full_state_dict() and the model to FILE; the second (another rank count) loads it into a sharded optimizer whose shards are laid out already: gathering
 again gives the saved state, and training on gives the parameters of the unsharded optimizer that
 loaded the same state.
 
@@ -288,7 +288,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="sgd,small,adamw,exact,mixed,clip,pset,memory,state")
     parser.add_argument("--modes", default="barrier,overlap")
-    parser.add_argument("--recut", metavar="FILE", help="save the state here, or load it if it exists")
+    parser.add_argument("--recut", metavar="FILE", help="then save the state here, or load it if it exists")
     parser.add_argument("--transport", default=None, help="commsched.init(transport=...)")
     parser.add_argument(
         "--fake-gpu", metavar="LIBRARY", help="the CUDA path over this fake libnccl/libcudart"
@@ -302,13 +302,8 @@ def main() -> int:
         FAKE_GPU = True
         route_through(args.fake_gpu)
         where["device"] = "cuda"
-    if args.recut:
-        commsched.init(stall_timeout=10)
-        ok = recut(args.recut)
-        commsched.shutdown()
-        return 0 if ok else 1
     failed = 0
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):
         # Buckets of 256 bytes cut most weights into pieces across buckets.
         cut = case in ("small", "exact", "state")
         commsched.init(stall_timeout=10, bucket_bytes=256 if cut else None, **where)
@@ -329,6 +324,10 @@ def main() -> int:
         # A rank outside the set must not stop the others; the core's in-place allreduce asks torch for
         # no CUDA device (the fake GPU has none to give).
         commsched.allreduce(torch.zeros(1), name=f"done.{case}")
+        commsched.shutdown()
+    if args.recut:
+        commsched.init(stall_timeout=10)
+        failed += not recut(args.recut)
         commsched.shutdown()
     return 1 if failed else 0
 
