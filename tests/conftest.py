@@ -2,8 +2,11 @@
 loopback rank."""
 
 import ctypes
+import json
 import os
+import resource
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -54,6 +57,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     rank = {name: position for position, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
+
+
+# COMMSCHED_TEST_CPU_LOG=FILE appends one JSON line per test: its wall time and the CPU time of the
+# test's own process and of every process it started and waited for (ranks, launchers, compilers).
+# The suite fills its cores, so CPU time, not wall time, says what a test costs the CI's run.
+CPU_LOG = os.environ.get("COMMSCHED_TEST_CPU_LOG", "")
+
+
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Logs the test's wall and CPU time when COMMSCHED_TEST_CPU_LOG names a file."""
+    if not CPU_LOG:
+        yield
+        return
+    start = (time.monotonic(), _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN))
+    yield
+    row = {
+        "test": item.nodeid,
+        "wall": time.monotonic() - start[0],
+        "cpu_self": _cpu_seconds(resource.RUSAGE_SELF) - start[1],
+        "cpu_children": _cpu_seconds(resource.RUSAGE_CHILDREN) - start[2],
+    }
+    with open(CPU_LOG, "a") as log:
+        log.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session")
