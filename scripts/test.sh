@@ -16,6 +16,7 @@ case "$jobs" in
     ;;
 esac
 # COMMSCHED_TEST_FULL=1 also runs the cells marked `full` (tests/conftest.py), which CI's run leaves out.
+# COMMSCHED_TEST_CPU_LOG=FILE: each test appends its wall and CPU time to FILE (tests/conftest.py).
 case "${COMMSCHED_TEST_FULL-}" in
   '' | 0 | 1) ;;
   *)
