@@ -9,7 +9,7 @@ left, HorovodInternalError and a name refused until synchronized.
 
 Each rank script checks its results against references computed another way (torch on every
 rank's inputs, one process on the whole batch) and prints PASS or FAIL per check. One launch per
-launcher and rank count runs every script of that cell in turn (tests/torch_ranks/in_turn.py), so
+launcher and rank count runs every script of that cell in turn (tests/in_turn.py), so
 the cell pays Python's and torch's start-up once; each test judges its own script's lines.
 """
 
@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_ranks"))
 from mpirun import unglue
-from torch_launcher import have_mpiexec, launch
+from torch_launcher import HERE, have_mpiexec, launch
 
 pytest.importorskip("torch")
 needs_mpi = pytest.mark.skipif(not have_mpiexec(), reason="needs mpiexec and mpi4py")
@@ -102,7 +102,8 @@ SCRIPTS = {
 @functools.cache
 def _cell(launcher: str, ranks: int) -> subprocess.CompletedProcess[str]:
     """The one launch of every script of this cell."""
-    return launch(launcher, ranks, "in_turn.py", *SCRIPTS[ranks], timeout=300)
+    scripts = [str(HERE / f"{script}.py") for script in SCRIPTS[ranks]]
+    return launch(launcher, ranks, str(HERE.parent / "in_turn.py"), *scripts, timeout=300)
 
 
 def _check(launcher: str, ranks: int, script: str, expected: list[str]) -> None:

@@ -1,10 +1,11 @@
-"""Rank script: runs other rank scripts of this folder one after another in this process.
+"""Rank script: runs other rank scripts one after another in this process.
 
-`in_turn.py horovod_collectives horovod_autograd` runs each script's main() (its own init() to
-shutdown()), so a launch pays Python's and torch's start-up once for several scripts. Each script's
-"PASS <check>" and "FAIL <check>" lines come out as "PASS <script>/<check>", since two scripts may
-name a check alike. A script that raises ends the run: the ranks would no longer agree on what comes
-next. Exits 1 when any script failed.
+`in_turn.py DIR/horovod_collectives.py DIR/horovod_autograd.py` runs each script's main() (its own
+init() to shutdown()), so a launch pays Python's and torch's (or TensorFlow's) start-up once for
+several scripts. Each script's "PASS <check>" and "FAIL <check>" lines come out as
+"PASS <script>/<check>" (<script>: the file's name without .py), since two scripts may name a check
+alike. A script that raises ends the run: the ranks would no longer agree on what comes next. Exits 1
+when any script failed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 import traceback
+from pathlib import Path
 from typing import TextIO
 
 
@@ -43,10 +45,13 @@ def main() -> int:
     """Runs the scripts named on the command line in turn; 1 if any failed."""
     failed = 0
     real = sys.stdout
-    for script in sys.argv[1:]:
+    for path in map(Path, sys.argv[1:]):
+        script = path.stem
+        if str(path.parent) not in sys.path:  # the script's helpers sit beside it
+            sys.path.insert(0, str(path.parent))
         sys.stdout = _Labelled(real, script)
         try:
-            failed |= importlib.import_module(script).main() != 0
+            failed |= importlib.import_module(script).main() not in (None, 0)
         except Exception:  # noqa: BLE001 - report which script stopped the run, then stop
             print(f"FAIL {script}/raised\n{traceback.format_exc()}", flush=True)
             return 1
