@@ -23,15 +23,21 @@ class _Labelled:
     def __init__(self, stream: TextIO, script: str) -> None:
         self._stream = stream
         self._script = script
+        self._line_start = True  # print() writes its arguments and the newline in separate calls
 
     def write(self, text: str) -> int:
         """Writes `text`, "PASS x" and "FAIL x" at a line's start becoming "PASS script/x"."""
         lines = text.split("\n")
         for index, line in enumerate(lines):
+            if index == 0 and not self._line_start:
+                continue
             for marker in ("PASS ", "FAIL "):
                 if line.startswith(marker):
                     lines[index] = f"{marker}{self._script}/{line[len(marker) :]}"
-        return self._stream.write("\n".join(lines))
+        if text:
+            self._line_start = text.endswith("\n")
+        self._stream.write("\n".join(lines))
+        return len(text)
 
     def flush(self) -> None:
         """Flushes the real stdout."""
