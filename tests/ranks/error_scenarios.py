@@ -163,13 +163,26 @@ def shutdown_pending() -> None:
         assert hvd.is_initialized() and hvd.local_size() == commsched.local_size() == 2
         assert (hvd.local_rank(), hvd.cross_rank(), hvd.cross_size()) == (1, 0, 1)
         assert commsched.mpi_enabled() == (commsched.config()["transport"] == "mpi"), commsched.config()
-        try:
-            commsched.allreduce_async(np.ones(2), "orphan")
-        except commsched.NotRunningError as error:
-            assert "shutdown() was called on rank 0" in str(error), error
-        else:
-            raise AssertionError("rank 1 could submit after rank 0 shut down")
+        # This rank never asked to stop: the error says why it stopped and what every rank must do,
+        # not to call init() first.
+        for attempt in (lambda: commsched.allreduce_async(np.ones(2), "orphan"), commsched.join):
+            try:
+                attempt()
+            except commsched.NotRunningError as error:
+                text = str(error)
+                assert (
+                    "shutdown() was called on rank 0" in text and "stops commsched on every rank" in text
+                ), text
+                assert "call commsched.init() before" not in text, text
+            else:
+                raise AssertionError("rank 1 could submit or join after rank 0 shut down")
         commsched.shutdown()
+        try:
+            commsched.allreduce_async(np.ones(2), "late")
+        except commsched.NotRunningError as error:  # its own shutdown(): init() is the fix
+            assert "commsched.init()" in str(error), error
+        else:
+            raise AssertionError("rank 1 could submit after its own shutdown()")
 
 
 def reconfigure() -> None:
