@@ -442,9 +442,9 @@ std::string Runtime::not_running_message(const std::string& what) const {
            " is refused; a job whose rank failed ends here, unless it trains under commsched.elastic.run, which "
            "goes on with the ranks that are left";
   }
-  if (stopped_ && !shutdown_requested_.load() && stop_reason_.rfind("commsched.shutdown()", 0) == 0) {
-    // Another rank's shutdown() stopped this one, which never asked to stop: init() alone would wait for
-    // ranks that have left.
+  if (stopped_ && stop_kind_ == FailureKind::kNotRunning && !shutdown_requested_.load()) {
+    // A shutdown() stopped this rank, which never asked to stop (stop_everything() classes only a
+    // shutdown's stop as kNotRunning): init() alone would wait for ranks that have left.
     return "commsched is not running" + reason + ", so " + what +
            " is refused: one rank's shutdown() stops commsched on every rank, so every rank must finish its "
            "collectives and join() before any rank shuts down (or call commsched.init() on every rank again)";
