@@ -5,7 +5,7 @@ init() to shutdown()), so a launch pays Python's and torch's (or TensorFlow's) s
 several scripts. Each script's "PASS <check>" and "FAIL <check>" lines come out as
 "PASS <script>/<check>" (<script>: the file's name without .py), since two scripts may name a check
 alike. A script that raises ends the run: the ranks would no longer agree on what comes next. Exits 1
-when any script failed.
+when any script failed. Tests judge one script's lines of such a launch with check_script().
 """
 
 from __future__ import annotations
@@ -45,6 +45,25 @@ class _Labelled:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
+
+
+def check_script(
+    returncode: int,
+    passes: list[str],
+    failures: list[str],
+    script: str,
+    expected: list[str],
+    ranks: int,
+    tail: str,
+) -> None:
+    """Asserts that `script`'s checks all passed on each of `ranks` ranks and none failed, and that the
+    launch ended well unless another script failed. `passes` and `failures`: the labels of the
+    launch's PASS and FAIL lines ("script/check ..."); `tail`: the output the assertions show."""
+    mine = f"{script}/"
+    assert not [failure for failure in failures if failure.startswith(mine)], tail
+    assert returncode == 0 or failures, tail
+    passed = [label.removeprefix(mine) for label in passes if label.startswith(mine)]
+    assert sorted(passed) == sorted(label for label in expected for _ in range(ranks)), tail
 
 
 def main() -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_ranks"))
+from in_turn import check_script
 from tf_launcher import HERE, have_mpiexec, launch, verdicts
 
 pytest.importorskip("tensorflow")
@@ -41,11 +42,7 @@ def _check(script: str, expected: list[str], ranks: int = 2) -> None:
     """`script`'s checks all passed on every rank, and the launch ended well unless the other script failed."""
     result = _launch()
     passes, failures = verdicts(result)
-    tail = result.stdout[-6000:]
-    assert not [f for f in failures if f.startswith(f"{script}/")], tail
-    assert result.returncode == 0 or failures, tail
-    mine = [p.removeprefix(f"{script}/") for p in passes if p.startswith(f"{script}/")]
-    assert sorted(mine) == sorted(label for label in expected for _ in range(ranks)), tail
+    check_script(result.returncode, passes, failures, script, expected, ranks, result.stdout[-6000:])
 
 
 # 2 ranks only: TensorFlow starts once per rank, and odd rank counts are checked by test_tf_ranks.
