@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import commsched.torch as cst
-from commsched.torch import checkpoint_capture, elastic_commit
+from commsched.torch import checkpoint_capture, elastic_commit, elastic_plan
 from commsched.torch.elastic import TorchState
 
 from commsched import _core
@@ -163,7 +163,7 @@ def test_a_capture_with_nothing_to_copy_is_done_at_once() -> None:
     checkpoint_capture.Capture([]).when_done(lambda: marked.append("empty"))
     assert marked == ["empty"]
     source, destination = torch.arange(4.0), torch.zeros(4)
-    copy = elastic_commit._copy("split.weight", lambda: source, destination)
+    copy = elastic_plan.copy_into("split.weight", lambda: source, destination)
     capture = checkpoint_capture.Capture([checkpoint_capture.Unit(None, [copy])])
     capture.when_done(lambda: marked.append("copied"))
     assert marked == ["empty"]
@@ -183,9 +183,87 @@ def test_host_copies_land_whole_in_either_path() -> None:
         assert torch.equal(source, destination)
     param = torch.nn.Parameter(torch.randn(200_003))
     destination = torch.zeros(200_003)
-    copy = elastic_commit._copy("weight", lambda: param, destination)
+    copy = elastic_plan.copy_into("weight", lambda: param, destination)
     capture = checkpoint_capture.Capture([checkpoint_capture.Unit(param, [copy])])
     capture.before_update([param])  # copied inline, as when the background thread has not reached it
     assert torch.equal(destination, param.detach()) and capture.inline_copies == 1
     with pytest.raises(ValueError, match="null address"):
         _core.copy_bypassing_cache([(0, big.data_ptr(), 8)])
+
+
+class _Counting(torch.optim.SGD):
+    """SGD that also keeps a plain int per parameter in its state, as some optimizers keep their step."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param]["count"] = self.state[param].get("count", 0) + 1
+        return super().step(closure)
+
+
+def test_the_copies_are_planned_once_while_the_tensors_stay_the_same() -> None:
+    """Commits into either buffer reuse their plan; the int state and learning rate are still copied at
+    each commit, so a restore gives the values of the last commit, not of the first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    optimizer = _Counting(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.randn(8, 16)
+    state = TorchState(model, optimizer, epoch=0)
+    step(model, optimizer, data)
+    state.commit()
+    state.commit()  # each buffer has a plan now
+    background = state._background
+    plans = {id(background._spare.plan), id(background._committed.plan)}
+    for lr in (0.04, 0.03, 0.02):
+        step(model, optimizer, data)
+        optimizer.param_groups[0]["lr"] = lr
+        state.commit()
+    background.wait()
+    assert {id(background._spare.plan), id(background._committed.plan)} == plans, "planned again"
+    committed = snapshot(model, optimizer)
+    assert committed[1][0]["count"] == 4 and committed[2] == [0.02]
+    step(model, optimizer, data)
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+
+
+def test_new_state_tensors_are_planned_again() -> None:
+    """After optimizer.load_state_dict (new state tensors) the next commit plans its copies again and
+    restore() gives exactly what it committed."""
+    model, optimizer, data = build()
+    state = TorchState(model, optimizer, epoch=0)
+    step(model, optimizer, data)
+    state.commit()
+    state.commit()
+    first = state._background._spare.plan
+    optimizer.load_state_dict(optimizer.state_dict())
+    step(model, optimizer, data)
+    state.commit()
+    state._background.wait()
+    assert state._background._committed.plan is not first
+    committed = snapshot(model, optimizer)
+    step(model, optimizer, data)
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)
+
+
+def test_a_parameter_given_a_new_dtype_is_planned_again() -> None:
+    """Module.double() keeps every parameter and changes its dtype (no buffers, and SGD without momentum:
+    no other tensor changes with it): the next commit plans again and restore() gives the float64 values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    data = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = TorchState(model, optimizer, epoch=0)
+    step(model, optimizer, data)
+    state.commit()
+    model.double()
+    data = data.double()
+    step(model, optimizer, data)
+    state.commit()
+    state.commit()
+    committed = snapshot(model, optimizer)
+    assert all(t.dtype == torch.float64 for t in committed[0].values() if t.is_floating_point())
+    step(model, optimizer, data)
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed)

@@ -48,6 +48,9 @@ class Version:
         self.splits: list[elastic_split.Split] = []
         self.split_ranks = 0
         self.aliases: dict[str, str] = {}
+        # Where an unsharded commit's tensors go in this version's buffers, and the copies (elastic_commit):
+        # kept while the model's and the optimizer's tensors stay the same.
+        self.plan: Any = None
 
     def tensor(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """The reused host tensor for `key`, reallocated only when its dtype or shape changed."""
