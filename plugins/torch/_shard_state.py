@@ -82,6 +82,11 @@ def record_of(bucket: ShardBucket, state: dict[str, Any], k: int) -> Record:
     return scalars(state, bucket.shard.numel()) if state else None
 
 
+def has_record(bucket: ShardBucket, state: dict[str, Any], k: int) -> bool:
+    """True when member k has state (record_of is not None), without building its values."""
+    return bucket.records[k] is not None if bucket.records is not None else bool(state)
+
+
 def cut(
     bucket: ShardBucket, states: list[dict[str, Any]], shard_state: Callable[..., torch.Tensor]
 ) -> dict[str, Any]:
@@ -232,7 +237,7 @@ def layout_json(buckets: list[ShardBucket], inner: torch.optim.Optimizer, ranks:
                 "numel": m.numel,
                 "start": m.start,
                 "shape": list(m.param.shape),
-                "state": record_of(bucket, state, k) is not None,
+                "state": has_record(bucket, state, k),
             }
             for k, m in enumerate(bucket.members)
         ]
@@ -270,8 +275,13 @@ def member_values(buckets: list[ShardBucket], inner: torch.optim.Optimizer) -> d
     values: dict[int, dict[str, Any]] = {}
     for bucket in buckets:
         state = inner.state.get(bucket.shard, {})
+        if bucket.records is None:  # the bucket's own state carries every member's values: read them once
+            shared = scalars(state, bucket.shard.numel()) if state else None
+            if shared is not None:
+                values.update((member.index, dict(shared)) for member in bucket.members)
+            continue
         for k, member in enumerate(bucket.members):
-            record = record_of(bucket, state, k)
+            record = bucket.records[k]
             if record is not None:
                 values[member.index] = record
     return values
