@@ -141,5 +141,6 @@ def plan_model(
 
 
 def copy_into(key: str, source: Callable[[], torch.Tensor], destination: torch.Tensor) -> Copy:
+    """A copy of the whole tensor `source()` returns (looked up when it runs) into `destination`."""
     entry = fmt.Entry(key, destination.dtype, tuple(destination.shape))
     return Copy(fmt.Piece(entry, 0, entry.rows), source, destination)
