@@ -4,6 +4,7 @@ previous commit, and a commit with checkpoint_dir is loadable by a Checkpointer.
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,7 @@ def test_the_copies_are_planned_once_while_the_tensors_stay_the_same() -> None:
     state.commit()
     state.commit()  # each buffer has a plan now
     background = state._background
+    background.wait()
     plans = {id(background._spare.plan), id(background._committed.plan)}
     for lr in (0.04, 0.03, 0.02):
         step(model, optimizer, data)
@@ -228,19 +230,22 @@ def test_the_copies_are_planned_once_while_the_tensors_stay_the_same() -> None:
 
 
 def test_new_state_tensors_are_planned_again() -> None:
-    """After optimizer.load_state_dict (new state tensors) the next commit plans its copies again and
-    restore() gives exactly what it committed."""
+    """After optimizer.load_state_dict with new state tensors the next commit plans its copies again
+    and restore() gives exactly what it committed."""
     model, optimizer, data = build()
     state = TorchState(model, optimizer, epoch=0)
     step(model, optimizer, data)
     state.commit()
     state.commit()
-    first = state._background._spare.plan
-    optimizer.load_state_dict(optimizer.state_dict())
+    state.wait()  # changes outside step() come after the capture, as TorchState documents
+    background = state._background
+    before = {id(background._spare.plan), id(background._committed.plan)}
+    # A copy: loading the optimizer's own state_dict would keep its tensors.
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     step(model, optimizer, data)
     state.commit()
-    state._background.wait()
-    assert state._background._committed.plan is not first
+    state.wait()
+    assert id(background._committed.plan) not in before, "the plan outlived the state tensors it was made for"
     committed = snapshot(model, optimizer)
     step(model, optimizer, data)
     state.restore()
@@ -257,6 +262,7 @@ def test_a_parameter_given_a_new_dtype_is_planned_again() -> None:
     state = TorchState(model, optimizer, epoch=0)
     step(model, optimizer, data)
     state.commit()
+    state.wait()  # changes outside step() come after the capture, as TorchState documents
     model.double()
     data = data.double()
     step(model, optimizer, data)
