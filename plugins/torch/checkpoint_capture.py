@@ -25,7 +25,8 @@ WAITING, READY, COPYING, DONE = range(4)
 
 @dataclass(eq=False)
 class Copy:
-    """One piece: where its bytes come from (looked up when copied) and where they go."""
+    """One piece: where its bytes come from (looked up when copied, under torch.no_grad(): a source
+    needs no detach()) and where they go."""
 
     piece: Piece
     source: Callable[[], torch.Tensor]
@@ -179,7 +180,7 @@ class Capture:
             with torch.no_grad():
                 for unit in units:
                     for copy in unit.copies:
-                        sources.append(_check(copy, copy.source().detach()))
+                        sources.append(_check(copy, copy.source()))
                         destinations.append(copy.destination)
                 if any(source.is_cuda for source in sources):  # device sources are ordered per unit
                     for unit in units:
@@ -247,18 +248,19 @@ def _copy_on_host(destinations: list[torch.Tensor], sources: list[torch.Tensor])
     plain: list[tuple[int, int, int]] = []
     rest_to: list[torch.Tensor] = []
     rest_from: list[torch.Tensor] = []
+    # The cheapest tests first: at 1,600 tensors a commit spent more on these tests than on the copies.
     for destination, source in zip(destinations, sources, strict=True):
         if (
-            destination.dtype == source.dtype
+            source.is_cpu
+            and destination.is_cpu
+            and destination.dtype == source.dtype
             and destination.layout == source.layout == torch.strided
-            and not (source.is_conj() or source.is_neg())
-            and destination.is_contiguous()
             and source.is_contiguous()
-            and destination.device.type == "cpu"
-            and source.device.type == "cpu"
+            and destination.is_contiguous()
+            and not (source.is_conj() or source.is_neg())
             and destination.numel() == source.numel()
         ):
-            plain.append((destination.data_ptr(), source.data_ptr(), source.numel() * source.element_size()))
+            plain.append((destination.data_ptr(), source.data_ptr(), destination.nbytes))
         else:
             rest_to.append(destination)
             rest_from.append(source)

@@ -303,12 +303,12 @@ class BackgroundCommit:
             start, length = elastic_split.part(split.numel, ranks, me)
             if split.model:
                 cut[id(param)] = split.model
-                source = lambda p=param, s=start, n=length: p.detach().reshape(-1)[s : s + n]
+                source = lambda p=param, s=start, n=length: p.reshape(-1)[s : s + n]
                 key = f"split.{split.model}"
             else:  # looked up when copied: the optimizer may replace its state tensors
-                source = lambda p=param, k=split.name, s=start, n=length: (
-                    self._inner.state[p][k].detach().reshape(-1)[s : s + n]
-                )
+                source = lambda p=param, k=split.name, s=start, n=length: self._inner.state[p][k].reshape(-1)[
+                    s : s + n
+                ]
                 key = f"split.optimizer.{split.index}.{split.name}"
             if length:
                 destination = flats[split.dtype][split.offset : split.offset + length]
@@ -351,7 +351,7 @@ class BackgroundCommit:
             for (dtype, _, offset, _), (owner, _, parts) in zip(version.params, slices, strict=True):
                 flat = version.flats[dtype]
                 for param, at, frm, length in parts:
-                    source = lambda p=param, f=frm, n=length: p.detach().reshape(-1)[f : f + n]
+                    source = lambda p=param, f=frm, n=length: p.reshape(-1)[f : f + n]
                     piece = elastic_plan.copy_into(
                         "param.shard", source, flat[offset + at : offset + at + length]
                     )
