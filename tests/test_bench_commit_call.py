@@ -23,5 +23,5 @@ def test_a_run_reports_commit_times(tmp_path: Path) -> None:
     assert [(row["ranks"], row["parameters"]) for row in rows] == [(1, 6)]
     for row in rows:
         (run,) = row["runs"]
-        assert run["wall_ms"] > 0 and run["cpu_ms"] > 0, row
+        assert run["wall_ms"] > 0 and run["cpu_ms"] > 0 and run["capture_cpu_ms"] > 0, row
     assert "commit() ms" in done.stdout
