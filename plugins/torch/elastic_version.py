@@ -48,7 +48,7 @@ class Version:
         self.splits: list[elastic_split.Split] = []
         self.split_ranks = 0
         self.aliases: dict[str, str] = {}
-        # Where an unsharded commit's tensors go in this version's buffers, and the copies (elastic_commit):
+        # Where an unsharded commit's tensors go in this version's buffers, and the copies (elastic_plan.Plan):
         # kept while the model's and the optimizer's tensors stay the same.
         self.plan: Any = None
 
