@@ -153,7 +153,8 @@ class BackgroundCommit:
         loose: list[Unit] = []
         sliced = {} if layout is None else self._shard_state(version, layout, units)
         model_state = self._model.state_dict(keep_vars=True)
-        if layout is None:
+        if layout is None:  # nothing in shared memory unless this commit is cut over the ranks
+            version.flats, version.region, version.shared, version.params = {}, None, False, []
             plan = self._plain_plan(version, model_state, units, background)
         else:
             plan = elastic_plan.plan_model(version, model_state, sliced, {})
@@ -189,10 +190,9 @@ class BackgroundCommit:
     def _plain_plan(
         self, version: Version, model_state: dict[str, Any], units: dict[int, Unit], background: bool
     ) -> elastic_plan.Plan:
-        """An unsharded commit's copies into `version`, planned again only when the ranks, the model's
-        names or a parameter's or state tensor's identity, shape, dtype or device changed: building them
-        at each commit() took about 30 us per parameter with Adam on the training thread."""
-        version.flats, version.region, version.shared, version.params = {}, None, False, []
+        """An unsharded commit's copies into `version`, planned again only when the tensors changed
+        (elastic_plan.Layout): building them at each commit() took about 30 us per parameter with Adam
+        on the training thread."""
         params = [p for group in self._inner.param_groups for p in group["params"]]
         ranks = commsched.size() if commsched.is_initialized() else 1
         me = commsched.rank() if ranks > 1 else 0
