@@ -40,6 +40,7 @@ Runtime::Runtime(const RuntimeSettings& settings, std::unique_ptr<Transport> tra
       // Rounds on the TCP channel mean ranks on different network stacks: their data crosses a network.
       poll_interval_(poll_interval_for(transport_->poll_interval(), settings.poll_interval_s,
                                        control_.over_channel() ? settings.link_latency_s : 0.0)),
+      caller_spin_(transport_->host_memory() ? std::chrono::microseconds(0) : poll_interval_),
       agreement_(rank_, size_),
       scheduler_(settings.scheduling),
       started_(Clock::now()),

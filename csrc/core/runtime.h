@@ -290,6 +290,10 @@ class Runtime {
   Logger logger_;
   ControlPath control_;  // where agreement reports travel; bootstrapped before the core's thread starts
   const std::chrono::microseconds poll_interval_;  // after control_: it depends on where rounds travel
+  // How long a waiting caller tests a device collective in flight before its first sleep: as
+  // cudaStreamSynchronize spins, a small GPU collective is then seen done as soon as it is, not up
+  // to a poll interval later, for at most one poll interval of the caller's CPU per wait.
+  const std::chrono::microseconds caller_spin_;
   Timeline timeline_;
   Agreement agreement_;
   Scheduler scheduler_;
