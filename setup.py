@@ -190,7 +190,11 @@ GLOO_SOURCES = [
     "csrc/core/elementwise.cc",
     "csrc/core/types.cc",
 ]
-TORCH_HOOKS_SOURCES = ["csrc/torch/grad_counter.cc"]
+# One unit: both files parse torch's pybind casters, most of each one's compile time.
+TORCH_HOOKS_SOURCES = [
+    one_unit("torch_hooks", ["csrc/torch/grad_counter.cc", "csrc/torch/capture_copies.cc"]),
+    "csrc/core/host_copy.cc",
+]
 # What commsched does without each optional extension, for the message when one is not built.
 OPTIONAL_EXTENSIONS = {
     "commsched._gloo": "COMMSCHED_TRANSPORT=gloo then uses the Python transport",

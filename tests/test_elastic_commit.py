@@ -111,18 +111,18 @@ def test_a_failed_capture_leaves_the_previous_commit(monkeypatch: pytest.MonkeyP
     state.wait()
     committed = snapshot(model, optimizer)
     step(model, optimizer, data)
-    original = checkpoint_capture._check
+    original = checkpoint_capture._copy_plain
 
-    def failing(copy: Any, tensor: Any) -> Any:
-        if copy.piece.entry.key.startswith("optimizer.2."):
+    def failing(destinations: list[Any], sources: list[Any], starts: Any = None) -> list[int]:
+        if threading.current_thread() is not threading.main_thread():  # commit() copies buffers itself
             raise OSError("no memory for the copy")
-        return original(copy, tensor)
+        return original(destinations, sources, starts)
 
-    monkeypatch.setattr(checkpoint_capture, "_check", failing)
+    monkeypatch.setattr(checkpoint_capture, "_copy_plain", failing)
     state.commit()
     with pytest.warns(RuntimeWarning, match="was not captured .*no memory for the copy"):
         state.wait()
-    monkeypatch.setattr(checkpoint_capture, "_check", original)
+    monkeypatch.setattr(checkpoint_capture, "_copy_plain", original)
     step(model, optimizer, data)
     state.restore()
     assert_equal(snapshot(model, optimizer), committed)
@@ -172,16 +172,31 @@ def test_a_capture_with_nothing_to_copy_is_done_at_once() -> None:
     assert marked == ["empty", "copied"] and torch.equal(destination, source)
 
 
-def test_host_copies_land_whole_in_either_path() -> None:
-    """A capture's host copies go through the streaming copy (large, plain) or torch (a strided source),
-    on the background thread and inline before an update alike; every element lands."""
+@pytest.fixture(params=["native", "python"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The capture's plain copies tested in C++ (commsched._torch_hooks) or in Python."""
+    if request.param == "native":
+        if checkpoint_capture._NATIVE is None:
+            pytest.skip("commsched._torch_hooks is not built for this torch")
+    else:
+        monkeypatch.setattr(checkpoint_capture, "_NATIVE", None)
+    return str(request.param)
+
+
+def test_host_copies_land_whole_in_either_path(copy_path: str) -> None:
+    """A capture's host copies go through the streaming copy (large, plain) or torch (a strided source,
+    a lazily negated or conjugated view, another dtype), on the background thread and inline before an
+    update alike; every element lands."""
     big = torch.randn(300_001)  # over the streaming threshold, not a whole number of cache lines
     strided = torch.randn(64, 2)[:, 0]
-    sources = [big[1:], big[:5], strided]
+    complex_values = torch.randn(8, dtype=torch.complex64)
+    sources = [big[1:], big[:5], strided, torch.randn(7)._neg_view(), complex_values.conj(), torch.arange(6)]
     destinations = [torch.empty_like(s.contiguous()) for s in sources]
+    destinations[-1] = torch.empty(6, dtype=torch.float64)  # torch converts; the bytes would be wrong
+    assert checkpoint_capture._copy_plain(destinations, sources) == [2, 3, 4, 5]
     checkpoint_capture._copy_on_host(destinations, sources)
     for source, destination in zip(sources, destinations, strict=True):
-        assert torch.equal(source, destination)
+        assert torch.equal(source.to(destination.dtype), destination)
     param = torch.nn.Parameter(torch.randn(200_003))
     destination = torch.zeros(200_003)
     copy = elastic_plan.copy_into("weight", lambda: param, destination)
@@ -190,6 +205,51 @@ def test_host_copies_land_whole_in_either_path() -> None:
     assert torch.equal(destination, param.detach()) and capture.inline_copies == 1
     with pytest.raises(ValueError, match="null address"):
         _core.copy_bypassing_cache([(0, big.data_ptr(), 8)])
+
+
+def test_a_cut_copies_its_range_of_elements_in_either_path(copy_path: str) -> None:
+    """A rank's part of a cut tensor is a range of its flattened elements, taken straight from the
+    tensor (no view built) where it is dense, through a view where it is not (a transposed weight);
+    a tensor that shrank below its range fails the capture with its name."""
+    weight = torch.randn(70_000, 3)  # over the streaming threshold
+    transposed = torch.randn(5, 8).t()
+    shrinking = torch.nn.Parameter(torch.randn(10))
+    destinations = [torch.zeros(100_001), torch.zeros(17), torch.zeros(4)]
+    copies = [
+        elastic_plan.copy_into("split.w", lambda: weight, destinations[0], flat=(50_000, 100_001)),
+        elastic_plan.copy_into("split.t", lambda: transposed, destinations[1], flat=(3, 17)),
+        elastic_plan.copy_into("split.s", lambda: shrinking, destinations[2], flat=(6, 4)),
+    ]
+    checkpoint_capture.Capture([checkpoint_capture.Unit(None, copies)]).run()
+    assert torch.equal(destinations[0], weight.reshape(-1)[50_000:150_001])
+    assert torch.equal(destinations[1], transposed.reshape(-1)[3:20])
+    assert torch.equal(destinations[2], shrinking.detach()[6:])
+    shrinking.data = torch.randn(8)
+    capture = checkpoint_capture.Capture([checkpoint_capture.Unit(None, copies[2:])])
+    with pytest.raises(
+        RuntimeError, match=r"'split.s' changed from torch.float32 \[4\] to torch.float32 \[2\]"
+    ):
+        capture.run()
+    with pytest.raises(ValueError, match="'split.w' takes a flat range only as a whole piece"):
+        elastic_plan.copy_into("split.w", lambda: weight, destinations[0], flat=(0, 5))
+
+
+def test_a_source_that_changed_shape_is_named_in_either_path(copy_path: str) -> None:
+    """A tensor reshaped between commit() and its capture (against the rules) fails the capture with
+    its name and both shapes, whichever path tests the copy."""
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    beside = torch.randn(5)
+    destinations = [torch.zeros(4, 3), torch.zeros(5)]
+    copies = [
+        elastic_plan.copy_into("layer.weight", lambda: param, destinations[0]),
+        elastic_plan.copy_into("layer.bias", lambda: beside, destinations[1]),
+    ]
+    capture = checkpoint_capture.Capture([checkpoint_capture.Unit(None, copies)])
+    param.data = torch.randn(3, 4)
+    with pytest.raises(
+        RuntimeError, match=r"'layer.weight' changed from torch.float32 \[4, 3\] to .*\[3, 4\]"
+    ):
+        capture.run()
 
 
 class _Counting(torch.optim.SGD):

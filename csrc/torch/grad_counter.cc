@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "capture_copies.h"  // beside this file: torch/ alone would search torch's headers first
+
 namespace py = pybind11;
 
 namespace commsched {
@@ -201,7 +203,9 @@ class GradCounter {
 }  // namespace commsched
 
 PYBIND11_MODULE(_torch_hooks, m) {
-  m.doc() = "commsched.torch's gradient counter: post hooks on AccumulateGrad nodes, no Python per gradient";
+  m.doc() =
+      "commsched.torch's gradient counter (post hooks on AccumulateGrad nodes, no Python per gradient) and a "
+      "checkpoint capture's host copies";
   m.attr("built_for_torch") = COMMSCHED_BUILT_FOR_TORCH;
   py::class_<commsched::GradCounter>(m, "GradCounter")
       .def(py::init<int64_t, int64_t, py::function>(), py::arg("slots"), py::arg("passes_per_step"),
@@ -218,4 +222,5 @@ PYBIND11_MODULE(_torch_hooks, m) {
       .def("set_flying", &commsched::GradCounter::set_flying, py::arg("slots"), py::arg("flying"))
       .def("opened", &commsched::GradCounter::opened)
       .def("mark_closed", &commsched::GradCounter::mark_closed);
+  commsched::register_capture_copies(m);
 }

@@ -130,7 +130,7 @@ class PythonGradCounter:
             self._on_event(event, slot, bucket)
 
 
-def _native() -> Any:
+def native() -> Any:
     """commsched._torch_hooks when it was built for the torch imported here, else None."""
     try:
         from commsched import _torch_hooks
@@ -151,12 +151,12 @@ def make(slots: int, passes_per_step: int, on_event: Callable[[int, int, int], N
         if handler is not None:
             handler(kind, slot, bucket)
 
-    native = _native()
-    if native is None:
+    hooks = native()
+    if hooks is None:
         return PythonGradCounter(slots, passes_per_step, forward)
-    return native.GradCounter(slots, passes_per_step, forward)
+    return hooks.GradCounter(slots, passes_per_step, forward)
 
 
 def is_native() -> bool:
     """True when gradients are counted in C++."""
-    return _native() is not None
+    return native() is not None

@@ -303,17 +303,15 @@ class BackgroundCommit:
             start, length = elastic_split.part(split.numel, ranks, me)
             if split.model:
                 cut[id(param)] = split.model
-                source = lambda p=param, s=start, n=length: p.reshape(-1)[s : s + n]
+                source = lambda p=param: p
                 key = f"split.{split.model}"
             else:  # looked up when copied: the optimizer may replace its state tensors
-                source = lambda p=param, k=split.name, s=start, n=length: self._inner.state[p][k].reshape(-1)[
-                    s : s + n
-                ]
+                source = lambda p=param, k=split.name: self._inner.state[p][k]
                 key = f"split.optimizer.{split.index}.{split.name}"
             if length:
                 destination = flats[split.dtype][split.offset : split.offset + length]
                 by_param.setdefault(id(param), (param, []))[1].append(
-                    elastic_plan.copy_into(key, source, destination)
+                    elastic_plan.copy_into(key, source, destination, flat=(start, length))
                 )
         return list(by_param.values()), cut
 

@@ -140,7 +140,13 @@ def plan_model(
     return plan
 
 
-def copy_into(key: str, source: Callable[[], torch.Tensor], destination: torch.Tensor) -> Copy:
-    """A copy of the whole tensor `source()` returns (looked up when it runs) into `destination`."""
+def copy_into(
+    key: str,
+    source: Callable[[], torch.Tensor],
+    destination: torch.Tensor,
+    flat: tuple[int, int] | None = None,
+) -> Copy:
+    """A copy of the whole tensor `source()` returns (looked up when it runs), or of the (start, count)
+    `flat` range of its elements, into `destination`."""
     entry = fmt.Entry(key, destination.dtype, tuple(destination.shape))
-    return Copy(fmt.Piece(entry, 0, entry.rows), source, destination)
+    return Copy(fmt.Piece(entry, 0, entry.rows), source, destination, flat)
