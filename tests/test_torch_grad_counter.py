@@ -18,7 +18,7 @@ COUNTERS = ["native", "python"]
 
 def _make(kind: str, slots: int, passes: int, on_event: Any) -> Any:
     if kind == "native":
-        return _counter._native().GradCounter(slots, passes, on_event)
+        return _counter.native().GradCounter(slots, passes, on_event)
     return _counter.PythonGradCounter(slots, passes, on_event)
 
 
@@ -152,7 +152,7 @@ def test_the_optimizer_trains_alike_on_both_counters(monkeypatch: pytest.MonkeyP
         results = []
         for native in (True, False):
             if not native:
-                monkeypatch.setattr(_counter, "_native", lambda: None)
+                monkeypatch.setattr(_counter, "native", lambda: None)
             elif not _counter.is_native():
                 continue
             model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
