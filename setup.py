@@ -198,7 +198,7 @@ TORCH_HOOKS_SOURCES = [
 # What commsched does without each optional extension, for the message when one is not built.
 OPTIONAL_EXTENSIONS = {
     "commsched._gloo": "COMMSCHED_TRANSPORT=gloo then uses the Python transport",
-    "commsched._torch_hooks": "commsched.torch then counts gradients with Python hooks",
+    "commsched._torch_hooks": "commsched.torch then counts gradients and tests checkpoint copies in Python",
     "commsched.tensorflow._tf_ops": "commsched.tensorflow then compiles its ops on first use (needs a C++ compiler)",
 }
 TF_OPS = "commsched.tensorflow._tf_ops"

@@ -94,7 +94,7 @@ def built_parts(report: dict[str, str], torch_version: str) -> list[Part]:
     parts.append(Part("built", "commsched._mpi", loaded is not None, why or "the MPI transport", needs))
     for module, what in [
         ("commsched._gloo", "the native Gloo transport (else the Python one over torch.distributed)"),
-        ("commsched._torch_hooks", "gradients counted in C++ (else Python hooks)"),
+        ("commsched._torch_hooks", "gradients counted and checkpoint copies tested in C++ (else in Python)"),
     ]:
         loaded, why = _import(module) if torch_version else (None, "PyTorch is not installed")
         built_for = getattr(loaded, "built_for_torch", "")
