@@ -43,7 +43,10 @@ class Copy:
     def __post_init__(self) -> None:
         self.whole = self.piece.whole
         if self.flat is not None and not (self.whole and self.flat[1] == self.destination.numel()):
-            raise ValueError(f"checkpoint: '{self.piece.name}' takes a flat range only as a whole piece")
+            raise ValueError(
+                f"checkpoint: '{self.piece.name}': a flat range of {self.flat[1]} elements goes into a whole "
+                f"piece of as many, not into {self.destination.numel()} elements (whole piece: {self.whole})"
+            )
 
 
 @dataclass(eq=False)
