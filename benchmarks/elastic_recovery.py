@@ -21,8 +21,9 @@ first step a restarted worker completes (benchmarks/elastic_workers.py).
 commit: ms per step of the same training (2 ranks; --commit-ranks to change) without commits and with commit() every 10 steps,
 alternating in one run (benchmarks/elastic_workers.py); the target is at most 1% more. Also printed:
 the median and range of each round's own ratio (its two variants ran back to back, so a host that
-other jobs load unevenly moves both alike), rank 0's CPU time per step (all its threads) and the
-cost read from steps of the same rounds: the steps from the one ending in commit() to two after it
+other jobs load unevenly moves both alike), rank 0's CPU time per step (all its threads), the CPU
+time of its commit thread per commit (the capture's own cost, as a share of a step) and of its
+training thread per step with and without commits, and the cost read from steps of the same rounds: the steps from the one ending in commit() to two after it
 against the median of the later steps of the interval. --shard: the
 same with DistributedOptimizer(shard=True), whose commits also hand every rank's shard to the others
 (on one host in shared memory); --wire: by one broadcast from each rank, as ranks on several hosts do.
@@ -281,6 +282,14 @@ def main() -> None:
         cpu_none, cpu_commit = statistics.median(used["none"]), statistics.median(used["commit"])
         cost["cpu_overhead_percent"] = 100 * (cpu_commit / cpu_none - 1)
         cost["by_position"] = _by_position(cost["ms_by_position"], args.every)  # type: ignore[index]
+        training = cost["training_cpu_ms_per_step"]  # type: ignore[index]
+        committer = cost["commit_thread_cpu_ms_per_step"]  # type: ignore[index]
+        cost["commit_thread_percent"] = (
+            100 * statistics.median(committer) / none["median"] if committer else None
+        )
+        cost["training_cpu_overhead_percent"] = 100 * (
+            statistics.median(training["commit"]) / statistics.median(training["none"]) - 1
+        )
         report["commit"] = cost
         sharded = (", shard=True" if args.shard else "") + (", broadcasts" if args.wire else "")
         at = f"{args.commit_ranks} rank{'s' if args.commit_ranks > 1 else ''}{sharded}"
@@ -300,6 +309,13 @@ def main() -> None:
             f"{inside:.2f} ms inside each commit() call (median), "
             f"{cost['cpu_overhead_percent']:+.2f}% CPU time of rank 0's process per step"  # type: ignore[index]
         )
+        if cost["commit_thread_percent"] is not None:  # type: ignore[index]
+            per_commit = statistics.median(cost["commit_thread_cpu_ms_per_step"]) * args.every  # type: ignore[index]
+            print(
+                f"the commit thread: {per_commit:.2f} ms of CPU per commit, "
+                f"{cost['commit_thread_percent']:.2f}% of a step without commits; "  # type: ignore[index]
+                f"the training thread's CPU per step {cost['training_cpu_overhead_percent']:+.2f}%"  # type: ignore[index]
+            )
         print(
             f"by position after commit(): the {near['near']} steps from the one ending in commit() take "
             f"{near['extra_ms']:+.2f} ms more than the median of the later ones ({near['far_ms']:.2f} ms): "

@@ -39,6 +39,19 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
 
 
+def _commit_thread_cpu_ns() -> int | None:
+    """CPU ns the commit thread ("commsched-commit") has used, from Linux's schedstat; None without it."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "commsched-commit" and thread.native_id is not None:
+            try:
+                return int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return None
+    return None
+
+
 def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = False) -> None:
     """Rounds of the same training without and with commits; rank 0 writes ms per step."""
     import commsched.torch as hvd
@@ -57,6 +70,10 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
 
     in_commit: list[float] = []  # ms inside commit() on the training thread, per commit
     cpu: dict[str, list[float]] = {"none": [], "commit": []}  # this process's CPU ms per step (all threads)
+    # The training thread's CPU ms per step, and (commit rounds) the commit thread's: the cost of the
+    # capture itself, which the spread of the training's own time between rounds does not blur.
+    training_cpu: dict[str, list[float]] = {"none": [], "commit": []}
+    commit_thread_cpu: list[float] = []
     # With commits: ms of each step by its position after the last commit (0: the step that ends in
     # commit(), 1: the next); steps before a round's first commit are left out.
     by_position: list[list[float]] = [[] for _ in range(every)]
@@ -66,6 +83,8 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
 
     def train(count: int, commit_every: int) -> float:
         hvd.barrier()
+        committer = _commit_thread_cpu_ns()
+        training = time.thread_time()
         start, used = time.perf_counter(), time.process_time()
         for step in range(count):
             began = time.perf_counter()
@@ -80,7 +99,12 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
             if commit_every and step + 1 + phase >= commit_every:
                 by_position[position].append((time.perf_counter() - began) * 1000)
         state.wait()  # a capture still running counts against the commits
-        cpu["commit" if commit_every else "none"].append((time.process_time() - used) * 1000 / count)
+        variant = "commit" if commit_every else "none"
+        cpu[variant].append((time.process_time() - used) * 1000 / count)
+        training_cpu[variant].append((time.thread_time() - training) * 1000 / count)
+        after = _commit_thread_cpu_ns()
+        if commit_every and committer is not None and after is not None:
+            commit_thread_cpu.append((after - committer) / 1e6 / count)
         hvd.barrier()
         return (time.perf_counter() - start) * 1000 / count
 
@@ -88,8 +112,10 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
     in_commit.clear()
     for times in by_position:
         times.clear()
-    cpu["none"].clear()
-    cpu["commit"].clear()
+    for kept in (cpu, training_cpu):
+        kept["none"].clear()
+        kept["commit"].clear()
+    commit_thread_cpu.clear()
     results: dict[str, list[float]] = {"none": [], "commit": []}
     for number in range(rounds):
         order = ("none", "commit") if number % 2 == 0 else ("commit", "none")
@@ -101,6 +127,8 @@ def commit_cost(out: Path, rounds: int, steps: int, every: int, shard: bool = Fa
             "ms_per_step": results,
             "ms_in_commit": in_commit,
             "cpu_ms_per_step": cpu,
+            "training_cpu_ms_per_step": training_cpu,
+            "commit_thread_cpu_ms_per_step": commit_thread_cpu,
             "ms_by_position": by_position,
             "parameter_bytes": size,
             "ranks": hvd.size(),
