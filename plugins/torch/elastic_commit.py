@@ -349,9 +349,11 @@ class BackgroundCommit:
             for (dtype, _, offset, _), (owner, _, parts) in zip(version.params, slices, strict=True):
                 flat = version.flats[dtype]
                 for param, at, frm, length in parts:
-                    source = lambda p=param, f=frm, n=length: p.reshape(-1)[f : f + n]
                     piece = elastic_plan.copy_into(
-                        "param.shard", source, flat[offset + at : offset + at + length]
+                        "param.shard",
+                        lambda p=param: p,
+                        flat[offset + at : offset + at + length],
+                        flat=(frm, length),
                     )
                     units.setdefault(id(owner), Unit(owner)).copies.append(piece)
             params = self._optimizer.plain_parameters()
