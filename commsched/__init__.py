@@ -27,6 +27,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 from typing import Any
 
@@ -155,6 +156,22 @@ def init(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
     COMMSCHED_TRANSPORT=auto, a process where PyTorch or CuPy sees a GPU picks its transport when
     the first tensor is submitted (NCCL if it is on a GPU).
     """
+    if comm is None and process_group is None and not is_initialized() and _elastic_member():
+        # Under commsched-run --min-np a rank lost while the ranks start re-forms them, not the job.
+        from commsched import elastic
+
+        elastic.start_first_generation(settings)
+        return
+    _init_here(comm, process_group, **settings)
+
+
+def _elastic_member() -> bool:
+    """True in a rank that commsched-run started for elastic training (it has a membership service)."""
+    return bool(os.environ.get("COMMSCHED_ELASTIC_ADDRESS")) and bool(os.environ.get("COMMSCHED_ELASTIC_ID"))
+
+
+def _init_here(comm: Any = None, process_group: Any = None, **settings: Any) -> None:
+    """init() of this process as launched, without the elastic check-in."""
     with _state.lock:
         if _core.running() or _state.pending is not None:
             # As Horovod's init(): a second call while running changes nothing (shutdown() first to restart).

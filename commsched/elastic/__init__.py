@@ -21,15 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import commsched
-from commsched.elastic import torchrun
-from commsched.elastic.membership import (
-    ADDRESS_VARIABLE,
-    GENERATION_VARIABLE,
-    ID_VARIABLE,
-    NOTICE_VARIABLE,
-    MembershipError,
-    request,
-)
+from commsched.elastic import generation, torchrun
+from commsched.elastic.generation import forget_torch_groups as _forget_torch_groups
+from commsched.elastic.generation import rendezvous_timeout as _rendezvous_timeout
+from commsched.elastic.membership import NOTICE_VARIABLE, MembershipError, request
 from commsched.launch import detect
 
 __all__ = [
@@ -43,9 +38,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("commsched")
-# Generations in a row that may fail to start before the error is the job's: a start that fails
-# for a reason of its own (not a lost rank) would otherwise re-form forever.
-_MAX_FAILED_STARTS = 3
+_MAX_FAILED_STARTS = generation.MAX_FAILED_STARTS
 
 
 class HorovodInternalError(RuntimeError):
@@ -192,23 +185,22 @@ def _read_notice(state: State) -> None:
         state.on_hosts_updated(float(timestamp), removed == "1")
 
 
-class _Membership:
-    """This process's place in an elastic job: the launch's worker id and the generation it is in."""
-
-    def __init__(self) -> None:
-        self.address = os.environ.get(ADDRESS_VARIABLE, "")
-        self.member = int(os.environ.get(ID_VARIABLE, "-1") or -1)
-        # A worker started to join an existing job is born into a later generation.
-        self.generation = int(os.environ.get(GENERATION_VARIABLE, "0") or 0)
-        self.failed_starts = 0  # generations in a row that failed to start
-        self.failed_rank: int | None = None  # the rank the last failure named, if it named one
-
-    @property
-    def elastic(self) -> bool:
-        return bool(self.address) and self.member >= 0
+_Membership = generation.Membership
 
 
 _membership = _Membership()
+
+
+def start_first_generation(settings: dict[str, Any]) -> None:
+    """init() of a rank under commsched-run --min-np: checks in with the membership service, then
+    starts; a rank lost before or while the ranks start makes the others re-form, not fail."""
+    _membership.settings = dict(settings)
+    if _membership.started:
+        # Stopped since (a rank lost before run() took over, or a shutdown()): this generation is
+        # over for every rank, so all of them ask for the next one.
+        reform()
+        return
+    generation.start(_membership, None)
 
 
 def _check_launcher() -> bool:
@@ -246,18 +238,20 @@ def reform() -> None:
     transport = commsched._state.transport  # the failed generation's: the next one uses the same
     commsched.shutdown()  # the core stopped on the failure already: this returns at once
     _forget_torch_groups()
-    under_torchrun = not _membership.elastic
-    if under_torchrun:
-        assignment = torchrun.request(_membership.failed_rank)
-        os.environ.update(RANK=str(assignment.rank), WORLD_SIZE=str(assignment.size))
-    else:
-        assignment = request(_membership.address, _membership.member, _membership.generation)
-        os.environ.update(
-            RANK=str(assignment.rank),
-            LOCAL_RANK=str(assignment.rank),  # one host: the local rank is the rank
-            WORLD_SIZE=str(assignment.size),
-            MASTER_PORT=str(assignment.port),
+    if _membership.elastic:
+        generation.adopt(
+            _membership, request(_membership.address, _membership.member, _membership.generation)
         )
+        generation.start(_membership, transport)
+    else:
+        _reform_under_torchrun(transport)
+    _restart_names()
+
+
+def _reform_under_torchrun(transport: str) -> None:
+    """The new generation from torchrun's rendezvous store; a failed start re-forms again."""
+    assignment = torchrun.request(_membership.failed_rank)
+    os.environ.update(RANK=str(assignment.rank), WORLD_SIZE=str(assignment.size))
     _membership.generation = assignment.generation
     log.info(
         "commsched.elastic: generation %d, rank %d of %d",
@@ -266,12 +260,9 @@ def reform() -> None:
         assignment.size,
     )
     try:
-        if under_torchrun:
-            torchrun.join(assignment, _rendezvous_timeout(), transport)
-        elif transport == "gloo":
-            _gloo_rendezvous(assignment.rank, assignment.size)
+        torchrun.join(assignment, _rendezvous_timeout(), transport)
         commsched.init()
-    except (MembershipError, _settings().SettingError):
+    except (MembershipError, generation.settings_module().SettingError):
         raise
     except Exception as error:  # a rank lost during the rendezvous: the survivors re-form again
         _membership.failed_starts += 1
@@ -279,7 +270,6 @@ def reform() -> None:
             raise
         raise HorovodInternalError(f"starting generation {assignment.generation} failed: {error}") from error
     _membership.failed_starts = 0
-    _restart_names()
 
 
 def _restart_names() -> None:
@@ -294,61 +284,6 @@ def _restart_names() -> None:
         loaded = sys.modules.get(module)
         if loaded is not None and hasattr(loaded, counter):
             setattr(loaded, counter, itertools.count())
-
-
-def _settings() -> Any:
-    """The commsched.config module (the package's `config` attribute is the config() function)."""
-    import importlib
-
-    return importlib.import_module("commsched.config")
-
-
-def _gloo_rendezvous(rank: int, size: int) -> None:
-    """Joins the new generation's torch.distributed group with a bounded wait: torch's default, 30
-    minutes, would hold the survivors that long when a rank dies during the rendezvous."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=_rendezvous_timeout())
-
-
-def _rendezvous_timeout() -> Any:
-    """The longest a new generation's rendezvous waits: the stall limits."""
-    import datetime
-
-    settings = _settings().resolve({})
-    return datetime.timedelta(seconds=max(settings.stall_timeout, settings.stall_shutdown))
-
-
-def _forget_torch_groups() -> None:
-    """Drops torch.distributed's process groups of the failed generation without destroying them.
-
-    Destroying a Gloo group waits for its collectives, which wait for the lost rank (Gloo's timeout is
-    30 minutes): the groups are kept alive, unreferenced, for the life of the process, and
-    torch.distributed is left uninitialised so the next generation can rendezvous afresh.
-    """
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
-        return
-    from torch.distributed import distributed_c10d as c10d
-
-    from commsched.transports.gloo import keep_forever
-
-    world = c10d._world
-    for group in list(world.pg_map):
-        keep_forever(group)
-    c10d._update_default_pg(None)
-    for registry in (
-        world.pg_map,
-        world.pg_names,
-        world.pg_group_ranks,
-        world.pg_backend_config,
-        world.pg_to_tag,
-        world.tags_to_pg,
-        world.pg_coalesce_state,
-    ):
-        registry.clear()
-    c10d._unregister_all_process_groups()
-    world.group_count = 0
 
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:

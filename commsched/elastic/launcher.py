@@ -21,8 +21,10 @@ from commsched.elastic.membership import (
     GENERATION_VARIABLE,
     ID_VARIABLE,
     NOTICE_VARIABLE,
+    WINDOW_VARIABLE,
     Assignment,
     MembershipServer,
+    ranks_text,
 )
 from commsched.run import _how_it_ended, _Job, _say, _start_rank, free_port
 
@@ -66,8 +68,9 @@ class ElasticJob(_Job):
             evict=self._evict,
             pick_port=lambda: free_port(self._environment["MASTER_ADDR"]),
             spawn=lambda member, assignment: self._spawns.append((member, assignment)),
+            ended=self._ended,
         )
-        extra = {ADDRESS_VARIABLE: self.server.address}
+        extra = {ADDRESS_VARIABLE: self.server.address, WINDOW_VARIABLE: f"{self._window_s:g}"}
         if self._script is not None:
             extra[NOTICE_VARIABLE] = str(self._notices)
         self._environment = dict(self._environment, **extra)
@@ -135,8 +138,27 @@ class ElasticJob(_Job):
         partial.write_text(f"{time.time():.6f} {int(removed)}\n")
         partial.replace(self._notices)  # whole or not at all, for the ranks reading it
 
+    def _too_few_left(self) -> str:
+        """Why the job cannot go on when failed ranks left fewer running than --min-np (else ""):
+        the rest cannot re-form, and one that is stopped would otherwise hold the job forever."""
+        assert self.server is not None
+        members = self.server.members
+        if any(self._exits.get(member) == 0 for member in members):
+            return ""  # the job is ending well: ranks finish one by one
+        failed = [member for member in members if self._exits.get(member, 0) != 0]
+        running = len(members) - len(failed)
+        if not failed or running >= self._min_np:
+            return ""
+        return (
+            f"{ranks_text(failed)} (numbered as at launch) failed; {running} "
+            f"{'rank is' if running == 1 else 'ranks are'} left, below --min-np {self._min_np}"
+        )
+
+    def _ended(self) -> set[int]:
+        return {rank for rank, process in list(self._processes.items()) if process.poll() is not None}
+
     def _alive(self) -> set[int]:
-        return {rank for rank, process in self._processes.items() if process.poll() is None}
+        return {rank for rank, process in list(self._processes.items()) if process.poll() is None}
 
     def _evict(self, ranks: list[int], why: str) -> None:
         for rank in ranks:
@@ -164,6 +186,8 @@ class ElasticJob(_Job):
                         f"rank {rank} (numbered as at launch, pid {process.pid}) {_how_it_ended(code)}; "
                         f"the others re-form without it (--min-np {self._min_np})"
                     )
+            if not self.server.failure:
+                self.server.failure = self._too_few_left()
             if self.server.failure:
                 _say(f"the job ends: {self.server.failure}")
                 self._end(signal.SIGKILL)

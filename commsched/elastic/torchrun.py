@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from commsched.elastic import exit_barrier
-from commsched.elastic.membership import Assignment, MembershipError, _ranks
+from commsched.elastic.membership import Assignment, MembershipError, ranks_text
 
 # Set by torchrun's agents in every worker's environment.
 RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -278,7 +278,7 @@ def request(failed_rank: int | None) -> Assignment:
     needed = min_ranks()
     if len(decided) < needed:
         raise MembershipError(
-            f"{_ranks(lost)} (numbered as at launch) failed; {len(decided)} "
+            f"{ranks_text(lost)} (numbered as at launch) failed; {len(decided)} "
             f"{'rank is' if len(decided) == 1 else 'ranks are'} left, below the job's minimum of {needed} "
             f"(torchrun's --nnodes minimum times the processes per node, or {MIN_VARIABLE})"
         )

@@ -128,9 +128,8 @@ class ShardedOptimizer(DistributedOptimizer):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index)))
         if model is not None:
             self._recorder = (FirstUse if self._first_use else ForwardOrder)(model, self._on_forward_order)
-        elif not elastic_shard.joining():
+        elif not elastic_shard.lays_out_late():
             self._build([])
-        # else: the others lay theirs out at their first gradient after the state sync, so it does too.
 
     def __repr__(self) -> str:
         mode = "overlap_forward" if self._overlap else "barrier"

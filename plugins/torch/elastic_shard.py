@@ -25,7 +25,7 @@ from commsched.torch._order import ForwardOrder
 import commsched
 import torch
 from commsched import _horovod
-from commsched.elastic.membership import GENERATION_VARIABLE
+from commsched.elastic.membership import GENERATION_VARIABLE, ID_VARIABLE
 
 # A parameter's part of a shard: the parameter, the offset in the shard, the offset in the
 # parameter (flattened) and the length.
@@ -41,6 +41,14 @@ def usable(optimizer: Any) -> bool:
 def joining() -> bool:
     """True in a worker started to join a running elastic job (commsched-run --max-np grew it)."""
     return int(os.environ.get(GENERATION_VARIABLE, "0") or 0) > 0
+
+
+def lays_out_late() -> bool:
+    """True where shard=True without model= lays its buckets out at the first gradient, not in its
+    constructor: in a joining worker (the others lay theirs out again after the state sync), and in
+    any rank commsched-run started for elastic training, so the layout's collective runs inside
+    elastic.run, where a rank lost meanwhile costs a re-forming, not the job."""
+    return joining() or bool(os.environ.get(ID_VARIABLE))
 
 
 def built(optimizer: Any) -> bool:

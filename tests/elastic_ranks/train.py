@@ -6,8 +6,9 @@ Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:
 rank launched as ID SIGKILLs itself in that step, WHERE being `step` (after step(), the default),
 `backward` (in the gradient hook, so its gradient never leaves) or `commit` (in commit(), once its
 capture started); "ID:-1:-1": in the first reset callback, while the others re-form; "ID:-1:-1:sync":
-as the state sync after a re-forming starts; several specs separated by commas), ELASTIC_STOP
-(SIGSTOP, the same specs),
+as the state sync after a re-forming starts; "ID:-2:-2:init": just before hvd.init(); several
+specs separated by commas), ELASTIC_STOP (SIGSTOP, the same specs), ELASTIC_EXIT ("ID,ID": those
+ranks exit with status 1 just before hvd.init()),
 ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times),
 ELASTIC_GROW ("EPOCH:STEP:SLOTS": in that step the rank launched as 0 writes `localhost:SLOTS` to
 the discovery script ELASTIC_SCRIPT and, while the job is smaller, waits for the launcher's
@@ -16,7 +17,8 @@ launcher stopped the ranks launched as SLOTS and above, so the job shrinks at th
 ELASTIC_SHARD=1 (DistributedOptimizer(shard=True)), ELASTIC_SHARD=model (shard=True with model=),
 ELASTIC_OVERLAP=1 (DistributedOptimizer(model=model, overlap_forward=True)),
 ELASTIC_SLOW_COMMIT ("ID:SECONDS": the rank launched as ID starts each commit's background capture
-that late, as a commit thread starved on a loaded host does).
+that late, as a commit thread starved on a loaded host does), ELASTIC_EPOCHS (default 2) and
+ELASTIC_STEP_SLEEP (seconds after each step; default 0): a longer run, for benchmarks/elastic_chaos.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from commsched.torch import elastic
 SAMPLES = 48
 FEATURES = 4
 BATCH = 2
-EPOCHS = 2
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
+STEP_SLEEP_S = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
 
 OUT = Path(os.environ["ELASTIC_OUT"])
 LAUNCH_ID = int(os.environ.get("COMMSCHED_ELASTIC_ID", os.environ.get("RANK", "0")))
@@ -145,6 +148,9 @@ def slow_commits() -> None:
 def main() -> None:
     slow_commits()
     (OUT / f"pid.{LAUNCH_ID}").write_text(str(os.getpid()))
+    strike(-2, -2, "init")
+    if str(LAUNCH_ID) in os.environ.get("ELASTIC_EXIT", "").split(","):
+        sys.exit(1)
     hvd.init()
     generator = torch.Generator().manual_seed(7)
     data = torch.randint(-3, 4, (SAMPLES, FEATURES), generator=generator).double()
@@ -220,6 +226,7 @@ def train(state: elastic.TorchState, data: torch.Tensor, target: torch.Tensor, p
             grow_here(state, state.epoch, step)
             state.commit()
             note_time(f"step {hvd.size()}")
+            time.sleep(STEP_SLEEP_S)
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
         state.commit()
