@@ -217,3 +217,29 @@ def test_failed_ranks_leaving_a_stopped_one_end_the_job(tmp_path: Path) -> None:
         done.stderr[-3000:]
     )
     assert time.monotonic() - started < 45
+
+
+def test_a_rank_killed_before_the_training_function_sharded(tmp_path: Path) -> None:
+    """shard=True, 3 ranks over Gloo; the rank launched as 1 is SIGKILLed after init(), once the
+    optimizer and the state are made but before elastic.run's function runs: the others re-form at 2,
+    the optimizer lays out for 2 ranks, and the end equals a job launched with 2 ranks."""
+    done = launch(
+        tmp_path / "killed",
+        "-n",
+        "3",
+        "--min-np",
+        "2",
+        ELASTIC_KILL="1:-2:-2:run",
+        ELASTIC_SHARD="1",
+        COMMSCHED_TRANSPORT="gloo",
+        COMMSCHED_STALL_TIMEOUT="1",
+        COMMSCHED_STALL_SHUTDOWN="3",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = results(tmp_path / "killed")
+    assert final["size"] == 2
+    assert_every_sample_once(final)
+    reference = launch(tmp_path / "reference", "-n", "2", ELASTIC_SHARD="1", COMMSCHED_TRANSPORT="gloo")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = results(tmp_path / "reference")
+    assert torch.equal(final["weight"], expected["weight"]) and final["seen"] == expected["seen"]

@@ -301,9 +301,12 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             torchrun_resume.unwatch()
 
     def attempts(state: State, *args: Any, **kwargs: Any) -> Any:
-        if not commsched.is_initialized():
+        # A generation that stopped before run() took over (a rank lost since init()) re-forms below,
+        # and the state's objects (a sharded optimizer's rank count) are reset to the new one.
+        lost_before = not commsched.is_initialized() and _membership.elastic and _membership.started
+        if not commsched.is_initialized() and not lost_before:
             commsched.init()
-        if not _check_launcher():
+        if not lost_before and not _check_launcher():
             state.sync()
             return func(state, *args, **kwargs)
         if torchrun.active() and not _membership.elastic:
@@ -312,7 +315,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             torchrun_resume.watch(state)
             torchrun_resume.resume(state)
         skip_sync = False
-        reforming = False
+        reforming = lost_before
         while True:
             try:
                 # Inside the try: a rank lost while re-forming or synchronising fails this

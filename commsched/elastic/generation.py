@@ -156,18 +156,21 @@ def _rendezvous_and_init(membership: Membership, transport: str | None) -> None:
     finally:
         _starting = False
     if kind == "gloo":
-        _set_world_timeout(limits)
+        _set_group_timeouts(limits)
 
 
-def _set_world_timeout(timeout: datetime.timedelta) -> None:
-    """Sets the default group's timeout for its collectives from now on (torch's private setter; kept
-    as it is where that is missing)."""
+def _set_group_timeouts(world: datetime.timedelta) -> None:
+    """After a start with short waits: the default group's collectives get `world` (the stall
+    limits), the groups the transport made get torch's default (torch's private setter; where it is
+    missing the groups keep the start's)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     setter = getattr(c10d, "_set_pg_timeout", None)
-    if setter is not None and dist.is_initialized():
-        setter(timeout, dist.group.WORLD)
+    if setter is None or not dist.is_initialized():
+        return
+    for group in list(c10d._world.pg_map):
+        setter(world if group is dist.group.WORLD else c10d.default_pg_timeout, group)
 
 
 def forget_torch_groups() -> None:

@@ -125,11 +125,17 @@ def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
     group = process_group if process_group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
     groups = Groups(data=group, control=None, ranks=ranks)
+    # A starting elastic generation bounds each wait on the others (generation.start_wait_s()); the
+    # groups get torch's default back once commsched runs.
+    from commsched.elastic.generation import start_wait_s
+
+    starting = start_wait_s()
+    timeout = None if starting is None else datetime.timedelta(seconds=starting)
     # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.
     if dist.get_backend(group) != "gloo":
-        groups.data = dist.new_group(ranks, backend="gloo")
+        groups.data = dist.new_group(ranks, backend="gloo", timeout=timeout)
         groups.owned.append(groups.data)
-    groups.control = dist.new_group(ranks, backend="gloo")
+    groups.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
     groups.owned.append(groups.control)
     return groups
 

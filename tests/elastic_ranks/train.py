@@ -6,7 +6,8 @@ Environment: ELASTIC_OUT (a directory for the results), ELASTIC_KILL ("ID:EPOCH:
 rank launched as ID SIGKILLs itself in that step, WHERE being `step` (after step(), the default),
 `backward` (in the gradient hook, so its gradient never leaves) or `commit` (in commit(), once its
 capture started); "ID:-1:-1": in the first reset callback, while the others re-form; "ID:-1:-1:sync":
-as the state sync after a re-forming starts; "ID:-2:-2:init": just before hvd.init(); several
+as the state sync after a re-forming starts; "ID:-2:-2:init": just before hvd.init();
+"ID:-2:-2:run": after the optimizer and the state are made, before the training function; several
 specs separated by commas), ELASTIC_STOP (SIGSTOP, the same specs), ELASTIC_EXIT ("ID,ID": those
 ranks exit with status 1 just before hvd.init()),
 ELASTIC_START (a commit saved by an earlier run: start from it), ELASTIC_TIMES=1 (log step times),
@@ -197,6 +198,7 @@ def main() -> None:
             )
 
     state.register_reset_callbacks([on_reset])
+    strike(-2, -2, "run")
     train(state, data, target, points)
     if hvd.rank() == 0:
         torch.save(
