@@ -92,6 +92,26 @@ def test_a_member_that_ended_before_it_checked_in_re_forms_the_others() -> None:
         server.close()
 
 
+def test_a_member_that_died_after_it_checked_in_is_not_a_survivor() -> None:
+    """Ranks 0 and 1 checked in, then rank 1's process ended: the next generation is ranks 0 and 2,
+    without waiting for another failed start to find out about rank 1."""
+    processes = _Processes([0, 1, 2])
+    server = _server([0, 1, 2], processes, window_s=30.0)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(_check_in, server, member) for member in (0, 1)]
+            time.sleep(0.2)
+            processes.end(1)
+            time.sleep(0.5)  # the server's poll re-forms, leaving rank 1's connection closed
+            assert isinstance(waiting[1].result(timeout=10), membership.MembershipError)
+            last = pool.submit(_check_in, server, 2)
+            places = [waiting[0].result(timeout=10), last.result(timeout=10)]
+        assert [(p.rank, p.size, p.generation) for p in places] == [(0, 2, 1), (1, 2, 1)]
+        assert server.members == [0, 2]
+    finally:
+        server.close()
+
+
 def test_a_joiner_not_started_yet_is_not_a_lost_member() -> None:
     """After a growth the new worker is started after the others got their places: the survivors wait
     at the check-in for it instead of re-forming without it."""

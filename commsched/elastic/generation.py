@@ -104,8 +104,8 @@ def start(membership: Membership, transport: str | None) -> None:
                 "commsched.elastic: a rank of generation %d ended before it started; re-forming",
                 membership.generation,
             )
-        except (MembershipError, settings_module().SettingError):
-            raise
+        except (MembershipError, settings_module().SettingError, ValueError):
+            raise  # the job cannot go on, or a setting every rank shares is wrong: no re-forming helps
         except Exception as error:  # a rank lost during the rendezvous: the others re-form again
             membership.failed_starts += 1
             if membership.failed_starts > MAX_FAILED_STARTS:

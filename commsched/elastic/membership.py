@@ -180,6 +180,8 @@ class MembershipServer:
                     _answer(connection, {"go": True})
                 self._ready = {}
             return
+        for member in ended & set(self._ready):  # checked in, then died: not a survivor
+            self._ready.pop(member).close()
         self._start_round(_Round(self.generation, time.monotonic() + self._window_s))
 
     def _start_round(self, current: _Round) -> None:

@@ -137,28 +137,22 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
                 "rendezvous address, which keeps other jobs out but is no secret; launch with "
                 "`commsched-run` (python -m commsched.run) or set COMMSCHED_JOB_TOKEN on every rank"
             )
-    from commsched.elastic.generation import start_wait_s
     from commsched.transports.grpc_tls import TlsFiles
 
     # The rendezvous waits as long as a stalled tensor may (ranks start at different times); the data
-    # path's own timeout stays the stall warning's. An elastic generation's ranks all reached init()
-    # before it starts (the launcher's check-in): they wait less than the launcher's window.
+    # path's own timeout stays the stall warning's.
     join_s = max(settings.stall_timeout, settings.stall_shutdown)
     larger = (
         "COMMSCHED_STALL_SHUTDOWN"
         if settings.stall_shutdown >= settings.stall_timeout
         else "COMMSCHED_STALL_TIMEOUT"
     )
-    limit = f"{larger}, the larger stall limit"
-    starting_s = start_wait_s()
-    if starting_s is not None:
-        join_s, limit = starting_s, "half of commsched-run's --elastic-timeout"
     return GrpcTransport(
         endpoint,
         token,
         timeout_s=settings.stall_timeout,
         tls=TlsFiles.from_settings(settings),
         join_timeout_s=join_s,
-        join_limit_setting=limit,
+        join_limit_setting=f"{larger}, the larger stall limit",
         bulk_bytes=settings.grpc_bulk_bytes,
     )

@@ -74,7 +74,7 @@ class _Node:
         self.data_kinds = stream_kinds(streams)
         self.bulk_bytes = bulk_bytes  # 0: every piece over gRPC (every rank must agree)
         self.bulk: BulkLink | None = None
-        self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
+        self._join_limit_s = timeout_s if join_timeout_s is None else join_timeout_s
         self.tls = tls
         self._refusals = RefusalLog(self.rank)
         self.endpoint = endpoint
@@ -91,6 +91,10 @@ class _Node:
         # CLOSE on the same stream, whereas a CLOSE on a data stream may overtake it.
         self.control_departed: set[int] = set()
         self._lock = threading.Condition()
+        if self.join_timeout_s < self._join_limit_s:
+            join_limit_setting = (
+                "half of commsched-run's --elastic-timeout, while an elastic generation starts"
+            )
         limit = JoinLimit(self.join_timeout_s, *([join_limit_setting] if join_limit_setting else []))
         self._rendezvous = Rendezvous(self, self._lock, limit)
         self._board = ReportBoard(self, self._lock)
@@ -119,6 +123,15 @@ class _Node:
         self._watchdog = threading.Thread(target=self._watch, name="commsched-grpc-watchdog", daemon=True)
 
     # ---------------------------------------------------------------- setup
+
+    @property
+    def join_timeout_s(self) -> float:
+        """How long a meeting of every rank may wait: the larger stall limit, or less while an elastic
+        generation starts (every rank reached init(): one lost there must not hold the rest)."""
+        from commsched.elastic.generation import start_wait_s
+
+        starting = start_wait_s()
+        return self._join_limit_s if starting is None else min(self._join_limit_s, starting)
 
     def open(self) -> None:
         """Binds, meets the other ranks and opens the streams; raises GrpcError naming the peer."""
