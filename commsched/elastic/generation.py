@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import commsched
+from commsched import start_wait
 from commsched.elastic.membership import (
     ADDRESS_VARIABLE,
     GENERATION_VARIABLE,
     ID_VARIABLE,
-    WINDOW_VARIABLE,
     Assignment,
     MembershipError,
     check_in,
@@ -121,20 +121,9 @@ def start(membership: Membership, transport: str | None) -> None:
         adopt(membership, assignment)
 
 
-_starting = False  # True while this rank starts a generation: rendezvous waits are start_wait_s()
-
-
-def start_wait_s() -> float | None:
-    """While a generation starts, the longest one wait in its rendezvous may last: half the launcher's
-    window, so a rank blocked by one lost there still asks to re-form in time. None otherwise."""
-    window = float(os.environ.get(WINDOW_VARIABLE, "0") or 0)
-    return window / 2 if _starting and window > 0 else None
-
-
 def _rendezvous_and_init(membership: Membership, transport: str | None) -> None:
     """Joins the generation's torch.distributed group (Gloo) and starts commsched, every wait on the
     other ranks bounded by start_wait_s(); then gives the group the stall limits as its timeout."""
-    global _starting
     from commsched.launch import detect
     from commsched.transports import choose
 
@@ -142,19 +131,16 @@ def _rendezvous_and_init(membership: Membership, transport: str | None) -> None:
     settings = settings_module().resolve(membership.settings)
     kind = transport or choose(settings.transport, info, None, None)
     limits = rendezvous_timeout(membership.settings)
-    _starting = True
-    try:
-        wait_s = start_wait_s()
-        starting = limits if wait_s is None else datetime.timedelta(seconds=wait_s)
+    with start_wait.starting():
+        wait_s = start_wait.start_wait_s()
+        bound = limits if wait_s is None else datetime.timedelta(seconds=wait_s)
         if kind == "gloo":
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 # torch's default wait is 30 minutes: a rank lost in the rendezvous would hold the rest.
-                dist.init_process_group("gloo", rank=info.rank, world_size=info.size, timeout=starting)
+                dist.init_process_group("gloo", rank=info.rank, world_size=info.size, timeout=bound)
         commsched._init_here(**membership.settings)
-    finally:
-        _starting = False
     if kind == "gloo":
         _set_group_timeouts(limits)
 

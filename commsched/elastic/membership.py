@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from commsched import start_wait
+
 log = logging.getLogger("commsched")
 
 # Environment of an elastic rank: where the service listens, and which worker this process is.
@@ -40,7 +42,7 @@ GENERATION_VARIABLE = "COMMSCHED_ELASTIC_GENERATION"
 # A file the launcher rewrites ("TIMESTAMP REMOVED") when hosts changed; ranks read it at each commit.
 NOTICE_VARIABLE = "COMMSCHED_ELASTIC_NOTICES"
 # Seconds the ranks get to ask after the first asks (--elastic-timeout): a start waits less than that.
-WINDOW_VARIABLE = "COMMSCHED_ELASTIC_WINDOW"
+WINDOW_VARIABLE = start_wait.WINDOW_VARIABLE
 # How long a rank waits for the new membership before giving up (the join window plus slack).
 _CLIENT_WAIT_S = 120.0
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from commsched import torch_release
 from commsched.launch import LaunchInfo
+from commsched.start_wait import start_wait_s
 
 log = logging.getLogger("commsched")
 
@@ -125,10 +126,8 @@ def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
     group = process_group if process_group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
     groups = Groups(data=group, control=None, ranks=ranks)
-    # A starting elastic generation bounds each wait on the others (generation.start_wait_s()); the
+    # A starting elastic generation bounds each wait on the others (commsched.start_wait); the
     # groups get torch's default back once commsched runs.
-    from commsched.elastic.generation import start_wait_s
-
     starting = start_wait_s()
     timeout = None if starting is None else datetime.timedelta(seconds=starting)
     # Data and agreement get groups of their own, so an agreement never queues behind a large reduction.

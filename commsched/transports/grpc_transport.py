@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from commsched.start_wait import start_wait_s
 from commsched.transports import grpc_wire as wire
 from commsched.transports.grpc_access import RefusalLog
 from commsched.transports.grpc_bulk import BULK_BYTES, BULK_PIECE_BYTES, BulkLink, link_stats, start_link
@@ -128,8 +129,6 @@ class _Node:
     def join_timeout_s(self) -> float:
         """How long a meeting of every rank may wait: the larger stall limit, or less while an elastic
         generation starts (every rank reached init(): one lost there must not hold the rest)."""
-        from commsched.elastic.generation import start_wait_s
-
         starting = start_wait_s()
         return self._join_limit_s if starting is None else min(self._join_limit_s, starting)
 
