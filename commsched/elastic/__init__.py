@@ -194,7 +194,8 @@ _membership = _Membership()
 def start_first_generation(settings: dict[str, Any]) -> None:
     """init() of a rank under commsched-run --min-np: checks in with the membership service, then
     starts; a rank lost before or while the ranks start makes the others re-form, not fail."""
-    _membership.settings = dict(settings)
+    if settings or not _membership.started:  # a bare init() after a failure keeps the first settings
+        _membership.settings = dict(settings)
     if _membership.started:
         # Stopped since (a rank lost before run() took over, or a shutdown()): this generation is
         # over for every rank, so all of them ask for the next one.
