@@ -141,18 +141,17 @@ def _grpc(launch: LaunchInfo, settings: Any) -> Any:
 
     # The rendezvous waits as long as a stalled tensor may (ranks start at different times); the data
     # path's own timeout stays the stall warning's.
-    join_s = max(settings.stall_timeout, settings.stall_shutdown)
-    larger = (
-        "COMMSCHED_STALL_SHUTDOWN"
-        if settings.stall_shutdown >= settings.stall_timeout
-        else "COMMSCHED_STALL_TIMEOUT"
-    )
     return GrpcTransport(
         endpoint,
         token,
         timeout_s=settings.stall_timeout,
         tls=TlsFiles.from_settings(settings),
-        join_timeout_s=join_s,
-        join_limit_setting=f"{larger}, the larger stall limit",
+        join_timeout_s=max(settings.stall_timeout, settings.stall_shutdown),
+        join_limit_setting=(
+            "COMMSCHED_STALL_SHUTDOWN"
+            if settings.stall_shutdown >= settings.stall_timeout
+            else "COMMSCHED_STALL_TIMEOUT"
+        )
+        + ", the larger stall limit",
         bulk_bytes=settings.grpc_bulk_bytes,
     )
