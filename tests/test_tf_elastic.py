@@ -47,9 +47,11 @@ def reference_kernel() -> np.ndarray:
     return -LEARNING_RATE * total
 
 
-def test_killed_rank_survivor_continues_from_the_commit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("await_stop", [False, True], ids=["in-a-collective", "before-apply"])
+def test_killed_rank_survivor_continues_from_the_commit(tmp_path: Path, await_stop: bool) -> None:
     """Rank 1 dies after applying step 4 (step 3 was the last commit): rank 0 restores, re-forms alone,
-    redoes step 4 once and ends with the weights of a run that lost nothing."""
+    redoes step 4 once and ends with the weights of a run that lost nothing, whether the loss
+    shows inside a collective or at the start of the next optimizer.apply()."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")
     }
@@ -59,6 +61,7 @@ def test_killed_rank_survivor_continues_from_the_commit(tmp_path: Path) -> None:
         ELASTIC_KILL_STEP="4",
         COMMSCHED_TRANSPORT="grpc",
         TF_CPP_MIN_LOG_LEVEL="2",
+        ELASTIC_AWAIT_STOP="1" if await_stop else "0",
     )
     command = [sys.executable, "-m", "commsched.run", "-n", "2", "--min-np", "1", str(ELASTIC_SCRIPT)]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=90, check=False)

@@ -387,6 +387,15 @@ PYBIND11_MODULE(_core, module) {
       "last_joined_rank", [] { return runtime_slot().require("join")->last_joined_rank(); },
       "The last rank to join in the latest completed join (-1 before any).");
   module.def(
+      "raise_if_stopped",
+      [](const std::string& what) {
+        auto runtime = runtime_slot().get();
+        if (runtime) runtime->require_running(what);
+      },
+      py::arg("what"),
+      "Raises the error a submission would get from a runtime that stopped (RankFailure once a rank was lost); "
+      "nothing before the first init() or while running.");
+  module.def(
       "refuse",
       [](const std::string& name, const std::string& reason, int32_t process_set) {
         auto runtime = runtime_slot().get();

@@ -401,6 +401,14 @@ void Runtime::shutdown() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Runtime::require_running(const std::string& what) const {
+  std::lock_guard<std::mutex> lock(inbox_mutex_);
+  if (stopped_ || shutdown_requested_) {
+    throw Failure(stopped_ ? stop_kind_ : FailureKind::kNotRunning, not_running_message(what),
+                  stopped_ ? stop_rank_ : -1);
+  }
+}
+
 void Runtime::request_settings(const SchedulingSettings& settings) {
   std::lock_guard<std::mutex> lock(inbox_mutex_);
   if (stopped_) {

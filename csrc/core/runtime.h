@@ -142,6 +142,8 @@ class Runtime {
   int size() const { return size_; }
   std::string transport_name() const { return transport_name_; }
   bool running() const { return !stopped_.load(); }
+  // Throws what a submission would throw once this runtime stopped (RankFailure after a lost rank).
+  void require_running(const std::string& what) const;
   RuntimeStats stats() const;
   // Where a pending tensor stands, for timeout messages.
   std::string describe(const std::string& name) const;

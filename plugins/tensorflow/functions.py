@@ -45,6 +45,11 @@ def unnamed(kind: str) -> str:
 def require_init(what: str) -> None:
     """Raises a clear error when commsched.init() has not run."""
     if not commsched.is_initialized():
+        # A core that stopped (a lost rank) raises its own error, RankFailure, which elastic.run
+        # takes for the failure it is; only a process that never ran init() is told to call it.
+        from commsched import _core
+
+        _core.raise_if_stopped(f"commsched.tensorflow.{what}")
         raise RuntimeError(
             f"commsched.tensorflow.{what} needs commsched.init() first (commsched is not initialised "
             "in this process); call commsched.init() before building or training the model"

@@ -5,7 +5,9 @@ outputs), integer data the same on every rank, averaged gradients and SGD with a
 1/8: the final weights are exactly -lr times the sum of every step's gradient, so a step lost or
 applied twice across the failure shows. The state commits every second step; the rank launched as
 ELASTIC_KILL SIGKILLs itself after applying step ELASTIC_KILL_STEP, so the survivors have applied
-an uncommitted step when they notice the loss and must roll it back. Results go to ELASTIC_OUT.
+an uncommitted step when they notice the loss and must roll it back. With ELASTIC_AWAIT_STOP=1
+the survivors wait for their core to stop before the next step, so the loss shows at the start
+of optimizer.apply() rather than inside a collective. Results go to ELASTIC_OUT.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import commsched.tensorflow.keras as hvd
@@ -23,11 +26,21 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import commsched
+
 STEPS, FEATURES, ROWS, COMMIT_EVERY = 8, 3, 4, 2
 OUT = Path(os.environ["ELASTIC_OUT"])
 LAUNCH_ID = int(os.environ.get("COMMSCHED_ELASTIC_ID", os.environ.get("RANK", "0")))
 KILL_ID = int(os.environ.get("ELASTIC_KILL", "-1"))
 KILL_STEP = int(os.environ.get("ELASTIC_KILL_STEP", "-1"))
+AWAIT_STOP = os.environ.get("ELASTIC_AWAIT_STOP") == "1"
+
+
+def await_stop(seconds: float = 30.0) -> None:
+    """Waits until this rank's core stopped on the lost rank (or `seconds` passed)."""
+    deadline = time.monotonic() + seconds
+    while commsched.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def data(step: int) -> np.ndarray:
@@ -52,6 +65,8 @@ def main() -> None:
     @hvd.elastic.run
     def train(state: hvd.elastic.KerasState) -> None:
         for step in range(state.batch, STEPS):
+            if AWAIT_STOP and step == KILL_STEP + 1 and hvd.size() > 1:
+                await_stop()
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(model(data(step)))
             grads = tape.gradient(loss, model.trainable_variables)
