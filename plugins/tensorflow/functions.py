@@ -42,8 +42,8 @@ def unnamed(kind: str) -> str:
     return f"tf.{kind}.unnamed.{next(counter)}"
 
 
-def require_init(what: str) -> None:
-    """Raises a clear error when commsched.init() has not run."""
+def require_started(what: str) -> None:
+    """Raises a clear error when commsched.init() has not run, or the core's own once it stopped."""
     if not commsched.is_initialized():
         # A core that stopped (a lost rank) raises its own error, RankFailure, which elastic.run
         # takes for the failure it is; only a process that never ran init() is told to call it.
@@ -54,6 +54,11 @@ def require_init(what: str) -> None:
             f"commsched.tensorflow.{what} needs commsched.init() first (commsched is not initialised "
             "in this process); call commsched.init() before building or training the model"
         )
+
+
+def require_init(what: str) -> None:
+    """require_started(), then starts a transport that init() left to the first tensor."""
+    require_started(what)
     # The ops reach the core through its C ABI with host memory, not through commsched's Python
     # submit path, so a transport that init() left to the first tensor is chosen now, for the host.
     commsched._start_pending(cuda=False)

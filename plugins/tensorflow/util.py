@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from commsched.tensorflow.functions import require_started
+
 import commsched
 import tensorflow as tf
 
@@ -12,8 +14,7 @@ def _executing_eagerly() -> bool:
 
 
 def _info_op(value: int, what: str) -> tf.Tensor:
-    if not commsched.is_initialized():
-        raise RuntimeError(f"commsched.tensorflow.{what}() needs commsched.init() first; call hvd.init()")
+    require_started(f"{what}()")
     return tf.constant(value, dtype=tf.int32, name=what)
 
 
@@ -23,8 +24,7 @@ def rank_op() -> tf.Tensor:
 
 
 def _set_ranks(process_set_id: int, what: str) -> list[int]:
-    if not commsched.is_initialized():
-        raise RuntimeError(f"commsched.tensorflow.{what}() needs commsched.init() first; call hvd.init()")
+    require_started(f"{what}()")
     ranks = commsched.get_process_sets().get(int(process_set_id))
     if ranks is None:
         raise ValueError(
