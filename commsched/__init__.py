@@ -207,6 +207,8 @@ def _init_here(comm: Any = None, process_group: Any = None, **settings: Any) -> 
                 _core.stop()  # a core that came up before the failure stops again: nothing half started
                 _state.settings = None  # not initialised: config() must say so
                 raise
+    if _state.pending is None:
+        _after_start()
     if resolved.autotune:
         _start_autotune(resolved)
 
@@ -287,8 +289,19 @@ def _start(info: _launch.LaunchInfo, comm: Any, process_group: Any, cuda: bool, 
 def _start_pending(cuda: bool, device: int | None = None) -> None:
     """Starts a core that init() left waiting for the first tensor (no-op otherwise)."""
     with _state.lock:
-        if _state.pending is not None:
-            _start(_state.pending[0], None, None, cuda, device)
+        if _state.pending is None:
+            return
+        _start(_state.pending[0], None, None, cuda, device)
+    _after_start()
+
+
+def _after_start() -> None:
+    """Once the core runs: under torchrun, names this worker group's keys in torchrun's store, so a
+    rank lost before commsched.elastic.run() takes over is re-formed without, not fatal."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        from commsched.elastic import torchrun
+
+        torchrun.record_group(_state.transport, broadcast_object)
 
 
 def _probe_rank_size(core_kind: str, argument: Any, info: _launch.LaunchInfo) -> tuple[int, int]:

@@ -100,6 +100,57 @@ def test_sigstop_under_torchrun_ends_every_agent(tmp_path: Path) -> None:
     assert_every_sample_once(results(tmp_path))
 
 
+def test_a_worker_killed_before_the_training_function_under_torchrun_costs_a_re_forming(
+    tmp_path: Path,
+) -> None:
+    """The worker launched as 2 is SIGKILLed after init(), once its optimizer and state are made but
+    before elastic.run's function: the core recorded the worker group as it started, so the others
+    re-form at 2 through torchrun's store and end exactly as a job launched with 2 ranks."""
+    out = tmp_path / "killed"
+    run_to_the_end(out, ELASTIC_KILL="2:-2:-2:run")
+    final = results(out)
+    assert final["size"] == 2
+    assert_every_sample_once(final)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "commsched.run", "-n", "2", str(SCRIPT)],
+        env=environment(reference),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = results(reference)
+    assert torch.equal(final["weight"], expected["weight"]) and final["seen"] == expected["seen"]
+
+
+def test_a_worker_killed_before_init_under_torchrun_is_named_within_the_stall_limit(tmp_path: Path) -> None:
+    """The worker launched as 2 is SIGKILLed just before init(): the others wait for it at most the
+    larger stall limit (not torch's 30 minutes), then end naming it, and every agent ends."""
+    started = time.monotonic()
+    output = run_agents(
+        tmp_path,
+        SCRIPT,
+        3,
+        2,
+        2,
+        LAUNCH_TIMEOUT_S,
+        wait_agents=True,
+        ELASTIC_KILL="2:-2:-2:init",
+        COMMSCHED_STALL_TIMEOUT="2",
+        COMMSCHED_STALL_SHUTDOWN="4",
+    )
+    assert "--- agents ended at " in output, output[-4000:]
+    assert time.monotonic() - started < 60, output[-4000:]
+    assert output.count("did not all meet at") >= 2 and output.count("rank 2 never arrived") >= 2, output[
+        -4000:
+    ]
+    assert not (tmp_path / "final.pt").exists()
+
+
 def grow_under_torchrun(out: Path, **extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """2 agents under --nnodes 2:3; in step 3 of a job of 2 a third agent joins and torchrun restarts
     every worker: the old workers keep their last commit across the restart, are renumbered ahead of
@@ -301,10 +352,9 @@ def test_restarted_workers_without_a_kept_commit_are_refused(
     monkeypatch.setattr(commsched, "allgather_object", lambda value, name=None: [value, False])
     with pytest.raises(membership.MembershipError, match="no worker kept the last commit"):
         torchrun_resume.resume(object())
-    job.prefix = ""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(membership.MembershipError, match="restarted the workers of this job after a failure"):
-        torchrun.start(lambda value: value)
+        torchrun.refuse_restarted()
 
 
 def test_other_transports_say_at_start_that_a_failure_ends_the_job(

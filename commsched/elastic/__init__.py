@@ -212,8 +212,9 @@ def _check_launcher() -> bool:
     if torchrun.active():
         why = torchrun.unsupported(commsched._state.transport)
         if not why:
-            if not torchrun.job().prefix:
+            if not torchrun.job().prefix:  # the core did not record it as it started (torchrun.record_group)
                 torchrun.start(functools.partial(commsched.broadcast_object, name="commsched.elastic.group"))
+            torchrun.refuse_restarted()
             return True
     elif launcher == "mpiexec":
         why = "MPI keeps the ranks it started (fixed membership)"
@@ -304,27 +305,38 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
     def attempts(state: State, *args: Any, **kwargs: Any) -> Any:
         # A generation that stopped before run() took over (a rank lost since init()) re-forms below,
         # and the state's objects (a sharded optimizer's rank count) are reset to the new one.
-        lost_before = not commsched.is_initialized() and _membership.elastic and _membership.started
+        lost_before = not commsched.is_initialized() and _started_here()
         if not commsched.is_initialized() and not lost_before:
+            if commsched._state.initialized_here():
+                # Stopped on a lost rank that no membership service can re-form without: say so,
+                # rather than start again and wait for that rank.
+                from commsched import _core
+
+                _core.raise_if_stopped("commsched.elastic.run()")
             commsched.init()
         if not lost_before and not _check_launcher():
             state.sync()
             return func(state, *args, **kwargs)
-        if torchrun.active() and not _membership.elastic:
+        resuming = torchrun.active() and not _membership.elastic
+        if resuming:
             from commsched.elastic import torchrun_resume
 
+            if lost_before:
+                torchrun.refuse_restarted()
             torchrun_resume.watch(state)
-            torchrun_resume.resume(state)
         skip_sync = False
         reforming = lost_before
         while True:
             try:
-                # Inside the try: a rank lost while re-forming or synchronising fails this
-                # generation too, and the survivors re-form again.
+                # Inside the try: a rank lost while re-forming, resuming or synchronising fails
+                # this generation too, and the survivors re-form again.
                 if reforming:
                     reset()
                     state.on_reset()
                     reforming = False
+                if resuming:  # the commit kept across torchrun's restart, if any (once it agreed)
+                    torchrun_resume.resume(state)
+                    resuming = False
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
@@ -340,6 +352,14 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 skip_sync, reforming = interrupt.skip_sync, True
 
     return wrapper
+
+
+def _started_here() -> bool:
+    """True when this process's first generation started under a membership service that can re-form
+    it: commsched-run --min-np, or torchrun's store once the core recorded its worker group."""
+    if _membership.elastic:
+        return _membership.started
+    return torchrun.active() and bool(torchrun.job().prefix) and commsched._state.initialized_here()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -38,6 +39,8 @@ from typing import Any
 
 from commsched.elastic import exit_barrier
 from commsched.elastic.membership import Assignment, MembershipError, ranks_text
+
+log = logging.getLogger("commsched")
 
 # Set by torchrun's agents in every worker's environment.
 RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -184,8 +187,8 @@ def job() -> _Job:
 
 
 def start(broadcast_object: Any) -> None:
-    """Called once by every worker of a worker group before training: names the group's keys,
-    records where this worker runs, and refuses workers that torchrun restarted after a failure."""
+    """Called once by every worker of a worker group as its core starts: names the group's keys and
+    records where this worker runs and under which agent."""
     current = job()
     run_id = os.environ[RUN_ID_VARIABLE]
     store = current.store()
@@ -202,6 +205,24 @@ def start(broadcast_object: Any) -> None:
     except RuntimeError as error:
         raise current.gone(error) from None
     current.group = group
+
+
+def record_group(transport: str, broadcast_object: Any) -> None:
+    """start() as the core of a torchrun worker starts on a transport whose ranks re-form, before
+    the training: a rank lost from then on is re-formed without. A job that cannot be elastic
+    (another launcher, the store gone) starts as before, and commsched.elastic.run says why later."""
+    if not active() or unsupported(transport) or job().prefix:
+        return
+    import functools
+
+    try:
+        start(functools.partial(broadcast_object, name="commsched.elastic.group"))
+    except (MembershipError, RuntimeError) as error:  # RankFailure: lost before the group was named
+        log.debug("commsched.elastic: torchrun's worker group not recorded at start (%s)", error)
+
+
+def refuse_restarted() -> None:
+    """Refuses workers that torchrun restarted after a failure: their commit ended with the old ones."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restarts > 0:
         raise MembershipError(

@@ -222,11 +222,12 @@ def resume(state: Any) -> bool:
 
     if _resumed:
         return False
-    _resumed = True
     current = torchrun.job()
     path = kept_path()
+    # A rank lost before the commit is applied fails this call, and elastic.run calls it again.
     held = commsched.allgather_object(path.is_file(), name="commsched.elastic.kept")
     if not any(held):
+        _resumed = True
         if current.group > 1:
             raise MembershipError(
                 "torchrun restarted the workers of this job (a node joined its rendezvous), and no "
@@ -243,6 +244,7 @@ def resume(state: Any) -> bool:
     if path.is_file():
         _apply(state, _load(path.read_bytes()))
         path.unlink(missing_ok=True)
+    _resumed = True
     log.warning(
         "commsched.elastic: resumed at %d ranks from the commit kept across torchrun's restart "
         "(%d of them kept it)",

@@ -83,7 +83,7 @@ def build(
     if kind == "gloo":
         from commsched.transports import gloo
 
-        return gloo.build(launch, process_group)
+        return gloo.build(launch, process_group, settings)
     if kind == "grpc":
         return "python", _grpc(launch, settings)
     if kind == "nccl":

@@ -17,6 +17,7 @@ from typing import Any
 from commsched import torch_release
 from commsched.launch import LaunchInfo
 from commsched.start_wait import start_wait_s
+from commsched.transports import gloo_rendezvous
 
 log = logging.getLogger("commsched")
 
@@ -106,7 +107,7 @@ class Groups:
         return group
 
 
-def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
+def make_groups(launch: LaunchInfo, process_group: Any = None, settings: Any = None) -> Groups:
     """Initialises torch.distributed if needed and makes the data and agreement groups."""
     try:
         import torch.distributed as dist
@@ -122,7 +123,7 @@ def make_groups(launch: LaunchInfo, process_group: Any = None) -> Groups:
             )
         # Left in place at shutdown: a later init() finds it, and a new rendezvous on
         # torchrun's store would meet the old one's keys.
-        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size)
+        gloo_rendezvous.init_default_group(launch, settings)
     group = process_group if process_group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
     groups = Groups(data=group, control=None, ranks=ranks)
@@ -145,11 +146,11 @@ last_path = ""
 last_seed: Any = None
 
 
-def build(launch: LaunchInfo, process_group: Any = None) -> tuple[str, Any]:
+def build(launch: LaunchInfo, process_group: Any = None, settings: Any = None) -> tuple[str, Any]:
     """The (kind, argument) pair commsched._core.start() takes: the native transport where
     commsched._gloo imports and accepts the groups, otherwise the Python one (logged at info, with why)."""
     global last_path, last_seed
-    groups = make_groups(launch, process_group)
+    groups = make_groups(launch, process_group, settings)
     seed, why = _native_seed(groups)
     last_seed = seed
     if seed is not None:
