@@ -13,6 +13,13 @@ within 120 s, ends at the size its faults left, and saw every sample exactly onc
 one fault its final weights must equal those of a run started at the smaller size from the commit
 the survivors restored (or from scratch, when the rank was lost before training began). Prints a
 table of the trials and the failures with their stderr's end; writes every trial to --json.
+
+With `--launcher torchrun` each trial starts one single-worker torchrun agent per rank under one c10d
+rendezvous (`--nnodes 2:N --max-restarts 0`, tests/elastic_ranks/torchrun_agents.py) and faults the
+workers launched as 1 to N-1, 0.3-8 s apart (the agent of worker 0 hosts torchrun's stores, whose
+loss ends such a job by design). The same verdict, with one more ending that passes: a worker lost
+before it reached init() cannot be told from a slow one under torchrun, so the others may instead
+end within the stall limit naming it as never arrived. Every agent must end within 120 s.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,6 +139,63 @@ def trial(number: int, rng: random.Random, work: Path) -> dict[str, Any]:
     return result
 
 
+def torchrun_trial(number: int, rng: random.Random, work: Path) -> dict[str, Any]:
+    """One job under torchrun's agents with its faults; the verdict and what was sent when."""
+    sys.path.insert(0, str(ROOT / "tests" / "elastic_ranks"))
+    from torchrun_agents import run_agents
+
+    transport = rng.choice(["gloo", "grpc"])
+    ranks = rng.choice([3, 4])
+    variant = rng.choice(["plain", "plain", "overlap", "shard"])
+    plan, at = [], 0.0
+    for _ in range(rng.choice([1, 1, 2]) if ranks == 4 else 1):
+        at += rng.uniform(0.3, 8.0)
+        plan.append((at, rng.choice(["SIGKILL", "SIGKILL", "SIGSTOP"]), rng.randrange(1, ranks)))
+    out = work / f"trial{number}"
+    environment = _environment(out, transport, variant, COMMSCHED_ELASTIC_TIMEOUT="3")
+    extra = {k: v for k, v in environment.items() if k.startswith(("ELASTIC_", "COMMSCHED_"))}
+    extra.pop("ELASTIC_OUT")
+    output: list[str] = []
+    started = time.monotonic()
+    runner = threading.Thread(
+        target=lambda: output.append(
+            run_agents(out, SCRIPT, ranks, 2, ranks, HANG_S, wait_agents=True, **extra)
+        )
+    )
+    runner.start()
+    sent: list[dict[str, Any]] = []
+    for when, name, victim in plan:
+        while time.monotonic() - started < when and runner.is_alive():
+            time.sleep(0.005)
+        pid_file = out / f"pid.{victim}"
+        while not pid_file.exists() and runner.is_alive():  # still importing: faulted once it is not
+            time.sleep(0.005)
+        try:
+            os.kill(int(pid_file.read_text()), getattr(signal, name))
+        except (OSError, ValueError):
+            continue  # the job ended, or that worker is gone already
+        sent.append({"s": round(time.monotonic() - started, 2), "signal": name, "rank": victim})
+    runner.join()
+    text = output[0] if output else ""
+    result: dict[str, Any] = {"transport": transport, "ranks": ranks, "variant": variant, "faults": sent}
+    result.update(seconds=round(time.monotonic() - started, 1), stderr=text[-4000:])
+    if "--- agents ended at " not in text:
+        return dict(result, verdict=f"hang (> {HANG_S:g} s)")
+    lost = sorted({f["rank"] for f in sent})
+    survivors = [node for node in range(ranks) if node not in lost]
+    if "never arrived" in text:  # a worker lost before init(): the others end, naming it
+        named = {int(rank) for rank in re.findall(r"rank (\d+) never arrived", text)}
+        result["verdict"] = "ok" if named and named <= set(lost) else f"named {sorted(named)} never arrived"
+        return result
+    exits = {int(node): int(code) for node, code in re.findall(r"--- agent (\d+) exit (-?\d+)", text)}
+    if any(exits.get(node) != 0 for node in survivors):
+        return dict(result, verdict=f"agent exit statuses {exits}")
+    result["verdict"] = _verdict(0, out, ranks - len(lost), sent)
+    if result["verdict"] == "ok" and len(sent) == 1:
+        result["verdict"] = _same_as_restarted(out, transport, variant)
+    return result
+
+
 def _verdict(code: int, out: Path, expected_size: int, sent: list[dict[str, Any]]) -> str:
     import torch
 
@@ -177,12 +243,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every trial here")
+    parser.add_argument("--launcher", choices=["commsched-run", "torchrun"], default="commsched-run")
     args = parser.parse_args()
+    run_trial = torchrun_trial if args.launcher == "torchrun" else trial
     rng = random.Random(args.seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="elastic-chaos-") as work:
         for number in range(args.trials):
-            result = trial(number, rng, Path(work))
+            result = run_trial(number, rng, Path(work))
             results.append(result)
             faults = (
                 ", ".join(f"{f['signal']} rank {f['rank']} at {f['s']} s" for f in result["faults"])
@@ -201,7 +269,9 @@ def main() -> None:
         )
         print(result["stderr"][-2000:])
     if args.json:
-        args.json.write_text(json.dumps({"seed": args.seed, "trials": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"seed": args.seed, "launcher": args.launcher, "trials": results}, indent=1)
+        )
     sys.exit(1 if failed else 0)
 
 

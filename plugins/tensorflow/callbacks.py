@@ -64,7 +64,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Averages the epoch's metrics over ranks, in name order (the same on every rank)."""
-        if logs is None or not commsched.is_initialized():
+        # After init() a stopped core raises its error (RankFailure, for elastic.run) in the
+        # allreduce below rather than leave this epoch's metrics unaveraged.
+        if logs is None or not commsched._state.initialized_here():
             return
         names = sorted(name for name, value in logs.items() if np.ndim(value) == 0 and _is_number(value))
         if not names:
