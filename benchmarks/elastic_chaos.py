@@ -9,17 +9,19 @@ or gRPC, with DistributedOptimizer plain, `overlap_forward=True` or `shard=True`
 seed. One or (at 4 ranks) two faults go to random ranks at random times from 0.3 s to 6 s apart,
 from this process: whatever the rank was doing (importing, starting commsched, backward, step(),
 commit(), re-forming), with the stall limits at 1 s / 3 s. A trial passes when the job exits 0
-within 120 s, ends at the size its faults left, and saw every sample exactly once per epoch; with
+within 120 s, ends at the size its faults left, and saw every sample once per epoch (more only as
+the sampler's padding of an uneven rest after a resize, fewer than the ranks left); with
 one fault its final weights must equal those of a run started at the smaller size from the commit
 the survivors restored (or from scratch, when the rank was lost before training began). Prints a
 table of the trials and the failures with their stderr's end; writes every trial to --json.
 
 With `--launcher torchrun` each trial starts one single-worker torchrun agent per rank under one c10d
 rendezvous (`--nnodes 2:N --max-restarts 0`, tests/elastic_ranks/torchrun_agents.py) and faults the
-workers launched as 1 to N-1, 0.3-8 s apart (the agent of worker 0 hosts torchrun's stores, whose
-loss ends such a job by design). The same verdict, with one more ending that passes: a worker lost
-before it reached init() cannot be told from a slow one under torchrun, so the others may instead
-end within the stall limit naming it as never arrived. Every agent must end within 120 s.
+workers launched as 1 to N-1, the first 3-12 s after the launch, the next 0.3-6 s later (the agent
+of worker 0 hosts torchrun's stores, whose loss ends such a job by design). The same verdict, with
+one more ending that passes: a worker lost before its transport met the others' cannot be told
+from a slow one under torchrun, so the others may instead end within the stall limit naming it
+(Gloo: never arrived; gRPC: did not join). Every agent must end within 120 s.
 """
 
 from __future__ import annotations
@@ -147,9 +149,9 @@ def torchrun_trial(number: int, rng: random.Random, work: Path) -> dict[str, Any
     transport = rng.choice(["gloo", "grpc"])
     ranks = rng.choice([3, 4])
     variant = rng.choice(["plain", "plain", "overlap", "shard"])
-    plan, at = [], 0.0
+    plan, at = [], rng.uniform(2.7, 6.0)  # the workers' imports take the first 4-5 s here
     for _ in range(rng.choice([1, 1, 2]) if ranks == 4 else 1):
-        at += rng.uniform(0.3, 8.0)
+        at += rng.uniform(0.3, 6.0)
         plan.append((at, rng.choice(["SIGKILL", "SIGKILL", "SIGSTOP"]), rng.randrange(1, ranks)))
     out = work / f"trial{number}"
     environment = _environment(out, transport, variant, COMMSCHED_ELASTIC_TIMEOUT="3")
@@ -183,9 +185,14 @@ def torchrun_trial(number: int, rng: random.Random, work: Path) -> dict[str, Any
         return dict(result, verdict=f"hang (> {HANG_S:g} s)")
     lost = sorted({f["rank"] for f in sent})
     survivors = [node for node in range(ranks) if node not in lost]
-    if "never arrived" in text:  # a worker lost before init(): the others end, naming it
-        named = {int(rank) for rank in re.findall(r"rank (\d+) never arrived", text)}
-        result["verdict"] = "ok" if named and named <= set(lost) else f"named {sorted(named)} never arrived"
+    # A worker lost before its transport met the others': Gloo's rendezvous names it as never
+    # arrived, gRPC's first meeting as not joined; the others end within the stall limit.
+    listed = re.findall(r"ranks? ([\d, ]+) never arrived", text) + re.findall(
+        r"ranks \[([\d, ]+)\] did not join", text
+    )
+    if listed:
+        named = {int(rank) for names in listed for rank in names.split(",")}
+        result["verdict"] = "ok (named lost before start)" if named <= set(lost) else f"named {sorted(named)}"
         return result
     exits = {int(node): int(code) for node, code in re.findall(r"--- agent (\d+) exit (-?\d+)", text)}
     if any(exits.get(node) != 0 for node in survivors):
@@ -205,8 +212,12 @@ def _verdict(code: int, out: Path, expected_size: int, sent: list[dict[str, Any]
     if sent and final["size"] != expected_size:
         return f"ended at {final['size']} ranks, not {expected_size}"
     for epoch, seen in enumerate(final["seen"]):
-        if sorted(seen) != list(range(SAMPLES)):
-            return f"epoch {epoch}: samples dropped or repeated"
+        # 48 samples split evenly over 2, 3 and 4 ranks: a repeat is the sampler's padding of an
+        # epoch's uneven rest after a resize, fewer than the ranks it ended at.
+        if set(seen) != set(range(SAMPLES)):
+            return f"epoch {epoch}: samples dropped"
+        if not 0 <= len(seen) - SAMPLES < final["size"]:
+            return f"epoch {epoch}: {len(seen) - SAMPLES} samples repeated"
     return "ok"
 
 
@@ -244,13 +255,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every trial here")
     parser.add_argument("--launcher", choices=["commsched-run", "torchrun"], default="commsched-run")
+    parser.add_argument("--work", type=Path, help="keep each trial's files (logs, results) here")
     args = parser.parse_args()
     run_trial = torchrun_trial if args.launcher == "torchrun" else trial
     rng = random.Random(args.seed)
     results = []
-    with tempfile.TemporaryDirectory(prefix="elastic-chaos-") as work:
+    with tempfile.TemporaryDirectory(prefix="elastic-chaos-") as scratch:
+        work = args.work or Path(scratch)
         for number in range(args.trials):
-            result = run_trial(number, rng, Path(work))
+            result = run_trial(number, rng, work)
             results.append(result)
             faults = (
                 ", ".join(f"{f['signal']} rank {f['rank']} at {f['s']} s" for f in result["faults"])
@@ -261,7 +274,7 @@ def main() -> None:
                 f"{faults:<48} | {result['seconds']:>6} s | {result['verdict']} |",
                 flush=True,
             )
-    failed = [r for r in results if r["verdict"] != "ok"]
+    failed = [r for r in results if not r["verdict"].startswith("ok")]
     print(f"\n{len(results) - len(failed)} of {len(results)} trials passed")
     for result in failed:
         print(

@@ -52,7 +52,9 @@ def run(func: Any) -> Any:
 
 class ElasticSampler(torch.utils.data.Sampler):
     """Shards a dataset over the ranks and, after a re-forming, shards what this epoch has not processed
-    yet over the new ranks: no sample is dropped or repeated across the resize (Horovod's sampler).
+    yet over the new ranks: no sample is dropped, none processed before the resize comes again, and
+    where the rest does not split evenly up to size - 1 are given twice so every rank takes as many
+    steps (Horovod's sampler).
 
     Call ``record_batch`` after each batch and ``set_epoch`` at the end of each epoch.
     """

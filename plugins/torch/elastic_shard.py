@@ -46,9 +46,12 @@ def joining() -> bool:
 def lays_out_late() -> bool:
     """True where shard=True without model= lays its buckets out at the first gradient, not in its
     constructor: in a joining worker (the others lay theirs out again after the state sync), and in
-    any rank commsched-run started for elastic training, so the layout's collective runs inside
+    any rank commsched-run started for elastic training or torchrun's ranks can re-form in (the
+    core recorded the worker group as it started), so the layout's collective runs inside
     elastic.run, where a rank lost meanwhile costs a re-forming, not the job."""
-    return joining() or bool(os.environ.get(ID_VARIABLE))
+    from commsched.elastic import torchrun
+
+    return joining() or bool(os.environ.get(ID_VARIABLE)) or bool(torchrun.active() and torchrun.job().prefix)
 
 
 def built(optimizer: Any) -> bool:
