@@ -194,6 +194,19 @@ def torchrun_trial(number: int, rng: random.Random, work: Path) -> dict[str, Any
         named = {int(rank) for names in listed for rank in names.split(",")}
         result["verdict"] = "ok (named lost before start)" if named <= set(lost) else f"named {sorted(named)}"
         return result
+    logs = {
+        int(node): log
+        for node, log in re.findall(r"--- agent (\d+)\n(.*?)(?=--- agent |\Z)", text, re.DOTALL)
+    }
+    starting = [node for node in survivors if "in _init_here" in logs.get(node, "")]
+    if starting and not any(" done\n" in logs.get(node, "") for node in survivors):
+        # Lost while init() started the transport, before the worker group was recorded: the
+        # survivors' init() fails naming it (torchrun's agents then end the other workers).
+        named = any(f"rank {victim}" in logs[node] for node in starting for victim in lost)
+        result["verdict"] = (
+            "ok (ended while starting)" if named else "init() failed without naming the lost rank"
+        )
+        return result
     exits = {int(node): int(code) for node, code in re.findall(r"--- agent (\d+) exit (-?\d+)", text)}
     if any(exits.get(node) != 0 for node in survivors):
         return dict(result, verdict=f"agent exit statuses {exits}")
