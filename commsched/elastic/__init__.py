@@ -251,27 +251,38 @@ def reform() -> None:
 
 
 def _reform_under_torchrun(transport: str) -> None:
-    """The new generation from torchrun's rendezvous store; a failed start re-forms again."""
-    assignment = torchrun.request(_membership.failed_rank)
-    os.environ.update(RANK=str(assignment.rank), WORLD_SIZE=str(assignment.size))
-    _membership.generation = assignment.generation
-    log.info(
-        "commsched.elastic: generation %d, rank %d of %d",
-        assignment.generation,
-        assignment.rank,
-        assignment.size,
-    )
-    try:
-        torchrun.join(assignment, _rendezvous_timeout(), transport)
-        commsched.init()
-    except (MembershipError, generation.settings_module().SettingError):
-        raise
-    except Exception as error:  # a rank lost during the rendezvous: the survivors re-form again
-        _membership.failed_starts += 1
-        if _membership.failed_starts > _MAX_FAILED_STARTS:
+    """The new generation from torchrun's rendezvous store; a rank lost while it starts makes the
+    others agree on the next one at once, as commsched-run's generations do (generation.start)."""
+    while True:
+        assignment = torchrun.request(_membership.failed_rank)
+        os.environ.update(RANK=str(assignment.rank), WORLD_SIZE=str(assignment.size))
+        _membership.generation = assignment.generation
+        log.info(
+            "commsched.elastic: generation %d, rank %d of %d",
+            assignment.generation,
+            assignment.rank,
+            assignment.size,
+        )
+        try:
+            torchrun.join(assignment, _rendezvous_timeout(), transport)
+            commsched.init()
+        except (MembershipError, generation.settings_module().SettingError):
             raise
-        raise HorovodInternalError(f"starting generation {assignment.generation} failed: {error}") from error
-    _membership.failed_starts = 0
+        except Exception as error:  # a rank lost during the rendezvous: the survivors re-form again
+            _membership.failed_starts += 1
+            if _membership.failed_starts > _MAX_FAILED_STARTS:
+                raise
+            log.warning(
+                "commsched.elastic: starting generation %d failed (%s); re-forming",
+                assignment.generation,
+                error,
+            )
+            commsched.shutdown()
+            _forget_torch_groups()
+            _membership.failed_rank = None  # numbered in the generation that never started
+            continue
+        _membership.failed_starts = 0
+        return
 
 
 def _restart_names() -> None:

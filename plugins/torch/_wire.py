@@ -161,6 +161,8 @@ def training_device(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def _running_memory() -> str:
     """What the running transport moves: "cuda" (NCCL, CUDA-aware MPI), "cpu", or "auto" (not chosen yet)."""
+    if not commsched._state.initialized_here():
+        return "auto"  # between an elastic job's generations: the next init() chooses
     settings = commsched.config()
     transport = str(settings["transport"])
     if transport.startswith("auto"):
