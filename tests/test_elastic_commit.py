@@ -128,6 +128,41 @@ def test_a_failed_capture_leaves_the_previous_commit(monkeypatch: pytest.MonkeyP
     assert_equal(snapshot(model, optimizer), committed)
 
 
+@pytest.mark.parametrize("commits_before", [0, 2])
+def test_a_commit_lost_in_its_collectives_keeps_objects_and_parameters_together(
+    monkeypatch: pytest.MonkeyPatch, commits_before: int
+) -> None:
+    """A rank lost inside the model's commit (its collectives fail, as when the ranks of a host agree
+    on commit numbers): restore() gives the last commit's parameters, sampler and plain objects
+    together, whether that commit is the state's start or a later one."""
+    from commsched.torch.elastic import ElasticSampler
+
+    model, optimizer, data = build()
+    sampler = ElasticSampler(list(range(12)), shuffle=False)
+    state = TorchState(model, optimizer, sampler=sampler, seen=[])
+    for batch in range(commits_before):
+        step(model, optimizer, data)
+        state.seen = [*state.seen, batch]
+        sampler.record_batch(batch, 2)
+        state.commit()
+    state.wait()
+    committed = snapshot(model, optimizer), sampler.state_dict(), list(state.seen)
+    step(model, optimizer, data)
+    state.seen = [*state.seen, commits_before]
+    sampler.record_batch(commits_before, 2)
+
+    def lost(*args: Any, **kwargs: Any) -> None:
+        raise _core.RankFailure("a rank was lost in the commit's collective")
+
+    monkeypatch.setattr(state._background, "commit", lost)
+    with pytest.raises(_core.RankFailure):
+        state.commit()
+    monkeypatch.undo()
+    state.restore()
+    assert_equal(snapshot(model, optimizer), committed[0])
+    assert (sampler.state_dict(), state.seen) == committed[1:]
+
+
 def test_a_disk_commit_is_loadable(one_rank: None, tmp_path: Path) -> None:
     """With checkpoint_dir every commit is saved too; a Checkpointer loads the last into a fresh model."""
     model, optimizer, data = build()

@@ -254,6 +254,7 @@ class TorchState(ObjectState):
         if background:
             self._start_background()
         super().__init__(bcast_object=broadcast_object, get_rank=commsched.rank, **plain)
+        self._record_version()  # the start is a commit a restore can go back to, objects and all
 
     def tracked(self) -> dict[str, Any]:
         """The models, optimizers and ElasticSamplers this state commits, by name."""
@@ -267,6 +268,8 @@ class TorchState(ObjectState):
         background.commit(background=False)
         object.__setattr__(self, "_background", background)
         self._versions.clear()  # numbered by the previous BackgroundCommit
+        if "_saved_state" in self.__dict__:  # a model or optimizer replaced after __init__
+            self._record_version()
 
     def _own(self) -> dict[str, _Handler]:
         """The handlers that commit and restore themselves (not the background pair)."""
@@ -283,17 +286,26 @@ class TorchState(ObjectState):
         self._save(background=False)
 
     def _save(self, background: bool) -> None:
+        if self._background is not None:
+            # First: a rank lost in its collectives (ranks on one host may each copy a part) fails
+            # the commit before any other object took the new values, so a restore finds the last
+            # commit's objects whole. Here all of it, or in the background.
+            self._background.commit(background=background)
         for handler in self._own().values():
             handler.save()
-        if self._background is not None:
-            # In the background, ranks on one host may each copy a part (a collective); here all of it.
-            self._background.commit(background=background)
         super().save()
-        if self._background is not None:
-            own = {name: handler.saved for name, handler in self._own().items()}
-            self._versions[self._background.commits] = (self._saved_state, own)
-            for number in [n for n in self._versions if n < self._background.commits - 2]:
-                del self._versions[number]
+        self._record_version()
+
+    def _record_version(self) -> None:
+        """Keeps the objects just committed under the background commit's number, for restore()."""
+        if self._background is None:
+            return
+        own = {name: handler.saved for name, handler in self._own().items()}
+        self._versions.pop(self._background.commits, None)  # a number given again goes last
+        self._versions[self._background.commits] = (self._saved_state, own)
+        # The newest three: commit numbers may jump when the ranks of a host agree on theirs.
+        for number in list(self._versions)[:-3]:
+            del self._versions[number]
 
     def check_host_updates(self) -> None:
         """Raises HostsUpdatedInterrupt on every rank together when a host-update notice came."""
