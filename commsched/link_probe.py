@@ -247,7 +247,14 @@ def fit_to_link(
     bandwidth, latency = settings.link_bandwidth, settings.link_latency
     message_cost = settings.link_message_cost
     if (bandwidth is None or latency is None) and kind in ("mpi", "gloo"):
-        measured = measure_mpi(comm) if kind == "mpi" else measure_torch(process_group)
+        try:
+            measured = measure_mpi(comm) if kind == "mpi" else measure_torch(process_group)
+        except RuntimeError as error:  # Gloo's error names an address, not the rank
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RuntimeError(
+                f"commsched.init(): a rank was lost while the {size} ranks measured their link ({first}): "
+                "it ended or lost contact before commsched started (its launcher's output names it)"
+            ) from error
         if measured is not None:
             bandwidth = measured[0] if bandwidth is None else bandwidth
             latency = measured[1] if latency is None else latency
