@@ -198,10 +198,15 @@ def torchrun_trial(number: int, rng: random.Random, work: Path) -> dict[str, Any
         int(node): log
         for node, log in re.findall(r"--- agent (\d+)\n(.*?)(?=--- agent |\Z)", text, re.DOTALL)
     }
-    starting = [node for node in survivors if "in _init_here" in logs.get(node, "")]
+    starting = [
+        node
+        for node in survivors
+        if "in _init_here" in logs.get(node, "")
+        or "so commsched.elastic.run() is refused" in logs.get(node, "")
+    ]
     if starting and not any(" done\n" in logs.get(node, "") for node in survivors):
-        # Lost while init() started the transport, before the worker group was recorded: the
-        # survivors' init() fails naming it (torchrun's agents then end the other workers).
+        # Lost while init() started the transport or before the worker group was recorded: the
+        # survivors' init() or run fails naming it (torchrun's agents then end the other workers).
         named = any(f"rank {victim}" in logs[node] for node in starting for victim in lost)
         result["verdict"] = "ok (ended while starting)" + ("" if named else ", rank not named")
         return result

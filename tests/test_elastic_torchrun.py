@@ -463,3 +463,20 @@ def test_exit_barrier_arrival_for_agents_whose_workers_are_all_lost(monkeypatch:
     assert not agents.check(["torchelastic/agent/terminal_state/last_member"])
     store_util._barrier_nonblocking(agents, 4, "torchelastic/agent/terminal_state")  # agent 0, as torch
     assert agents.check(["torchelastic/agent/terminal_state/last_member"])
+
+
+def test_a_worker_lost_before_it_recorded_its_agent_is_placed_by_the_workers_per_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker lost before it wrote which agent runs it still counts for its agent: torchrun numbers
+    workers agent by agent, LOCAL_WORLD_SIZE each, so the arrival for that agent is not skipped."""
+    from commsched.elastic import exit_barrier
+
+    server = _Store()
+    for member in (0, 1, 2):  # 2 workers per agent; worker 3 (agent 1's second) recorded nothing
+        monkeypatch.setenv("GROUP_RANK", str(member // 2))
+        exit_barrier.record_agent(server.store, "job", member)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert exit_barrier.gone_agents(server.store, "job", [0, 1, 2, 3], [0, 1]) == [1]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert exit_barrier.gone_agents(server.store, "job", [0, 1, 2, 3], [0, 1]) == []  # not known: none

@@ -55,9 +55,14 @@ def _layout() -> tuple[str, str] | None:
 def gone_agents(store: Any, prefix: str, launched: list[int], members: list[int]) -> list[int]:
     """Group ranks of the agents none of whose workers is among `members` (every worker is known)."""
     agents: dict[int, list[int]] = {}
+    per_agent = os.environ.get("LOCAL_WORLD_SIZE", "")
     for member in launched:
         key = f"{prefix}/agent/{member}"
         raw = store.get(key).decode() if store.check([key]) else ""
+        if not raw.isdigit() and per_agent.isdigit() and int(per_agent) > 0:
+            # Lost before it recorded its agent: torchrun numbers workers agent by agent, each with
+            # LOCAL_WORLD_SIZE of them where every node runs as many (this worker's count).
+            raw = str(member // int(per_agent))
         if not raw.isdigit():
             log.debug("commsched.elastic: the agent of rank %d is not known; no exit-barrier arrival", member)
             return []
