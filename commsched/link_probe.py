@@ -29,6 +29,7 @@ import numpy as np
 
 from commsched import collective_model
 from commsched.config import Settings
+from commsched.error_text import first_line
 from commsched.link_defaults import MessageCost, default_inline_bytes, default_sizes, fit_message_cost
 
 log = logging.getLogger("commsched")
@@ -250,7 +251,7 @@ def fit_to_link(
         try:
             measured = measure_mpi(comm) if kind == "mpi" else measure_torch(process_group)
         except RuntimeError as error:  # Gloo's error names an address, not the rank
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             raise RuntimeError(
                 f"commsched.init(): a rank was lost while the {size} ranks measured their link ({first}): "
                 "it ended or lost contact before commsched started (its launcher's output names it)"

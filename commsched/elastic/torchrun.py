@@ -39,6 +39,7 @@ from typing import Any
 
 from commsched.elastic import exit_barrier
 from commsched.elastic.membership import Assignment, MembershipError, ranks_text
+from commsched.error_text import first_line
 
 log = logging.getLogger("commsched")
 
@@ -166,7 +167,7 @@ class _Job:
 
     def gone(self, error: BaseException) -> MembershipError:
         """The error for a store that stopped answering: its agent ended with its worker."""
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error)
         return MembershipError(
             f"torchrun's rendezvous store at {self.address} does not answer ({first}): the agent of "
             "group rank 0 hosts it (worker rank 0 itself with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and "
@@ -400,7 +401,7 @@ def first_grpc_peers(rank: int, size: int, timeout: datetime.timedelta) -> list[
     try:
         return _grpc_peers(store, f"commsched.grpc.{run_id}.first", Assignment(rank, size, 0, 0), timeout)
     except RuntimeError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error)
         raise MembershipError(
             f"the {size} gRPC ranks did not all write their addresses to the workers' store at "
             f"{current.address} within {timeout.total_seconds():g}s ({first}): did every worker start? "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commsched import torch_release
+from commsched.error_text import first_line
 from commsched.launch import LaunchInfo
 from commsched.start_wait import start_wait_s
 from commsched.transports import gloo_rendezvous
@@ -69,11 +70,6 @@ def keep_forever(group: Any) -> None:
 
 def _rank_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 @dataclass
@@ -370,9 +366,9 @@ class GlooTransport:
                     f"{_rank_list(silent)} did not answer within {_PROBE_WAIT_S:g}s (hung or stopped?)"
                 )
             if not found:
-                return f"{_first_line(error)}; every rank answered a probe, so one of them was only slow"
+                return f"{first_line(error)}; every rank answered a probe, so one of them was only slow"
             self.lost = "; ".join(found)
-        return f"{self.lost} (Gloo: {_first_line(error)})"
+        return f"{self.lost} (Gloo: {first_line(error)})"
 
     def _probe_peers(self) -> tuple[list[int], list[int]]:
         """(ranks that did not answer, ranks whose connection failed): every rank sends every other its number.

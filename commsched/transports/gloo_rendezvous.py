@@ -13,6 +13,7 @@ import datetime
 import os
 from typing import Any
 
+from commsched.error_text import first_line
 from commsched.launch import LaunchInfo
 
 _MARK_TIMEOUT = datetime.timedelta(seconds=5)
@@ -72,7 +73,7 @@ def init_default_group(launch: LaunchInfo, settings: Any) -> None:
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size, timeout=wait)
     except RuntimeError as error:
         missing = [rank for rank in _missing(arrivals, launch.size) if rank != launch.rank]
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error)
         if missing:
             from commsched.elastic.membership import ranks_text
 
