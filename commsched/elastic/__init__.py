@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("commsched")
-_MAX_FAILED_STARTS = generation.MAX_FAILED_STARTS
 
 
 class HorovodInternalError(RuntimeError):
@@ -269,16 +268,8 @@ def _reform_under_torchrun(transport: str) -> None:
         except (MembershipError, generation.settings_module().SettingError):
             raise
         except Exception as error:  # a rank lost during the rendezvous: the survivors re-form again
-            _membership.failed_starts += 1
-            if _membership.failed_starts > _MAX_FAILED_STARTS:
+            if not generation.undo_failed_start(_membership, error):
                 raise
-            log.warning(
-                "commsched.elastic: starting generation %d failed (%s); re-forming",
-                assignment.generation,
-                error,
-            )
-            commsched.shutdown()
-            _forget_torch_groups()
             _membership.failed_rank = None  # numbered in the generation that never started
             continue
         _membership.failed_starts = 0

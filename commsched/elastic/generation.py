@@ -107,18 +107,24 @@ def start(membership: Membership, transport: str | None) -> None:
         except (MembershipError, settings_module().SettingError, ValueError):
             raise  # the job cannot go on, or a setting every rank shares is wrong: no re-forming helps
         except Exception as error:  # a rank lost during the rendezvous: the others re-form again
-            membership.failed_starts += 1
-            if membership.failed_starts > MAX_FAILED_STARTS:
+            if not undo_failed_start(membership, error):
                 raise
-            log.warning(
-                "commsched.elastic: starting generation %d failed (%s); re-forming",
-                membership.generation,
-                error,
-            )
-            commsched.shutdown()
-            forget_torch_groups()
             assignment = request(membership.address, membership.member, membership.generation)
         adopt(membership, assignment)
+
+
+def undo_failed_start(membership: Membership, error: Exception) -> bool:
+    """Counts a generation that failed to start and takes down what of it started, for the next one;
+    False (nothing undone: the caller raises) once MAX_FAILED_STARTS generations in a row failed."""
+    membership.failed_starts += 1
+    if membership.failed_starts > MAX_FAILED_STARTS:
+        return False
+    log.warning(
+        "commsched.elastic: starting generation %d failed (%s); re-forming", membership.generation, error
+    )
+    commsched.shutdown()
+    forget_torch_groups()
+    return True
 
 
 def _rendezvous_and_init(membership: Membership, transport: str | None) -> None:
