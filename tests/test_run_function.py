@@ -94,7 +94,8 @@ def test_python_m_commsched_run_still_launches(tmp_path: Path) -> None:
     import sys
 
     script = tmp_path / "rank.py"
-    script.write_text("import os; print('RANK', os.environ['RANK'])\n")
+    # One write per rank: print() writes its pieces apart, and the two ranks share the pipe.
+    script.write_text("import os, sys; sys.stdout.write(f\"RANK {os.environ['RANK']}\\n\")\n")
     done = subprocess.run(
         [sys.executable, "-m", "commsched.run", "-n", "2", str(script)],
         capture_output=True,
